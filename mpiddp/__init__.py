@@ -1,0 +1,22 @@
+"""mpiddp: data-parallel training for PyTorch over MPI, Horovod-style.
+
+    import mpiddp
+    mpiddp.init()
+    opt = mpiddp.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+
+A Horovod PyTorch script runs after ``import mpiddp as hvd``.
+"""
+from .runtime import (cross_rank, cross_size, engine_stats, init, is_initialized,  # noqa: F401
+                      local_rank, local_size, mpi_threads_supported, rank, reset_engine_stats,
+                      shutdown, size, start_timeline, stop_timeline, timeline_events)
+from .ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
+from .errors import (DuplicateNameError, EngineShutdownError, MpiddpError,  # noqa: F401
+                     NotInitializedError, TensorMismatchError)
+from .torch.ops import (allgather, allgather_async, allreduce, allreduce_,  # noqa: F401
+                        allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier,
+                        broadcast, broadcast_, broadcast_async, broadcast_async_,
+                        grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                        grouped_allreduce_async_, join, poll, reducescatter,
+                        reducescatter_async, synchronize)
+
+__version__ = "0.1.0"

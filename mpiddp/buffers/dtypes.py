@@ -1,0 +1,47 @@
+"""The element types the engine moves, by name, with their NumPy storage and MPI datatype.
+
+bfloat16 has no NumPy type: it is stored as raw ``uint16`` bits and reduced through a
+torch view of the same memory (see ``host_reduce``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str
+    storage: np.dtype       # NumPy dtype that holds the bytes
+    mpi: MPI.Datatype       # MPI datatype of one element
+    kind: str               # 'float', 'int' or 'bool'
+    native_reduce: bool     # MPI has predefined reduction ops for this type
+
+    @property
+    def itemsize(self) -> int:
+        return self.storage.itemsize
+
+
+DTYPES = {
+    d.name: d for d in (
+        DType("float16", np.dtype(np.float16), MPI.UINT16_T, "float", False),
+        DType("bfloat16", np.dtype(np.uint16), MPI.UINT16_T, "float", False),
+        DType("float32", np.dtype(np.float32), MPI.FLOAT, "float", True),
+        DType("float64", np.dtype(np.float64), MPI.DOUBLE, "float", True),
+        DType("int8", np.dtype(np.int8), MPI.INT8_T, "int", True),
+        DType("uint8", np.dtype(np.uint8), MPI.UINT8_T, "int", True),
+        DType("int32", np.dtype(np.int32), MPI.INT32_T, "int", True),
+        DType("int64", np.dtype(np.int64), MPI.INT64_T, "int", True),
+        DType("bool", np.dtype(np.bool_), MPI.C_BOOL, "bool", True),
+    )
+}
+
+
+def dtype_named(name: str) -> DType:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise TypeError(
+            f"unsupported dtype {name}; supported: {', '.join(DTYPES)}") from None

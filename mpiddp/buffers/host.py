@@ -1,0 +1,39 @@
+"""Host (NumPy) buffers: allocation, copies and the reduction kernels for CPU tensors."""
+from __future__ import annotations
+
+import numpy as np
+
+from .dtypes import DType
+from .host_reduce import reduce_into, scale_
+
+
+class HostBackend:
+    """Buffer operations for device type 'cpu'. Device backends offer the same methods."""
+
+    device_type = "cpu"
+    reduce_into = staticmethod(reduce_into)
+    scale_ = staticmethod(scale_)
+
+    def empty(self, count: int, dtype: DType) -> np.ndarray:
+        # Touch every page now: a persistent buffer must not page-fault on first use
+        # inside a timed collective.
+        array = np.empty(count, dtype=dtype.storage)
+        array.fill(0)
+        return array
+
+    @staticmethod
+    def copy(dst, src) -> None:
+        np.copyto(dst, src)
+
+    @staticmethod
+    def fill_zero(array) -> None:
+        array.fill(0)
+
+    def wait_ready(self, entry) -> None:
+        """Host tensors are ready when submitted."""
+
+    def before_mpi(self, device: str) -> None:
+        """Nothing is queued asynchronously on the host."""
+
+    def after_unpack(self, device: str) -> None:
+        """Host results are visible as soon as they are written."""

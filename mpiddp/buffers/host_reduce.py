@@ -1,0 +1,60 @@
+"""Elementwise reduction and scaling kernels on host (NumPy) buffers, in place.
+
+float16 and bfloat16 go through torch views of the same memory: NumPy has no bfloat16 and
+its float16 arithmetic is several times slower than torch's vectorised kernels.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..ops import ReduceOp
+from .dtypes import DType
+
+_NUMPY_UFUNCS = {
+    ReduceOp.AVERAGE: np.add,
+    ReduceOp.SUM: np.add,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.PRODUCT: np.multiply,
+}
+_BOOL_UFUNCS = {ReduceOp.MIN: np.logical_and, ReduceOp.MAX: np.logical_or}
+
+
+def _torch_half_view(array: np.ndarray, dtype: DType):
+    import torch
+
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if dtype.name == "bfloat16" else tensor
+
+
+def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp, dtype: DType) -> None:
+    """``dst = op(dst, src)`` elementwise, in place."""
+    if dst.size == 0:
+        return
+    if dtype.name in ("float16", "bfloat16"):
+        import torch
+
+        d, s = _torch_half_view(dst, dtype), _torch_half_view(src, dtype)
+        if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            d.add_(s)
+        elif op == ReduceOp.PRODUCT:
+            d.mul_(s)
+        elif op == ReduceOp.MIN:
+            torch.minimum(d, s, out=d)
+        else:
+            torch.maximum(d, s, out=d)
+        return
+    ufunc = _BOOL_UFUNCS[op] if dtype.kind == "bool" else _NUMPY_UFUNCS[op]
+    ufunc(dst, src, out=dst)
+
+
+def scale_(array: np.ndarray, factor: float, dtype: DType) -> None:
+    """Multiply a floating-point buffer by ``factor`` in place (no-op for factor 1)."""
+    if factor == 1.0 or array.size == 0:
+        return
+    if dtype.kind != "float":
+        raise TypeError(f"cannot scale a {dtype.name} buffer by {factor}")
+    if dtype.name in ("float16", "bfloat16"):
+        _torch_half_view(array, dtype).mul_(factor)
+    else:
+        np.multiply(array, array.dtype.type(factor), out=array)

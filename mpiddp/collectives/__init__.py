@@ -1,0 +1,1 @@
+"""Algorithms on flat buffers over a communicator (ring, native MPI); no knowledge of torch."""

@@ -1,0 +1,1 @@
+"""The background coordinator: requests and handles, negotiation, fusion, execution."""

@@ -1,0 +1,158 @@
+"""Negotiation state: the response cache every rank keeps, and rank 0's table of requests
+that checks the ranks agree before anything runs. Pure logic, no MPI: easy to test."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable
+
+from ..ops import ReduceOp
+from .request import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, CACHEABLE, REDUCESCATTER,
+                      Request, Response)
+
+
+class ResponseCache:
+    """Slot-numbered agreed responses. Every rank holds an identical copy: slots are handed
+    out by rank 0 only and every change travels in the cycle's broadcast plan, so a cycle for
+    known names is one bitwise AND over slot bits, with no strings on the wire."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._by_slot: dict[int, Response] = {}
+        self._slot_by_name: dict[str, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()   # rank 0's recency order
+
+    def __len__(self) -> int:
+        return len(self._by_slot)
+
+    def slot_of(self, name: str):
+        return self._slot_by_name.get(name)
+
+    def response(self, slot: int) -> Response:
+        return self._by_slot[slot]
+
+    def put(self, slot: int, response: Response) -> None:
+        self.evict(slot)
+        old = self._slot_by_name.get(response.name)
+        if old is not None:
+            self.evict(old)
+        self._by_slot[slot] = response
+        self._slot_by_name[response.name] = slot
+        self._lru[slot] = None
+
+    def evict(self, slot: int) -> None:
+        response = self._by_slot.pop(slot, None)
+        if response is not None:
+            del self._slot_by_name[response.name]
+        self._lru.pop(slot, None)
+
+    def slots_of_kind(self, kind: str) -> list[int]:
+        return [slot for slot, response in self._by_slot.items() if response.request.kind == kind]
+
+    def touch(self, slot: int) -> None:
+        if slot in self._lru:
+            self._lru.move_to_end(slot)
+
+    def next_slot(self) -> int:
+        """A free slot, else the least recently used one (rank 0 decides, all apply)."""
+        if len(self._by_slot) < self.capacity:
+            for slot in range(self.capacity):
+                if slot not in self._by_slot:
+                    return slot
+        return next(iter(self._lru))
+
+
+def _describe_ranks(values_by_rank: dict[int, object], fmt=str) -> str:
+    groups: dict = {}
+    for rank in sorted(values_by_rank):
+        groups.setdefault(fmt(values_by_rank[rank]), []).append(rank)
+    parts = []
+    for text, ranks in groups.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+        parts.append(f"{who} sent {text}")
+    return ", ".join(parts)
+
+
+def _shape_text(shape) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def _mismatch(kind: str, what: str, name: str, values: dict, fmt=str) -> str:
+    return f"Mismatched {kind} {what} for '{name}': {_describe_ranks(values, fmt)}"
+
+
+def agree(requests: dict[int, Request], size: int) -> Response:
+    """Check that every rank's request for one name agrees; return the agreed Response
+    (with per-rank sizes for gathers) or one whose ``error`` says what differs and where."""
+    first = requests[min(requests)]
+    name = first.name
+
+    def field_values(getter):
+        return {rank: getter(req) for rank, req in requests.items()}
+
+    kinds = field_values(lambda r: r.kind)
+    if len(set(kinds.values())) > 1:
+        return Response(first, error=f"Mismatched collective operations for '{name}': "
+                                     f"{_describe_ranks(kinds)}")
+    kind = first.kind
+    checks = [("dtypes", lambda r: r.dtype, str),
+              ("devices", lambda r: r.device_type, str)]
+    if kind in (ALLREDUCE, REDUCESCATTER):
+        checks.append(("reduction ops", lambda r: r.op, lambda op: ReduceOp(op).name.title()))
+        checks.append(("prescale factors", lambda r: r.prescale, str))
+        checks.append(("postscale factors", lambda r: r.postscale, str))
+    if kind == BROADCAST:
+        checks.append(("root ranks", lambda r: r.root, str))
+    if kind in (ALLGATHER, ALLTOALL):
+        checks.append(("ranks of tensor (number of dimensions)", lambda r: len(r.shape), str))
+        checks.append(("shapes (beyond the first dimension)", lambda r: r.shape[1:], _shape_text))
+    else:
+        checks.append(("shapes", lambda r: r.shape, _shape_text))
+    for what, getter, fmt in checks:
+        values = field_values(getter)
+        if len(set(values.values())) > 1:
+            return Response(first, error=_mismatch(kind, what, name, values, fmt))
+
+    if kind == ALLGATHER:
+        return Response(first, sizes=tuple(requests[r].shape[0] for r in range(size)))
+    if kind == ALLTOALL:
+        matrix = tuple(tuple(requests[r].splits) for r in range(size))
+        return Response(first, sizes=matrix)
+    return Response(first)
+
+
+class RequestTable:
+    """Rank 0's table of requests for names not (or no longer) in the cache. A name is
+    complete when every rank that has not joined has submitted it; completion order is the
+    order the ranks execute in."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._table: dict[str, dict[int, Request]] = {}
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def add(self, rank: int, request: Request) -> None:
+        self._table.setdefault(request.name, {})[rank] = request
+
+    def take_complete(self, joined: Iterable[int]) -> list[Response]:
+        joined = set(joined)
+        needed = [r for r in range(self.size) if r not in joined]
+        done = []
+        for name, by_rank in list(self._table.items()):
+            if any(r not in by_rank for r in needed):
+                continue
+            del self._table[name]
+            first = by_rank[min(by_rank)]
+            if joined and first.kind != ALLREDUCE:
+                done.append(Response(first, error=(
+                    f"Cannot run {first.kind} '{name}': rank(s) "
+                    f"{', '.join(map(str, sorted(joined)))} have called join(); only allreduce "
+                    "runs until every rank has joined"), error_is_mismatch=False))
+            else:
+                done.append(agree(by_rank, self.size))
+        return done
+
+
+def cacheable(response: Response) -> bool:
+    return response.error is None and response.request.kind in CACHEABLE

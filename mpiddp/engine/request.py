@@ -1,0 +1,85 @@
+"""What a rank asks the engine for (Request), what the ranks agreed (Response), and the
+local bookkeeping of one submitted request (Entry)."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, NamedTuple, Optional
+
+from .handle import Handle
+
+ALLREDUCE = "allreduce"
+ALLGATHER = "allgather"
+BROADCAST = "broadcast"
+REDUCESCATTER = "reducescatter"
+ALLTOALL = "alltoall"
+BARRIER = "barrier"
+KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER, ALLTOALL, BARRIER)
+
+# Kinds whose agreed response depends only on the request, so it can live in the cache.
+CACHEABLE = (ALLREDUCE, BROADCAST, REDUCESCATTER, BARRIER)
+
+
+class Request(NamedTuple):
+    """The metadata of one rank's collective; it travels to rank 0 the first time a name is
+    seen. Everything here except ``splits`` and, for gathers, the first dimension must agree.
+    (A NamedTuple: cheap to build and compare on the hot path.)"""
+
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple
+    device: str = "cpu"
+    op: int = 1
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    splits: Optional[tuple] = None   # alltoall: rows sent to each rank
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class Response(NamedTuple):
+    """The ranks' agreement on one name: the request every rank executes, or an error.
+    ``sizes`` carries per-rank data: gathered first dimensions (allgather) or the full
+    send-splits matrix (alltoall)."""
+
+    request: Request
+    error: Optional[str] = None
+    sizes: Optional[tuple] = None
+    error_is_mismatch: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.request.name
+
+
+class Entry:
+    """One locally submitted request with its buffers and handle (never leaves the rank).
+
+    ``input`` and ``output`` are flat arrays (NumPy on the host). ``allocate(shape)`` makes the
+    output once its shape is known (allgather, alltoall, reducescatter) and returns a flat view.
+    ``ready_event`` is device work the engine must wait for before reading ``input``.
+    """
+
+    __slots__ = ("request", "input", "output", "handle", "allocate", "ready_event",
+                 "submitted", "sent")
+
+    def __init__(self, request: Request, input: Any, output: Any, handle: Handle,
+                 allocate: Optional[Callable[[tuple], Any]] = None, ready_event: Any = None):
+        self.request = request
+        self.input = input
+        self.output = output
+        self.handle = handle
+        self.allocate = allocate
+        self.ready_event = ready_event
+        self.submitted = time.perf_counter()
+        self.sent = False               # its Request has gone to rank 0

@@ -1,0 +1,31 @@
+"""Engine statistics: counters a user (or a test) reads to see what the engine did."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineStats:
+    """Written by the coordinator thread only (plain increments, no lock on the hot path);
+    read through ``snapshot()``."""
+
+    cycles: int = 0                 # negotiation cycles run
+    cached_cycles: int = 0          # cycles that needed only the bit-vector all-reduce
+    slow_cycles: int = 0            # cycles that went through rank 0 (new names, errors...)
+    tensors: int = 0                # requests completed (success or error)
+    errors: int = 0                 # requests failed by a negotiated error
+    cache_hits: int = 0             # tensors executed straight from the response cache
+    allreduce_batches: int = 0      # buffers all-reduced (one per fused batch)
+    fused_batches: int = 0          # batches that held more than one tensor
+    fused_tensors: int = 0          # tensors that travelled in a fused batch
+    max_batch_tensors: int = 0      # most tensors in one batch
+    allreduce_bytes: int = 0        # bytes of all-reduced buffers
+    ring_batches: int = 0           # batches reduced by the ring
+    native_batches: int = 0         # batches reduced by MPI_Allreduce
+
+    def snapshot(self) -> dict:
+        return asdict(self)
+
+    def reset(self) -> None:
+        for key in asdict(self):
+            setattr(self, key, 0)

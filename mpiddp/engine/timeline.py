@@ -1,0 +1,54 @@
+"""Timeline: when each tensor was submitted, agreed and reduced, for overlap analysis and
+Chrome's trace viewer (chrome://tracing, Perfetto)."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+
+class Timeline:
+    """In-memory event log, off unless started. Times are ``time.perf_counter()`` seconds."""
+
+    def __init__(self, enabled: bool = False):
+        self._lock = threading.Lock()
+        self._events: list[tuple[str, str, float]] = []
+        self.enabled = enabled
+
+    def record(self, name: str, phase: str, when: float | None = None) -> None:
+        if self.enabled:
+            with self._lock:
+                self._events.append((name, phase, time.perf_counter() if when is None else when))
+
+    def start(self) -> None:
+        with self._lock:
+            self._events.clear()
+        self.enabled = True
+
+    def stop(self) -> list[tuple[str, str, float]]:
+        self.enabled = False
+        return self.events()
+
+    def events(self) -> list[tuple[str, str, float]]:
+        """(tensor name, phase, time) with phase one of submit, agreed, start, end."""
+        with self._lock:
+            return list(self._events)
+
+    def write_chrome_trace(self, path: str, rank: int) -> None:
+        """Write the events as a Chrome trace: one row per tensor, spans from submission to
+        agreement (NEGOTIATE) and from start to end of its reduction (REDUCE)."""
+        spans = []
+        times: dict[str, dict[str, float]] = {}
+        for name, phase, when in self.events():
+            slot = times.setdefault(name, {})
+            slot[phase] = when
+            pairs = {"agreed": ("submit", "NEGOTIATE"), "end": ("start", "REDUCE")}
+            if phase in pairs and pairs[phase][0] in slot:
+                begin = slot[pairs[phase][0]]
+                spans.append({"name": pairs[phase][1], "ph": "X", "pid": rank, "tid": name,
+                              "ts": begin * 1e6, "dur": (when - begin) * 1e6})
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"traceEvents": spans}, f)
+        os.replace(tmp, path)

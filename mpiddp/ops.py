@@ -1,0 +1,33 @@
+"""Reduction operations shared by every layer (plain values, no dependencies)."""
+from __future__ import annotations
+
+import enum
+
+
+class ReduceOp(enum.IntEnum):
+    """How ``allreduce`` and ``reducescatter`` combine the ranks' tensors."""
+
+    AVERAGE = 0
+    SUM = 1
+    MIN = 2
+    MAX = 3
+    PRODUCT = 4
+
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+
+def check_op_for_dtype(op: ReduceOp, dtype_kind: str, dtype_name: str, tensor_name: str) -> None:
+    """Raise ``ValueError`` for an (op, dtype) pair that has no sensible meaning."""
+    if dtype_kind == "int" and op == ReduceOp.AVERAGE:
+        raise ValueError(
+            f"op=Average is not defined for integer tensor '{tensor_name}' ({dtype_name}): "
+            "use op=Sum and divide, or reduce a floating-point tensor")
+    if dtype_kind == "bool" and op not in (ReduceOp.MIN, ReduceOp.MAX):
+        raise ValueError(
+            f"op={op.name.title()} is not defined for bool tensor '{tensor_name}': "
+            "use op=Min (logical and) or op=Max (logical or)")

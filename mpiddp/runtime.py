@@ -1,0 +1,195 @@
+"""init/shutdown, the process topology, and the running engine.
+
+``init()`` reads the settings, splits the communicator into node-local and cross-node
+communicators, and starts the engine's coordinator thread. Everything that needs a running
+engine goes through ``require_engine()``, which says clearly when ``init()`` is missing.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+from .config import Settings, read_settings
+from .errors import EngineShutdownError, NotInitializedError
+
+log = logging.getLogger("mpiddp")
+
+
+def _prefer_yielding_waits() -> None:
+    # MPICH's waiting ranks busy-poll; with more ranks than cores they steal the cores that
+    # compute needs. Must be set before MPI_Init (the first import of mpi4py.MPI), so it only
+    # helps when mpiddp is imported first; users of other MPIs are unaffected.
+    ranks_here = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    if ranks_here and ranks_here.isdigit() and int(ranks_here) > (os.cpu_count() or 1):
+        os.environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+
+
+_prefer_yielding_waits()
+
+from mpi4py import MPI  # noqa: E402  (after the environment above is set)
+
+from .engine.coordinator import Engine  # noqa: E402
+
+
+@dataclass
+class Runtime:
+    comm: MPI.Comm
+    local_comm: MPI.Comm
+    cross_comm: MPI.Comm
+    settings: Settings
+    engine: Engine
+
+
+_runtime: Runtime | None = None
+_was_shut_down = False
+_atexit_registered = False
+_previous_excepthook = None
+
+
+def init(comm=None) -> None:
+    """Start mpiddp on ``comm`` (default ``MPI.COMM_WORLD``). Calling it again is a no-op."""
+    global _runtime, _atexit_registered
+    if _runtime is not None:
+        return
+    provided = MPI.Query_thread()
+    if provided < MPI.THREAD_SERIALIZED:
+        raise RuntimeError(
+            "mpiddp needs MPI initialised with at least MPI_THREAD_SERIALIZED (its coordinator "
+            f"thread calls MPI), but the MPI library provides level {provided}. Let mpi4py "
+            "initialise MPI (its default asks for MPI_THREAD_MULTIPLE).")
+    settings = read_settings()
+    logging.getLogger("mpiddp").setLevel(settings.log_level)
+    if not logging.getLogger().handlers and not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[mpiddp %(levelname)s] %(message)s"))
+        log.addHandler(handler)
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if provided < MPI.THREAD_MULTIPLE:
+        log.warning("MPI provides only MPI_THREAD_SERIALIZED: do not make MPI calls of your own "
+                    "while mpiddp collectives are in flight")
+    local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    cross_comm = comm.Split(color=local_comm.Get_rank(), key=comm.Get_rank())
+    engine = Engine(comm, settings)
+    _runtime = Runtime(comm, local_comm, cross_comm, settings, engine)
+    if not _atexit_registered:
+        atexit.register(_shutdown_at_exit)
+        _atexit_registered = True
+    if settings.abort_on_exception:
+        _install_abort_hook()
+    log.info("mpiddp initialised: rank %d of %d, local rank %d of %d", comm.Get_rank(),
+             comm.Get_size(), local_comm.Get_rank(), local_comm.Get_size())
+
+
+def shutdown() -> None:
+    """Stop the engine on every rank (agreed through the next cycle). Idempotent; also runs
+    at exit. Requests still in flight on any rank fail with an error that says why."""
+    global _runtime, _was_shut_down
+    runtime = _runtime
+    if runtime is None:
+        return
+    runtime.engine.shutdown(f"shutdown() was called on rank {runtime.comm.Get_rank()}")
+    _runtime = None
+    _was_shut_down = True
+    runtime.local_comm.Free()
+    runtime.cross_comm.Free()
+
+
+def _shutdown_at_exit() -> None:
+    if _runtime is not None and not MPI.Is_finalized():
+        shutdown()
+
+
+def _install_abort_hook() -> None:
+    """An uncaught exception on one rank ends the whole job instead of leaving the other ranks
+    waiting forever for collectives this rank will never submit."""
+    global _previous_excepthook
+    if _previous_excepthook is not None:
+        return
+    _previous_excepthook = sys.excepthook
+
+    def abort_on_uncaught(exc_type, exc, tb):
+        _previous_excepthook(exc_type, exc, tb)
+        if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+            sys.stderr.write(f"mpiddp: rank {MPI.COMM_WORLD.Get_rank()} died of an uncaught "
+                             f"{exc_type.__name__}; aborting the MPI job so that the other ranks "
+                             "do not wait for it (MPIDDP_ABORT_ON_EXCEPTION=0 disables this)\n")
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = abort_on_uncaught
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def require(what: str) -> Runtime:
+    """The running runtime, or a clear error naming the call that needed it."""
+    if _runtime is None:
+        if _was_shut_down:
+            raise EngineShutdownError(f"mpiddp.{what} was called after mpiddp.shutdown(); "
+                                      "call mpiddp.init() again first")
+        raise NotInitializedError(f"mpiddp.{what} needs mpiddp.init() to be called first")
+    return _runtime
+
+
+def require_engine(what: str) -> Engine:
+    return require(what).engine
+
+
+def rank() -> int:
+    return require("rank()").comm.Get_rank()
+
+
+def size() -> int:
+    return require("size()").comm.Get_size()
+
+
+def local_rank() -> int:
+    return require("local_rank()").local_comm.Get_rank()
+
+
+def local_size() -> int:
+    return require("local_size()").local_comm.Get_size()
+
+
+def cross_rank() -> int:
+    return require("cross_rank()").cross_comm.Get_rank()
+
+
+def cross_size() -> int:
+    return require("cross_size()").cross_comm.Get_size()
+
+
+def mpi_threads_supported() -> bool:
+    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+
+def engine_stats() -> dict:
+    """Counters of what the engine did on this rank (cycles, fused batches, bytes...)."""
+    return require("engine_stats()").engine.stats.snapshot()
+
+
+def reset_engine_stats() -> None:
+    require("reset_engine_stats()").engine.stats.reset()
+
+
+def start_timeline() -> None:
+    """Record when each tensor is submitted, agreed and reduced (see ``timeline_events``)."""
+    require("start_timeline()").engine.timeline.start()
+
+
+def stop_timeline(path: str | None = None) -> list:
+    """Stop recording; return the events and optionally write them as a Chrome trace."""
+    runtime = require("stop_timeline()")
+    events = runtime.engine.timeline.stop()
+    if path:
+        runtime.engine.timeline.write_chrome_trace(path, runtime.comm.Get_rank())
+    return events
+
+
+def timeline_events() -> list:
+    return require("timeline_events()").engine.timeline.events()

@@ -1,0 +1,1 @@
+"""Framework glue for PyTorch: tensor collectives, the distributed optimizer, state sync."""
