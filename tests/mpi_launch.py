@@ -28,9 +28,6 @@ class MPIResult:
     output: str
     timed_out: bool
 
-    def lines(self, prefix: str) -> list[str]:
-        return [line for line in self.output.splitlines() if line.startswith(prefix)]
-
 
 def run_mpi(worker: str, nprocs: int, *args: str, timeout: float = 120,
             env: dict | None = None, mpi4py_run: bool = True) -> MPIResult:
@@ -61,6 +58,7 @@ def assert_ok(result: MPIResult, expect_lines: int | None = None, prefix: str = 
     assert not result.timed_out, f"MPI job timed out (every rank killed). Output:\n{result.output}"
     assert result.returncode == 0, f"MPI job failed (rc={result.returncode}):\n{result.output}"
     if expect_lines is not None:
-        got = len(result.lines(prefix))
+        # Count occurrences, not lines: output of different ranks can share a line.
+        got = result.output.count(prefix)
         assert got == expect_lines, (f"expected {expect_lines} '{prefix}' lines, got {got}:\n"
                                      f"{result.output}")

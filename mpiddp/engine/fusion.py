@@ -33,7 +33,8 @@ def plan_batches(responses: list[Response], threshold_bytes: int) -> list[list[R
             continue
         batch = [response]
         batches.append(batch)
-        open_batch[key] = (batch, nbytes)
+        if nbytes < threshold_bytes:     # an oversized tensor leaves the open batch open
+            open_batch[key] = (batch, nbytes)
     return batches
 
 

@@ -148,6 +148,7 @@ def _allreduce_async(tensor, in_place, average, name, op, prescale_factor, posts
     runtime.require_engine("allreduce()")
     name = _auto_name(ALLREDUCE, name)
     op = _resolve_op(op, average)
+    _check_tensor(tensor, name)
     if in_place and tensor.is_contiguous():
         output = tensor
         finalize = lambda: tensor  # noqa: E731

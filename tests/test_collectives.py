@@ -1,0 +1,34 @@
+"""Every collective x dtype x op on 1, 2, 3, 4 and 8 ranks against a float64 reference,
+with each all-reduce algorithm, fusion across the (shrunk) fusion threshold and the cache."""
+import pytest
+
+from mpi_launch import assert_ok, run_mpi
+
+CHECKS = 9   # 'OK' lines collectives_worker.py prints on rank 0
+
+# (ranks, algorithm): every rank count; each algorithm on more than one of them.
+CASES = [(1, "auto"), (2, "ring"), (3, "auto"), (4, "native"), (4, "ring"), (8, "auto")]
+
+
+@pytest.mark.parametrize("nprocs,algorithm", CASES, ids=[f"{n}ranks-{a}" for n, a in CASES])
+def test_every_collective_matches_reference(nprocs, algorithm):
+    env = {"MPIDDP_FUSION_THRESHOLD": "65536", "MPIDDP_ALLREDUCE_ALGORITHM": algorithm}
+    result = run_mpi("collectives_worker.py", nprocs, timeout=150, env=env)
+    assert_ok(result, expect_lines=CHECKS)
+    assert "DONE" in result.output
+
+
+def test_auto_algorithm_uses_both_ring_and_native():
+    # A 16 KiB ring threshold: the 40k-element tensors take the ring, small batches native.
+    env = {"MPIDDP_FUSION_THRESHOLD": "65536", "MPIDDP_RING_THRESHOLD": "16384"}
+    result = run_mpi("collectives_worker.py", 2, "check_fusion_and_cache", "check_allreduce",
+                     timeout=120, env=env)
+    assert_ok(result)
+    assert "OK fusion and response cache" in result.output
+
+
+def test_tiny_cache_evicts_and_stays_correct():
+    env = {"MPIDDP_CACHE_CAPACITY": "4", "MPIDDP_FUSION_THRESHOLD": "65536"}
+    result = run_mpi("collectives_worker.py", 3, "check_out_of_order", "check_allreduce_variants",
+                     timeout=120, env=env)
+    assert_ok(result, expect_lines=2)

@@ -1,0 +1,106 @@
+"""Single-process tests of the pure logic: settings, chunking, fusion plans, negotiation,
+the response cache and stall reports."""
+import pytest
+
+from mpiddp.collectives.ring import chunk_bounds
+from mpiddp.config import Settings, read_settings
+from mpiddp.engine.fusion import plan_batches
+from mpiddp.engine.negotiation import RequestTable, ResponseCache, agree
+from mpiddp.engine.request import ALLGATHER, ALLREDUCE, BROADCAST, Request, Response
+from mpiddp.engine.stall import describe_stalls, find_stalls
+
+
+def test_settings_defaults_and_parsing():
+    assert read_settings({}) == Settings()
+    s = read_settings({"MPIDDP_CYCLE_TIME": "2.5", "MPIDDP_FUSION_THRESHOLD": "1024",
+                       "MPIDDP_ABORT_ON_EXCEPTION": "off", "MPIDDP_ALLREDUCE_ALGORITHM": "Ring",
+                       "MPIDDP_LOG_LEVEL": "debug", "MPIDDP_CUDA_AWARE": "1"})
+    assert (s.cycle_time, s.fusion_threshold, s.abort_on_exception) == (2.5, 1024, False)
+    assert (s.allreduce_algorithm, s.log_level, s.cuda_aware) == ("ring", "DEBUG", "1")
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"MPIDDP_FUSION_THRESHOLD": "big"}, "MPIDDP_FUSION_THRESHOLD='big' is not a valid int"),
+    ({"MPIDDP_FUSION_THRESHOLD": "-1"}, "must be at least 0"),
+    ({"MPIDDP_CYCLE_TIME": "0"}, "MPIDDP_CYCLE_TIME"),
+    ({"MPIDDP_ALLREDUCE_ALGORITHM": "tree"}, "auto, ring, native"),
+    ({"MPIDDP_ABORT_ON_EXCEPTION": "maybe"}, "not a boolean"),
+    ({"MPIDDP_FUSION_TRESHOLD": "1"}, "unknown setting(s) MPIDDP_FUSION_TRESHOLD"),
+    ({"MPIDDP_CACHE_CAPACITY": "0"}, "MPIDDP_CACHE_CAPACITY"),
+])
+def test_bad_settings_are_named(env, needle):
+    with pytest.raises(ValueError, match=None) as info:
+        read_settings(env)
+    assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("count,parts", [(0, 1), (0, 4), (1, 4), (7, 3), (10, 4), (97, 8)])
+def test_chunk_bounds_cover_everything_evenly(count, parts):
+    bounds = chunk_bounds(count, parts)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert bounds[0] == 0 and bounds[-1] == count and len(sizes) == parts
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def _ar(name, n, dtype="float32", op=1, device="cpu"):
+    return Response(Request(name, ALLREDUCE, dtype, (n,), device, op=op))
+
+
+def test_fusion_plan_groups_by_key_and_threshold():
+    responses = [_ar("a", 10), _ar("b", 10), _ar("c", 10, "float64"), _ar("d", 100),
+                 _ar("e", 5, op=2), Response(Request("f", BROADCAST, "float32", (3,), root=0)),
+                 _ar("g", 1)]
+    batches = plan_batches(responses, threshold_bytes=100)
+    names = [[r.name for r in batch] for batch in batches]
+    assert names == [["a", "b", "g"], ["c"], ["d"], ["e"], ["f"]]
+
+
+def test_agree_reports_every_kind_of_mismatch():
+    base = Request("w", ALLREDUCE, "float32", (4, 3))
+    assert agree({0: base, 1: base}, 2).error is None
+    shapes = agree({0: base, 1: base, 2: base._replace(shape=(3, 4))}, 3).error
+    assert shapes == ("Mismatched allreduce shapes for 'w': ranks 0, 1 sent [4, 3], "
+                      "rank 2 sent [3, 4]")
+    assert "dtypes" in agree({0: base, 1: base._replace(dtype="float16")}, 2).error
+    assert "devices" in agree({0: base, 1: base._replace(device="cuda:0")}, 2).error
+    assert "Sum" in agree({0: base, 1: base._replace(op=0)}, 2).error
+    gather = Request("g", ALLGATHER, "float32", (2, 5))
+    ok = agree({0: gather, 1: gather._replace(shape=(7, 5))}, 2)
+    assert ok.error is None and ok.sizes == (2, 7)
+    assert "beyond the first" in agree({0: gather, 1: gather._replace(shape=(2, 6))}, 2).error
+
+
+def test_request_table_waits_for_every_rank_and_joined_ranks():
+    table = RequestTable(3)
+    req = Request("x", ALLREDUCE, "float32", (2,))
+    table.add(0, req)
+    table.add(2, req)
+    assert table.take_complete(joined=()) == []
+    done = table.take_complete(joined={1})
+    assert [r.name for r in done] == ["x"] and done[0].error is None
+    table.add(0, Request("b", BROADCAST, "float32", (2,), root=0))
+    table.add(2, Request("b", BROADCAST, "float32", (2,), root=0))
+    (resp,) = table.take_complete(joined={1})
+    assert "join()" in resp.error and not resp.error_is_mismatch
+
+
+def test_response_cache_slots_and_lru_eviction():
+    cache = ResponseCache(2)
+    for name in ("a", "b"):
+        slot = cache.next_slot()
+        cache.put(slot, _ar(name, 1))
+    assert {cache.slot_of("a"), cache.slot_of("b")} == {0, 1}
+    cache.touch(cache.slot_of("a"))
+    victim = cache.next_slot()          # b is least recently used
+    assert victim == cache.slot_of("b")
+    cache.put(victim, _ar("c", 1))
+    assert cache.slot_of("b") is None and cache.slot_of("c") == victim and len(cache) == 2
+
+
+def test_stall_report_names_missing_ranks():
+    pending = {0: {"a": 5.0, "b": 1.0}, 1: {"a": 4.0}, 2: {}}
+    stalls = find_stalls(pending, joined=set(), size=3, min_age=2.0)
+    assert [(s.name, s.missing_ranks) for s in stalls] == [("a", (2,))]
+    text = describe_stalls(stalls)
+    assert "rank 2 has not submitted: 'a'" in text and "5.0 s" in text
+    assert find_stalls(pending, joined={2}, size=3, min_age=2.0) == []

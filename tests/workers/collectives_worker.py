@@ -1,0 +1,245 @@
+"""Every collective x dtype x op against a float64 NumPy reference, on the running engine.
+
+Each rank's data is a pure function of (rank, tensor name), so every rank computes the
+reference for all ranks locally. Prints one 'OK <check>' line per passed group on rank 0 and
+exits non-zero (aborting the job) on the first failure.
+"""
+import sys
+import zlib
+
+import numpy as np
+import torch
+
+import mpiddp
+
+torch.set_num_threads(1)
+mpiddp.init()
+RANK, SIZE = mpiddp.rank(), mpiddp.size()
+SIZES = [0, 1, 2, 3, 7, 13, 97, 1000, 4099, 40_000]   # 40k floats > the 64 KiB test threshold
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+          torch.int32, torch.int64]
+TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 8e-2, torch.float32: 1e-5,
+             torch.float64: 1e-12}
+OPS = [mpiddp.Average, mpiddp.Sum, mpiddp.Min, mpiddp.Max, mpiddp.Product]
+
+
+def data(rank, name, shape, dtype, op=mpiddp.Sum):
+    """Deterministic per-(rank, name) data in a range that cannot overflow the dtype."""
+    rng = np.random.default_rng(zlib.crc32(f"{rank}/{name}".encode()))
+    if dtype == torch.bool:
+        values = rng.integers(0, 2, size=shape).astype(bool)
+    elif op == mpiddp.Product:
+        if dtype.is_floating_point:
+            values = rng.uniform(0.8, 1.25, size=shape)
+        elif dtype == torch.uint8:
+            values = rng.integers(0, 2, size=shape)
+        else:
+            values = rng.choice([-1, 1], size=shape)
+    elif dtype.is_floating_point:
+        values = rng.uniform(-1, 1, size=shape)
+    elif dtype == torch.uint8:
+        values = rng.integers(0, 20, size=shape)
+    else:
+        values = rng.integers(-10, 11, size=shape)
+    return torch.from_numpy(np.asarray(values)).to(dtype)
+
+
+def as64(tensor):
+    return tensor.to(torch.float64).numpy() if tensor.dtype != torch.bool else tensor.numpy()
+
+
+def reference(name, shape, dtype, op):
+    stacked = np.stack([as64(data(r, name, shape, dtype, op)) for r in range(SIZE)])
+    if op == mpiddp.Average:
+        return stacked.mean(axis=0)
+    fn = {mpiddp.Sum: np.sum, mpiddp.Min: np.min, mpiddp.Max: np.max, mpiddp.Product: np.prod}
+    return fn[op](stacked, axis=0)
+
+
+def check_close(name, got, want, dtype):
+    got = as64(got)
+    tol = TOLERANCE.get(dtype, 0.0)
+    if got.shape != want.shape:
+        raise AssertionError(f"{name}: shape {got.shape} != reference {want.shape}")
+    if not np.allclose(got, want, rtol=tol, atol=tol):
+        worst = np.max(np.abs(got - want)) if got.size else 0
+        raise AssertionError(f"{name}: differs from float64 reference (max |diff| {worst}, "
+                             f"tolerance {tol})")
+
+
+def ok(check):
+    if RANK == 0:
+        print(f"OK {check}", flush=True)
+
+
+def check_allreduce():
+    """Every op x dtype x size, submitted asynchronously all at once (so they fuse)."""
+    pending = []
+    for dtype in DTYPES:
+        for op in OPS:
+            if op == mpiddp.Average and not dtype.is_floating_point:
+                continue
+            for n in SIZES:
+                name = f"ar.{dtype}.{op.name}.{n}"
+                tensor = data(RANK, name, (n,), dtype, op)
+                pending.append((name, dtype, op, n,
+                                mpiddp.allreduce_async(tensor, name=name, op=op)))
+    for name, dtype, op, n, handle in pending:
+        check_close(name, mpiddp.synchronize(handle), reference(name, (n,), dtype, op), dtype)
+    ok("allreduce every op x dtype x size")
+    for op in (mpiddp.Min, mpiddp.Max):
+        name = f"ar.bool.{op.name}"
+        got = mpiddp.allreduce(data(RANK, name, (33,), torch.bool), name=name, op=op)
+        stacked = np.stack([data(r, name, (33,), torch.bool).numpy() for r in range(SIZE)])
+        want = stacked.all(axis=0) if op == mpiddp.Min else stacked.any(axis=0)
+        assert np.array_equal(got.numpy(), want), name
+    ok("allreduce bool min/max")
+
+
+def check_allreduce_variants():
+    # In place, multi-dimensional, scalar, non-contiguous, scale factors, grouped.
+    name = "inplace.2d"
+    t = data(RANK, name, (17, 5), torch.float32)
+    same = mpiddp.allreduce_(t, name=name, op=mpiddp.Sum)
+    assert same is t
+    check_close(name, t, reference(name, (17, 5), torch.float32, mpiddp.Sum), torch.float32)
+
+    name = "scalar"
+    got = mpiddp.allreduce(data(RANK, name, (), torch.float64), name=name)
+    check_close(name, got, reference(name, (), torch.float64, mpiddp.Average), torch.float64)
+
+    name = "noncontig"
+    base = data(RANK, name, (6, 8), torch.float32)
+    view = base.t()                     # non-contiguous
+    got = mpiddp.allreduce(view, name=name + ".out", op=mpiddp.Sum)
+    want = reference(name, (6, 8), torch.float32, mpiddp.Sum).T
+    check_close(name, got, want, torch.float32)
+    mpiddp.allreduce_(view, name=name + ".inplace", op=mpiddp.Sum)
+    check_close(name + " in place", base.t(), want, torch.float32)
+
+    name = "scaled"
+    got = mpiddp.allreduce(data(RANK, name, (50,), torch.float32), name=name, op=mpiddp.Sum,
+                           prescale_factor=0.5, postscale_factor=3.0)
+    check_close(name, got, reference(name, (50,), torch.float32, mpiddp.Sum) * 1.5,
+                torch.float32)
+
+    names = [f"grouped.{i}" for i in range(5)]
+    tensors = [data(RANK, n, (i * 11 + 1,), torch.float32) for i, n in enumerate(names)]
+    outs = mpiddp.grouped_allreduce(tensors, name="grouped", op=mpiddp.Sum)
+    for i, (n, out) in enumerate(zip(names, outs)):
+        check_close(n, out, reference(n, (i * 11 + 1,), torch.float32, mpiddp.Sum),
+                    torch.float32)
+    outs = mpiddp.grouped_allreduce_(tensors, name="grouped_inplace", op=mpiddp.Sum)
+    assert all(a is b for a, b in zip(outs, tensors))
+
+    # The older average= keyword, and a tensor that needs grad.
+    t = torch.ones(4, requires_grad=True)
+    got = mpiddp.allreduce(t, average=False, name="average_kw")
+    assert torch.equal(got, torch.full((4,), float(SIZE)))
+    ok("allreduce variants (in place, scalar, non-contiguous, scaling, grouped)")
+
+
+def check_allgather():
+    for dtype in DTYPES + [torch.bool]:
+        name = f"ag.{dtype}"
+        rows = lambda r: (r * 3) % 5        # noqa: E731  (some ranks send zero rows)
+        got = mpiddp.allgather(data(RANK, name, (rows(RANK), 3), dtype), name=name)
+        want = np.concatenate([as64(data(r, name, (rows(r), 3), dtype)) for r in range(SIZE)])
+        check_close(name, got, want, None)
+    ok("allgather every dtype, uneven first dimension")
+
+
+def check_broadcast():
+    for dtype in DTYPES + [torch.bool]:
+        for root in sorted({0, SIZE - 1, SIZE // 2}):
+            name = f"bc.{dtype}.{root}"
+            t = data(RANK, name, (31,), dtype)
+            got = mpiddp.broadcast(t, root_rank=root, name=name)
+            check_close(name, got, as64(data(root, name, (31,), dtype)), None)
+            mpiddp.broadcast_(t, root_rank=root, name=name + "_")
+            check_close(name + "_", t, as64(data(root, name, (31,), dtype)), None)
+    ok("broadcast every dtype and several roots")
+
+
+def check_reducescatter():
+    for dtype in [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32]:
+        for rows in (0, 1, SIZE, 2 * SIZE + 1, 37):
+            for op in (mpiddp.Sum, mpiddp.Average, mpiddp.Max):
+                if op == mpiddp.Average and not dtype.is_floating_point:
+                    continue
+                name = f"rs.{dtype}.{rows}.{op.name}"
+                got = mpiddp.reducescatter(data(RANK, name, (rows, 2), dtype, op), name=name,
+                                           op=op)
+                full = reference(name, (rows, 2), dtype, op)
+                base, extra = divmod(rows, SIZE)
+                start = RANK * base + min(RANK, extra)
+                mine = full[start:start + base + (1 if RANK < extra else 0)]
+                check_close(name, got, mine, dtype)
+    ok("reducescatter (uneven rows, several ops and dtypes)")
+
+
+def check_alltoall():
+    for dtype in (torch.float32, torch.int64, torch.bfloat16):
+        name = f"a2a.{dtype}"
+        splits = [(RANK + d) % 3 for d in range(SIZE)]
+        t = data(RANK, name, (sum(splits), 2), dtype)
+        out, received = mpiddp.alltoall(t, splits=splits, name=name)
+        pieces = []
+        for src in range(SIZE):
+            src_splits = [(src + d) % 3 for d in range(SIZE)]
+            src_data = as64(data(src, name, (sum(src_splits), 2), dtype))
+            offset = sum(src_splits[:RANK])
+            pieces.append(src_data[offset:offset + src_splits[RANK]])
+        check_close(name, out, np.concatenate(pieces), None)
+        assert received.tolist() == [(s + RANK) % 3 for s in range(SIZE)], received
+    even = mpiddp.alltoall(torch.arange(SIZE * 2) + 100 * RANK, name="a2a.even")
+    want = torch.tensor([100 * s + 2 * RANK + j for s in range(SIZE) for j in range(2)])
+    assert torch.equal(even, want), (even, want)
+    ok("alltoall with explicit and default splits")
+
+
+def check_fusion_and_cache():
+    mpiddp.reset_engine_stats()
+    for step in range(3):
+        handles = [mpiddp.allreduce_async(torch.full((100,), float(RANK + i)), name=f"fuse.{i}",
+                                          op=mpiddp.Sum) for i in range(64)]
+        for i, h in enumerate(handles):
+            out = mpiddp.synchronize(h)
+            want = sum(r + i for r in range(SIZE))
+            assert torch.all(out == want), (i, out[:3], want)
+    stats = mpiddp.engine_stats()
+    assert stats["fused_batches"] >= 1 and stats["max_batch_tensors"] > 1, stats
+    assert stats["allreduce_batches"] < 3 * 64, stats
+    assert stats["cache_hits"] >= 64, stats      # steps 2 and 3 come from the response cache
+    assert stats["cached_cycles"] >= 1, stats
+    if RANK == 0:
+        print(f"STATS {stats}", flush=True)
+    ok("fusion and response cache (64 tensors in flight, 3 steps)")
+
+
+def check_out_of_order():
+    names = [f"order.{i}" for i in range(20)]
+    mine = names if RANK % 2 == 0 else list(reversed(names))
+    handles = {n: mpiddp.allreduce_async(torch.full((7,), float(RANK)), name=n, op=mpiddp.Sum)
+               for n in mine}
+    for n in names:
+        assert torch.all(mpiddp.synchronize(handles[n]) == sum(range(SIZE)))
+    # Reusing a cached name with a new shape renegotiates instead of hanging or corrupting.
+    for shape in ((7,), (3, 2), (7,)):
+        out = mpiddp.allreduce(torch.ones(shape), name="order.0", op=mpiddp.Sum)
+        assert out.shape == shape and torch.all(out == SIZE)
+    mpiddp.barrier()
+    ok("ranks submitting in different orders; a cached name with a new shape")
+
+
+CHECKS = [check_allreduce, check_allreduce_variants, check_allgather, check_broadcast,
+          check_reducescatter, check_alltoall, check_fusion_and_cache, check_out_of_order]
+
+if __name__ == "__main__":
+    selected = sys.argv[1:] or [c.__name__ for c in CHECKS]
+    for check in CHECKS:
+        if check.__name__ in selected:
+            check()
+    mpiddp.shutdown()
+    if RANK == 0:
+        print("DONE", flush=True)

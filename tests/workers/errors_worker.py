@@ -1,0 +1,172 @@
+"""Error cases that must fail cleanly on every rank, with messages naming what and where.
+
+Usage: errors_worker.py <scenario>. Each rank prints 'OK <rank> <check>' per passed check.
+"""
+import sys
+import time
+
+import torch
+
+import mpiddp
+
+torch.set_num_threads(1)
+
+
+def ok(check):
+    print(f"OK {mpiddp.rank() if mpiddp.is_initialized() else '-'} {check}", flush=True)
+
+
+def expect(exc_type, fn, *needles):
+    try:
+        fn()
+    except exc_type as exc:
+        text = str(exc)
+        missing = [n for n in needles if n not in text]
+        assert not missing, f"message {text!r} lacks {missing}"
+        return text
+    raise AssertionError(f"expected {exc_type.__name__}")
+
+
+def mismatches():
+    before_init = expect(mpiddp.NotInitializedError, lambda: mpiddp.allreduce(torch.ones(2)),
+                         "init()")
+    expect(mpiddp.NotInitializedError, mpiddp.rank, "rank()", "init()")
+    mpiddp.init()
+    mpiddp.init()      # idempotent
+    rank, size = mpiddp.rank(), mpiddp.size()
+    ok(f"use before init: {before_init}")
+
+    shape = (4, 3) if rank != size - 1 else (3, 4)
+    text = expect(mpiddp.TensorMismatchError,
+                  lambda: mpiddp.allreduce(torch.ones(shape), name="layer1.weight"),
+                  "layer1.weight", "shapes", "[4, 3]", f"rank {size - 1} sent [3, 4]")
+    ok(f"shape mismatch: {text}")
+
+    dtype = torch.float32 if rank % 2 == 0 else torch.float64
+    expect(mpiddp.TensorMismatchError,
+           lambda: mpiddp.allreduce(torch.ones(3, dtype=dtype), name="mixed.dtype"),
+           "mixed.dtype", "dtypes", "float32", "float64", "rank 1 sent float64")
+    ok("dtype mismatch")
+
+    op = mpiddp.Sum if rank == 0 else mpiddp.Max
+    expect(mpiddp.TensorMismatchError,
+           lambda: mpiddp.allreduce(torch.ones(3), name="mixed.op", op=op),
+           "mixed.op", "reduction ops", "Sum", "Max")
+    ok("op mismatch")
+
+    root = 0 if rank == 0 else 1
+    expect(mpiddp.TensorMismatchError,
+           lambda: mpiddp.broadcast(torch.ones(3), root_rank=root, name="mixed.root"),
+           "mixed.root", "root ranks")
+    ok("root mismatch")
+
+    def mixed_kind():
+        if rank == 0:
+            return mpiddp.allreduce(torch.ones(3), name="mixed.kind")
+        return mpiddp.allgather(torch.ones(3), name="mixed.kind")
+    expect(mpiddp.TensorMismatchError, mixed_kind, "mixed.kind", "allreduce", "allgather")
+    ok("operation mismatch")
+
+    trailing = (2, 3) if rank == 0 else (2, 4)
+    expect(mpiddp.TensorMismatchError,
+           lambda: mpiddp.allgather(torch.ones(trailing), name="gather.trailing"),
+           "gather.trailing", "beyond the first dimension")
+    ok("allgather trailing-shape mismatch")
+
+    # The engine keeps serving after errors, the same names included.
+    out = mpiddp.allreduce(torch.ones(4, 3), name="layer1.weight", op=mpiddp.Sum)
+    assert torch.all(out == size)
+    ok("engine serves after errors")
+
+    handle = mpiddp.allreduce_async(torch.ones(2), name="dup")
+    expect(mpiddp.DuplicateNameError, lambda: mpiddp.allreduce_async(torch.ones(2), name="dup"),
+           "dup", "already in flight", f"rank {rank}")
+    mpiddp.synchronize(handle)
+    mpiddp.synchronize(mpiddp.allreduce_async(torch.ones(2), name="dup"))   # free again
+    ok("duplicate in-flight name")
+
+    expect(TypeError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.complex64),
+                                               name="cplx"), "cplx", "complex64", "supported")
+    expect(ValueError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.int32), name="iavg"),
+           "iavg", "Average", "integer")
+    expect(ValueError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.bool), name="bsum",
+                                                op=mpiddp.Sum), "bsum", "bool")
+    expect(ValueError, lambda: mpiddp.broadcast(torch.ones(2), root_rank=size, name="badroot"),
+           "badroot", "root_rank")
+    expect(ValueError, lambda: mpiddp.alltoall(torch.ones(size + 1), splits=[1] * size,
+                                               name="badsplit"), "badsplit", "splits")
+    expect(ValueError, lambda: mpiddp.allgather(torch.tensor(1.0), name="scalar.gather"),
+           "scalar.gather", "scalar")
+    expect(TypeError, lambda: mpiddp.allreduce([1, 2], name="notatensor"), "notatensor")
+    expect(ValueError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.int32), name="iscale",
+                                                op=mpiddp.Sum, prescale_factor=2.0), "iscale")
+    ok("bad input rejected on the calling rank")
+
+    mpiddp.shutdown()
+    mpiddp.shutdown()  # idempotent
+    expect(mpiddp.EngineShutdownError, lambda: mpiddp.allreduce(torch.ones(2)), "shutdown()")
+    ok("use after shutdown")
+
+
+def stall():
+    """Rank size-1 never submits 'lonely'; the others wait until the stall deadline."""
+    mpiddp.init()
+    rank, size = mpiddp.rank(), mpiddp.size()
+    start = time.monotonic()
+    if rank != size - 1:
+        text = expect(mpiddp.EngineShutdownError,
+                      lambda: mpiddp.allreduce(torch.ones(3), name="lonely"),
+                      "lonely", "stalled", f"rank {size - 1}")
+        ok(f"stalled request failed after {time.monotonic() - start:.1f} s: {text!r}")
+    else:
+        while mpiddp.runtime.require_engine("x").running:   # wait for the agreed shutdown
+            time.sleep(0.05)
+            assert time.monotonic() - start < 30, "engine did not shut down"
+        expect(mpiddp.EngineShutdownError, lambda: mpiddp.allreduce(torch.ones(3), name="late"),
+               "stalled")
+        ok("the missing rank's engine shut down too")
+
+
+def shutdown_with_pending():
+    """Rank 0 shuts down while the others wait for a collective it never submits."""
+    mpiddp.init()
+    rank = mpiddp.rank()
+    if rank == 0:
+        time.sleep(0.5)
+        mpiddp.shutdown()
+        ok("shutdown returned")
+    else:
+        expect(mpiddp.EngineShutdownError,
+               lambda: mpiddp.allreduce(torch.ones(3), name="never"),
+               "never", "rank 0", "shutdown()")
+        ok("pending request failed with the reason")
+
+
+def uncaught_exception():
+    """Rank 1 dies of an uncaught exception while the others wait: the job must end."""
+    mpiddp.init()
+    if mpiddp.rank() == 1:
+        time.sleep(0.3)
+        raise RuntimeError("boom on rank 1")
+    mpiddp.allreduce(torch.ones(3), name="waits.forever")
+    print("UNREACHABLE", flush=True)
+
+
+def join_uneven():
+    """Rank r has r+2 batches; ranks that run out call join() and contribute zeros."""
+    mpiddp.init()
+    rank, size = mpiddp.rank(), mpiddp.size()
+    for step in range(rank + 2):
+        out = mpiddp.allreduce(torch.ones(5), name="grad", op=mpiddp.Sum)
+        # Ranks with fewer batches than 'step + 1' have joined and add zeros.
+        active = sum(1 for r in range(size) if r + 2 > step)
+        assert torch.all(out == active), (step, out, active)
+    last = mpiddp.join()
+    assert last == size - 1, last
+    out = mpiddp.allreduce(torch.ones(2), name="after.join", op=mpiddp.Sum)
+    assert torch.all(out == size)
+    ok(f"join returned last rank {last}")
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]]()
