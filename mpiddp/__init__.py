@@ -8,7 +8,8 @@ A Horovod PyTorch script runs after ``import mpiddp as hvd``.
 """
 from .runtime import (cross_rank, cross_size, engine_stats, init, is_initialized,  # noqa: F401
                       local_rank, local_size, mpi_threads_supported, rank, reset_engine_stats,
-                      shutdown, size, start_timeline, stop_timeline, timeline_events)
+                      set_allreduce_algorithm, shutdown, size, start_timeline,
+                      stop_timeline, timeline_events)
 from .ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from .errors import (DuplicateNameError, EngineShutdownError, MpiddpError,  # noqa: F401
                      NotInitializedError, TensorMismatchError)

@@ -177,6 +177,20 @@ def reset_engine_stats() -> None:
     require("reset_engine_stats()").engine.stats.reset()
 
 
+def set_allreduce_algorithm(algorithm: str, ring_threshold: int | None = None) -> None:
+    """Switch the algorithm for fused all-reduces at run time ('auto', 'ring' or 'native'),
+    as MPIDDP_ALLREDUCE_ALGORITHM / MPIDDP_RING_THRESHOLD do at start-up. Call it at the same
+    point on every rank (between collectives), or ranks may pick different algorithms."""
+    from .config import ALGORITHMS
+
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm {algorithm!r} is not one of: {', '.join(ALGORITHMS)}")
+    executor = require("set_allreduce_algorithm()").engine.executor
+    executor.algorithm = algorithm
+    if ring_threshold is not None:
+        executor.ring_threshold = int(ring_threshold)
+
+
 def start_timeline() -> None:
     """Record when each tensor is submitted, agreed and reduced (see ``timeline_events``)."""
     require("start_timeline()").engine.timeline.start()

@@ -153,28 +153,27 @@ class Engine:
         after a productive cycle goes straight on; after an unproductive one it backs off;
         an idle rank waits up to ``cycle_time`` for work before its heartbeat cycle."""
         busy = self._pending or self._joined
+        inbox = self._inbox
         items = []
         if not (busy and self._progressed):
             timeout = self._backoff if busy else self.settings.cycle_time / 1000
             try:
-                items.append(self._inbox.get(timeout=timeout))
+                items.append(inbox.get(timeout=timeout))
             except queue.Empty:
                 pass
-        while True:
-            try:
-                items.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return [item for item in items if item is not _WAKE]
+        while not inbox.empty():            # this thread is the only consumer
+            items.append(inbox.get_nowait())
+        return [item for item in items if item is not _WAKE]
 
     def _cycle(self) -> bool:
         """One negotiation and execution cycle. Returns False once the ranks agreed to stop."""
         for entry in self._collect():
             self._pending[entry.request.name] = entry
-        with self._lock:
-            shutdown_requested = self._shutdown_reason is not None
-            if self._join_handle is not None and not self._joined:
-                self._joined = self._join_changed = True
-                self._join_cycle = self.stats.cycles
+        # Plain attribute reads: user threads set these once, under the lock.
+        shutdown_requested = self._shutdown_reason is not None
+        if self._join_handle is not None and not self._joined:
+            self._joined = self._join_changed = True
+            self._join_cycle = self.stats.cycles
 
         self._fill_bits(shutdown_requested)
         request = self.comm.Iallreduce([self._send, MPI.BYTE], [self._recv, MPI.BYTE], MPI.BAND)

@@ -46,6 +46,9 @@ class Executor:
         self.timeline = timeline
         self.finish = finish
         self.pool = BufferPool()
+        # Adjustable at run time (set_allreduce_algorithm); start from the settings.
+        self.algorithm = settings.allreduce_algorithm
+        self.ring_threshold = settings.ring_threshold
 
     def run(self, responses: list[Response], entries: dict[str, Entry]) -> None:
         """Execute ``responses`` in order; ``entries`` maps names to this rank's entries
@@ -100,8 +103,7 @@ class Executor:
                     backend.copy(part, entry.input)
                 offset += count
         backend.scale_(buf, request.prescale, dtype)
-        algorithm = choose_algorithm(self.settings.allreduce_algorithm,
-                                     total * dtype.itemsize, self.settings.ring_threshold)
+        algorithm = choose_algorithm(self.algorithm, total * dtype.itemsize, self.ring_threshold)
         scratch = None
         if algorithm == "ring":
             scratch = self.pool.get(backend, request.device, dtype, "scratch",

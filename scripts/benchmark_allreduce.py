@@ -1,0 +1,158 @@
+"""All-reduce benchmark: mpiddp (ring and auto, through the engine) against native
+MPI_Allreduce (mpi4py, same MPI) and torch.distributed gloo, side by side in one run.
+
+    mpiexec -n 2 python scripts/benchmark_allreduce.py
+    mpiexec -n 4 python scripts/benchmark_allreduce.py --max-size 64M
+
+Prints, per message size and method: time per all-reduce (mean over iterations, slowest rank),
+algbw = size / time and busbw = algbw * 2(N-1)/N (as nccl-tests reports), and busbw relative
+to MPI_Allreduce. Each method's result is checked against the exact sum before timing.
+A separate latency section times a synchronous 4 KiB mpiddp.allreduce (median of many).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import mpiddp
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    return int(float(text[:-1]) * UNITS[text[-1]]) if text[-1] in UNITS else int(text)
+
+
+def human(nbytes: int) -> str:
+    for unit in ("G", "M", "K"):
+        if nbytes >= UNITS[unit] and nbytes % UNITS[unit] == 0:
+            return f"{nbytes // UNITS[unit]} {unit}iB"
+    return f"{nbytes} B"
+
+
+def init_gloo(comm: MPI.Comm) -> None:
+    import torch.distributed as dist
+
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=comm.rank, world_size=comm.size)
+
+
+def make_methods(comm: MPI.Comm, with_gloo: bool):
+    """name -> (setup(tensor), run(tensor)). Every run all-reduces (sums) the tensor in place."""
+    def engine(algorithm):
+        def setup(tensor):
+            mpiddp.set_allreduce_algorithm(algorithm)
+        return setup, lambda t: mpiddp.allreduce_(t, name="bench", op=mpiddp.Sum)
+
+    def native_run(tensor):
+        comm.Allreduce(MPI.IN_PLACE, [tensor.numpy(), MPI.FLOAT], MPI.SUM)
+
+    methods = {"mpiddp ring": engine("ring"), "mpiddp auto": engine("auto"),
+               "MPI_Allreduce": (lambda t: None, native_run)}
+    if with_gloo:
+        import torch.distributed as dist
+        methods["torch gloo"] = (lambda t: None, lambda t: dist.all_reduce(t))
+    return methods
+
+
+def check(comm, name, setup, run, count):
+    tensor = torch.full((count,), float(comm.rank + 1))
+    setup(tensor)
+    run(tensor)
+    want = comm.size * (comm.size + 1) / 2
+    if count and not (torch.all(tensor == want)):
+        raise SystemExit(f"{name}: wrong result at {count * 4} bytes (want {want}, "
+                         f"got {tensor[:4].tolist()})")
+
+
+def time_method(comm, setup, run, count, seconds, min_iters):
+    tensor = torch.zeros(count)
+    setup(tensor)
+    run(tensor)                                   # warm-up: buffers allocated, pages touched
+    comm.Barrier()
+    start = time.perf_counter()
+    run(tensor)
+    one = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+    iters = max(min_iters, min(2000, int(seconds / max(one, 1e-6))))
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        run(tensor)
+    elapsed = time.perf_counter() - start
+    return comm.allreduce(elapsed, op=MPI.MAX) / iters
+
+
+def latency(comm, nbytes=4096, iters=3000):
+    """Median time of a synchronous mpiddp.allreduce of ``nbytes``, negotiation included."""
+    mpiddp.set_allreduce_algorithm("auto")
+    tensor = torch.zeros(nbytes // 4)
+    samples = []
+    for i in range(iters + 300):
+        start = time.perf_counter()
+        mpiddp.allreduce_(tensor, name="latency", op=mpiddp.Sum)
+        if i >= 300:
+            samples.append(time.perf_counter() - start)
+    return comm.allreduce(float(np.median(samples)), op=MPI.MAX), \
+        comm.allreduce(float(np.mean(samples)), op=MPI.MAX)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--min-size", default="4K")
+    parser.add_argument("--max-size", default="256M")
+    parser.add_argument("--seconds", type=float, default=0.5, help="time per method and size")
+    parser.add_argument("--min-iters", type=int, default=3)
+    parser.add_argument("--no-gloo", action="store_true")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    mpiddp.init()
+    comm = MPI.COMM_WORLD
+    if not args.no_gloo:
+        init_gloo(comm)
+    methods = make_methods(comm, not args.no_gloo)
+    size, rank = comm.size, comm.rank
+    factor = 2 * (size - 1) / size if size > 1 else 0.0
+    if rank == 0:
+        print(f"# all-reduce benchmark: {size} ranks, float32 sum, "
+              f"{MPI.Get_library_version().splitlines()[0].strip()}, "
+              f"torch {torch.__version__}, {os.cpu_count()} cores")
+        print(f"| size | method | time (us) | algbw (GB/s) | busbw (GB/s) | busbw vs MPI |")
+        print("|---:|---|---:|---:|---:|---:|")
+    nbytes = parse_size(args.min_size)
+    while nbytes <= parse_size(args.max_size):
+        count = nbytes // 4
+        results = {}
+        for name, (setup, run) in methods.items():
+            check(comm, name, setup, run, count)
+            results[name] = time_method(comm, setup, run, count, args.seconds, args.min_iters)
+        if rank == 0:
+            base = results["MPI_Allreduce"]
+            for name, seconds in results.items():
+                algbw = nbytes / seconds / 1e9
+                print(f"| {human(nbytes)} | {name} | {seconds * 1e6:.1f} | {algbw:.3f} | "
+                      f"{algbw * factor:.3f} | {base / seconds:.2f} |", flush=True)
+        nbytes *= 4
+    median, mean = latency(comm)
+    if rank == 0:
+        print(f"\nsynchronous 4 KiB mpiddp.allreduce (engine, negotiation included): "
+              f"median {median * 1e6:.1f} us, mean {mean * 1e6:.1f} us (slowest rank)")
+        print(f"engine stats rank 0: {mpiddp.engine_stats()}")
+    mpiddp.shutdown()
+
+
+if __name__ == "__main__":
+    main()
