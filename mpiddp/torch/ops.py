@@ -88,6 +88,8 @@ def _check_tensor(tensor, name: str) -> str:
 
 
 def _resolve_op(op, average) -> ReduceOp:
+    if average is None and type(op) is ReduceOp:
+        return op
     if average is not None:
         if op is not None:
             raise ValueError("pass either op= or the older average=, not both")
@@ -122,8 +124,7 @@ def _ready_event(tensor: torch.Tensor):
 
 def _submit(entries: list[Entry], finalize: Callable[[], object]) -> TensorHandle:
     engine = runtime.require_engine(entries[0].request.kind + "()")
-    handles = engine.submit_many(entries)
-    return TensorHandle(handles, finalize)
+    return TensorHandle(engine.submit_many(entries), finalize)
 
 
 def _entry(request: Request, tensor: torch.Tensor, output=None, allocate=None) -> Entry:
