@@ -41,4 +41,4 @@ def test_uncaught_exception_on_one_rank_ends_the_job():
 
 def test_join_lets_ranks_with_less_data_finish():
     result = run_mpi("errors_worker.py", 4, "join_uneven", timeout=60)
-    assert_ok(result, expect_lines=4)
+    assert_ok(result, expect_lines=5)

@@ -74,6 +74,7 @@ class Engine:
         # Coordinator-thread state.
         self._pending: dict[str, Entry] = {}
         self._joined = False
+        self._others_joined = False     # some rank has joined (known from the last plan)
         self._join_changed = False
         self._join_cycle = 0
         self._progressed = True
@@ -248,9 +249,11 @@ class Engine:
                     or_flags |= _NEW_NAMES
                 continue
             cached = cache.response(slot).request
-            if cached == entry.request and not (joined and cached.kind != ALLREDUCE):
+            if cached == entry.request and not (self._others_joined and cached.kind != ALLREDUCE):
                 ready |= 1 << slot
             else:
+                # A new signature, or a non-allreduce while some rank has joined: send it back
+                # through rank 0, which reports the mismatch or the join conflict.
                 invalid |= 1 << slot
         if joined:
             # A joined rank takes part in every allreduce the others are ready for.
@@ -313,6 +316,7 @@ class Engine:
         if self.rank != 0:
             for slot, response in plan["cache"]:
                 self.cache.put(slot, response)
+        self._others_joined = bool(plan["joined"])
         if plan["stall"]:
             # Every rank learns why it waits; rank 0 has already logged the warning.
             log.debug("stall report from rank 0:\n%s", plan["stall"])
@@ -347,14 +351,15 @@ class Engine:
                 stall_text = describe_stalls(stalls)
                 log.warning("mpiddp stall warning (rank 0):\n%s", stall_text)
         return {"responses": responses, "cache": cache_updates,
-                "shutdown": "; ".join(shutdown) if shutdown else None, "stall": stall_text}
+                "shutdown": "; ".join(shutdown) if shutdown else None, "stall": stall_text,
+                "joined": sorted(joined)}
 
     def _finish_join(self) -> None:
         # The last rank to join is the one that joined in the latest cycle (ties: highest).
         last_rank = self.comm.allreduce((self._join_cycle, self.rank), op=MPI.MAX)[1]
         with self._lock:
             handle, self._join_handle = self._join_handle, None
-        self._joined = False
+        self._joined = self._others_joined = False
         handle.complete(last_rank)
 
     def _finish(self, entry: Entry, info=None, error: BaseException | None = None) -> None:

@@ -156,11 +156,19 @@ def join_uneven():
     """Rank r has r+2 batches; ranks that run out call join() and contribute zeros."""
     mpiddp.init()
     rank, size = mpiddp.rank(), mpiddp.size()
+    mpiddp.broadcast(torch.ones(2), root_rank=0, name="bc.cached")    # now in the cache
     for step in range(rank + 2):
         out = mpiddp.allreduce(torch.ones(5), name="grad", op=mpiddp.Sum)
         # Ranks with fewer batches than 'step + 1' have joined and add zeros.
         active = sum(1 for r in range(size) if r + 2 > step)
         assert torch.all(out == active), (step, out, active)
+    if rank == size - 1:
+        # Everyone else has joined: anything but allreduce is an error, cached or not.
+        for name in ("bc.cached", "bc.new"):
+            expect(mpiddp.MpiddpError,
+                   lambda: mpiddp.broadcast(torch.ones(2), root_rank=0, name=name),
+                   name, "join()")
+        ok("broadcast while others have joined is an error")
     last = mpiddp.join()
     assert last == size - 1, last
     out = mpiddp.allreduce(torch.ones(2), name="after.join", op=mpiddp.Sum)
