@@ -232,7 +232,15 @@ def check_out_of_order():
     ok("ranks submitting in different orders; a cached name with a new shape")
 
 
-CHECKS = [check_allreduce, check_allreduce_variants, check_allgather, check_broadcast,
+def check_topology():
+    # One node: every rank is local; the cross-node communicator has one member per node.
+    assert (mpiddp.local_rank(), mpiddp.local_size()) == (RANK, SIZE)
+    assert (mpiddp.cross_rank(), mpiddp.cross_size()) == (0, 1)
+    assert mpiddp.is_initialized() and mpiddp.mpi_threads_supported()
+    ok("topology (local and cross ranks on one node)")
+
+
+CHECKS = [check_topology, check_allreduce, check_allreduce_variants, check_allgather, check_broadcast,
           check_reducescatter, check_alltoall, check_fusion_and_cache, check_out_of_order]
 
 if __name__ == "__main__":
