@@ -8,6 +8,13 @@ Prints, per message size and method: time per all-reduce (mean over iterations, 
 algbw = size / time and busbw = algbw * 2(N-1)/N (as nccl-tests reports), and busbw relative
 to MPI_Allreduce. Each method's result is checked against the exact sum before timing.
 A separate latency section times a synchronous 4 KiB mpiddp.allreduce (median of many).
+
+    mpiexec -n 2 python scripts/benchmark_allreduce.py --device cuda
+
+benchmarks device buffers instead (needs a GPU, CuPy and a CUDA torch; see docs/gpu.md): the
+engine on CUDA tensors; the same ring through mpiddp's pinned-memory staging communicator and,
+when MPI is CUDA-aware, through the direct one; MPI_Allreduce staged, direct, and through a
+plain ``tensor.cpu()`` copy; and torch.distributed NCCL instead of gloo.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ from mpi4py import MPI
 import mpiddp
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+DEVICE = "cpu"      # --device
 
 
 def parse_size(text: str) -> int:
@@ -37,7 +45,7 @@ def human(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def init_gloo(comm: MPI.Comm) -> None:
+def init_gloo(comm: MPI.Comm, backend: str = "gloo") -> None:
     import torch.distributed as dist
 
     port = None
@@ -46,7 +54,7 @@ def init_gloo(comm: MPI.Comm) -> None:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
     port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
                             rank=comm.rank, world_size=comm.size)
 
 
@@ -68,8 +76,81 @@ def make_methods(comm: MPI.Comm, with_gloo: bool):
     return methods
 
 
+def make_cuda_methods(comm: MPI.Comm, with_nccl: bool):
+    """Device buffers (float32 sum, in place, on this rank's GPU). Every run returns with the
+    result in the tensor and the device idle, so the timings compare like with like."""
+    import torch.distributed as dist
+
+    from mpiddp.buffers import backend_for
+    from mpiddp.buffers.device import CupyCopier
+    from mpiddp.buffers.dtypes import dtype_named
+    from mpiddp.buffers.staging import DirectComm, StagedComm
+    from mpiddp.collectives.ring import ring_allreduce
+    from mpiddp.torch.views import flat_array
+
+    backend = backend_for("cuda")
+    f32 = dtype_named("float32")
+    private = comm.Dup()
+    copier = CupyCopier(backend.state(backend.device_id()))
+    staged = StagedComm(private, copier)
+    comms = {"staged": staged}
+    if mpiddp.mpi_cuda_aware():
+        comms["direct"] = DirectComm(private, copier.sync, staged)
+    scratch = {}
+
+    def engine(algorithm):
+        def setup(tensor):
+            mpiddp.set_allreduce_algorithm(algorithm)
+        return setup, lambda t: mpiddp.allreduce_(t, name="bench", op=mpiddp.Sum)
+
+    def ring(kind):
+        def run(tensor):
+            buf = flat_array(tensor)
+            n = max(1, -(-len(buf) // comm.size))
+            if n not in scratch:
+                scratch[n] = backend.empty(n, f32)
+            torch.cuda.current_stream().synchronize()          # the tensor is ready
+            ring_allreduce(comms[kind], buf, scratch[n],
+                           lambda dst, src: backend.reduce_into(dst, src, mpiddp.Sum, f32))
+            backend.after_unpack("cuda")
+        return run
+
+    def mpi(kind):
+        def run(tensor):
+            buf = flat_array(tensor)
+            torch.cuda.current_stream().synchronize()
+            if kind == "staged":
+                staged.Allreduce(MPI.IN_PLACE, [buf, MPI.FLOAT], MPI.SUM)
+                backend.after_unpack("cuda")
+            else:
+                private.Allreduce(MPI.IN_PLACE, [buf, MPI.FLOAT], MPI.SUM)
+        return run
+
+    def host_copy(tensor):
+        host = tensor.cpu()
+        private.Allreduce(MPI.IN_PLACE, [host.numpy(), MPI.FLOAT], MPI.SUM)
+        tensor.copy_(host)
+        torch.cuda.current_stream().synchronize()
+
+    nothing = lambda t: None  # noqa: E731
+    methods = {"mpiddp ring": engine("ring"), "mpiddp auto": engine("auto")}
+    for kind in comms:
+        methods[f"ring {kind}"] = (nothing, ring(kind))
+    # the baseline ("MPI_Allreduce"): direct when MPI is CUDA-aware, else mpiddp's staging
+    methods["MPI_Allreduce"] = (nothing, mpi("direct" if "direct" in comms else "staged"))
+    if "direct" in comms:
+        methods["MPI_Allreduce staged"] = (nothing, mpi("staged"))
+    methods["MPI_Allreduce via tensor.cpu()"] = (nothing, host_copy)
+    if with_nccl:
+        def nccl(tensor):
+            dist.all_reduce(tensor)
+            torch.cuda.current_stream().synchronize()
+        methods["torch nccl"] = (nothing, nccl)
+    return methods
+
+
 def check(comm, name, setup, run, count):
-    tensor = torch.full((count,), float(comm.rank + 1))
+    tensor = torch.full((count,), float(comm.rank + 1), device=DEVICE)
     setup(tensor)
     run(tensor)
     want = comm.size * (comm.size + 1) / 2
@@ -79,7 +160,7 @@ def check(comm, name, setup, run, count):
 
 
 def time_method(comm, setup, run, count, seconds, min_iters):
-    tensor = torch.zeros(count)
+    tensor = torch.zeros(count, device=DEVICE)
     setup(tensor)
     run(tensor)                                   # warm-up: buffers allocated, pages touched
     comm.Barrier()
@@ -115,19 +196,30 @@ def main():
     parser.add_argument("--max-size", default="256M")
     parser.add_argument("--seconds", type=float, default=0.5, help="time per method and size")
     parser.add_argument("--min-iters", type=int, default=3)
-    parser.add_argument("--no-gloo", action="store_true")
+    parser.add_argument("--no-gloo", action="store_true",
+                        help="leave out torch.distributed (gloo, or NCCL with --device cuda)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: benchmark device buffers (docs/gpu.md)")
     args = parser.parse_args()
 
+    global DEVICE
+    DEVICE = args.device
     torch.set_num_threads(1)
-    mpiddp.init()
+    mpiddp.init()                   # on CUDA machines this also picks the rank's GPU
     comm = MPI.COMM_WORLD
     if not args.no_gloo:
-        init_gloo(comm)
-    methods = make_methods(comm, not args.no_gloo)
+        init_gloo(comm, "nccl" if DEVICE == "cuda" else "gloo")
+    if DEVICE == "cuda":
+        methods = make_cuda_methods(comm, not args.no_gloo)
+    else:
+        methods = make_methods(comm, not args.no_gloo)
     size, rank = comm.size, comm.rank
     factor = 2 * (size - 1) / size if size > 1 else 0.0
     if rank == 0:
-        print(f"# all-reduce benchmark: {size} ranks, float32 sum, "
+        where = "" if DEVICE == "cpu" else (
+            f"CUDA tensors on {torch.cuda.get_device_name()}, CUDA-aware MPI: "
+            f"{'yes' if mpiddp.mpi_cuda_aware() else 'no'}, ")
+        print(f"# all-reduce benchmark: {size} ranks, float32 sum, {where}"
               f"{MPI.Get_library_version().splitlines()[0].strip()}, "
               f"torch {torch.__version__}, {os.cpu_count()} cores")
         print(f"| size | method | time (us) | algbw (GB/s) | busbw (GB/s) | busbw vs MPI |")

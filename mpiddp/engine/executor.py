@@ -109,8 +109,8 @@ class Executor:
             scratch = self.pool.get(backend, request.device, dtype, "scratch",
                                     math.ceil(total / self.size))
         backend.before_mpi(request.device)
-        allreduce_buffer(self.comm, buf, scratch, dtype, request.op, algorithm,
-                         backend.reduce_into)
+        allreduce_buffer(backend.communicator(self.comm), buf, scratch, dtype, request.op,
+                         algorithm, backend.reduce_into)
         backend.scale_(buf, _post_factor(request, self.size), dtype)
         offset = 0
         for entry, count in zip(entries, counts):
@@ -144,7 +144,7 @@ class Executor:
         if self.rank == request.root and entry.input is not entry.output:
             backend.copy(entry.output, entry.input)
         backend.before_mpi(request.device)
-        broadcast(self.comm, entry.output, request.root)
+        broadcast(backend.communicator(self.comm), entry.output, request.root)
         backend.after_unpack(request.device)
         self.finish(entry)
 
@@ -156,8 +156,8 @@ class Executor:
         row = math.prod(request.shape[1:])
         output = entry.allocate((sum(response.sizes),) + tuple(request.shape[1:]))
         backend.before_mpi(request.device)
-        allgatherv(self.comm, entry.input, output, [n * row for n in response.sizes],
-                   dtype.itemsize)
+        allgatherv(backend.communicator(self.comm), entry.input, output,
+                   [n * row for n in response.sizes], dtype.itemsize)
         backend.after_unpack(request.device)
         self.finish(entry)
 
@@ -171,8 +171,9 @@ class Executor:
         received = [matrix[src][self.rank] for src in range(self.size)]
         output = entry.allocate((sum(received),) + tuple(request.shape[1:]))
         backend.before_mpi(request.device)
-        alltoallv(self.comm, entry.input, [n * row for n in matrix[self.rank]], output,
-                  [n * row for n in received], dtype.itemsize)
+        alltoallv(backend.communicator(self.comm), entry.input,
+                  [n * row for n in matrix[self.rank]], output, [n * row for n in received],
+                  dtype.itemsize)
         backend.after_unpack(request.device)
         self.finish(entry, info=tuple(received))
 
@@ -190,7 +191,7 @@ class Executor:
         largest = max(bounds[i + 1] - bounds[i] for i in range(self.size))
         scratch = self.pool.get(backend, request.device, dtype, "scratch", largest)
         backend.before_mpi(request.device)
-        ring_reduce_scatter(self.comm, work, scratch, bounds,
+        ring_reduce_scatter(backend.communicator(self.comm), work, scratch, bounds,
                             lambda dst, src: backend.reduce_into(dst, src, request.op, dtype))
         mine = work[bounds[self.rank]:bounds[self.rank + 1]]
         rows = row_bounds[self.rank + 1] - row_bounds[self.rank]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..buffers import gpu
 from ..buffers.dtypes import DTYPES
 
 _TORCH_NAMES = {getattr(torch, name): name for name in DTYPES}
@@ -19,7 +20,10 @@ def dtype_name(tensor: torch.Tensor, tensor_name: str) -> str:
 
 def device_name(tensor: torch.Tensor) -> str:
     if tensor.is_cuda:
-        return f"cuda:{tensor.get_device()}"
+        # Each rank uses one GPU (its engine device, chosen at init); requests say only
+        # "cuda", so that ranks on different local GPUs agree on the same name.
+        gpu.check_tensor_device(tensor.get_device())
+        return "cuda"
     if tensor.is_cpu:
         return "cpu"
     raise TypeError(f"unsupported device {tensor.device}: mpiddp reduces cpu and cuda tensors")
@@ -34,7 +38,11 @@ def flat_array(tensor: torch.Tensor):
     if bf16:
         tensor = tensor.view(torch.int16)
     if tensor.is_cuda:
-        import cupy
+        try:
+            import cupy
+        except ImportError as exc:
+            raise ImportError("mpiddp needs CuPy for CUDA tensors: pip install 'mpiddp[cuda]' "
+                              "(cupy-cuda12x; see docs/gpu.md)") from exc
 
         array = cupy.from_dlpack(tensor.reshape(-1))
     else:
