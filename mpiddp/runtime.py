@@ -53,20 +53,27 @@ def init(comm=None) -> None:
     """Start mpiddp on ``comm`` (default ``MPI.COMM_WORLD``). Calling it again is a no-op."""
     global _runtime, _atexit_registered
     if _runtime is not None:
+        if not _runtime.engine.running:
+            raise EngineShutdownError(
+                f"mpiddp's engine has stopped ({_runtime.engine.stopped_reason}); call "
+                "mpiddp.shutdown() on every rank before calling mpiddp.init() again")
         return
+    # Installed first, so that an error on one rank during start-up (a bad setting, say)
+    # ends the job instead of leaving the others waiting in the collectives below.
+    _install_abort_hook()
     provided = MPI.Query_thread()
     if provided < MPI.THREAD_SERIALIZED:
         raise RuntimeError(
             "mpiddp needs MPI initialised with at least MPI_THREAD_SERIALIZED (its coordinator "
             f"thread calls MPI), but the MPI library provides level {provided}. Let mpi4py "
             "initialise MPI (its default asks for MPI_THREAD_MULTIPLE).")
-    settings = read_settings()
+    comm = MPI.COMM_WORLD if comm is None else comm
+    settings = _agreed_settings(comm)
     logging.getLogger("mpiddp").setLevel(settings.log_level)
     if not logging.getLogger().handlers and not log.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[mpiddp %(levelname)s] %(message)s"))
         log.addHandler(handler)
-    comm = MPI.COMM_WORLD if comm is None else comm
     if provided < MPI.THREAD_MULTIPLE:
         log.warning("MPI provides only MPI_THREAD_SERIALIZED: do not make MPI calls of your own "
                     "while mpiddp collectives are in flight")
@@ -80,10 +87,35 @@ def init(comm=None) -> None:
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
         _atexit_registered = True
-    if settings.abort_on_exception:
-        _install_abort_hook()
+    if not settings.abort_on_exception:
+        _remove_abort_hook()
     log.info("mpiddp initialised: rank %d of %d, local rank %d of %d", comm.Get_rank(),
              comm.Get_size(), local_comm.Get_rank(), local_comm.Get_size())
+
+
+# Settings every rank must share: they decide message sizes, fusion plans and algorithms.
+_PROTOCOL_SETTINGS = ("fusion_threshold", "cache_capacity", "allreduce_algorithm",
+                      "ring_threshold")
+
+
+def _agreed_settings(comm) -> Settings:
+    """Read the settings on every rank and check that the ranks agree; every rank raises the
+    same error otherwise (a collective: no rank is left waiting)."""
+    try:
+        settings, error = read_settings(), None
+    except ValueError as exc:
+        settings, error = None, str(exc)
+    everyone = comm.allgather((settings, error))
+    errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(everyone) if e]
+    if errors:
+        raise ValueError("invalid mpiddp settings: " + "; ".join(errors))
+    for field in _PROTOCOL_SETTINGS:
+        values = {r: getattr(s, field) for r, (s, _) in enumerate(everyone)}
+        if len(set(values.values())) > 1:
+            listing = ", ".join(f"rank {r} has {v!r}" for r, v in values.items())
+            raise ValueError(f"MPIDDP_{field.upper()} must be the same on every rank, but "
+                             f"{listing}")
+    return settings
 
 
 def shutdown() -> None:
@@ -93,7 +125,7 @@ def shutdown() -> None:
     runtime = _runtime
     if runtime is None:
         return
-    runtime.engine.shutdown(f"shutdown() was called on rank {runtime.comm.Get_rank()}")
+    runtime.engine.shutdown("shutdown() was called")
     _runtime = None
     _was_shut_down = True
     runtime.local_comm.Free()
@@ -123,6 +155,13 @@ def _install_abort_hook() -> None:
             MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = abort_on_uncaught
+
+
+def _remove_abort_hook() -> None:
+    global _previous_excepthook
+    if _previous_excepthook is not None:
+        sys.excepthook = _previous_excepthook
+        _previous_excepthook = None
 
 
 def is_initialized() -> bool:
@@ -182,16 +221,22 @@ def reset_engine_stats() -> None:
 
 def set_allreduce_algorithm(algorithm: str, ring_threshold: int | None = None) -> None:
     """Switch the algorithm for fused all-reduces at run time ('auto', 'ring' or 'native'),
-    as MPIDDP_ALLREDUCE_ALGORITHM / MPIDDP_RING_THRESHOLD do at start-up. Call it at the same
-    point on every rank (between collectives), or ranks may pick different algorithms."""
+    as MPIDDP_ALLREDUCE_ALGORITHM / MPIDDP_RING_THRESHOLD do at start-up. A collective call:
+    every rank must make it; the switch happens at the same point of the agreed execution
+    order on every rank, so ranks never pick different algorithms for the same buffer."""
     from .config import ALGORITHMS
+    from .torch.ops import barrier
 
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm {algorithm!r} is not one of: {', '.join(ALGORITHMS)}")
     executor = require("set_allreduce_algorithm()").engine.executor
-    executor.algorithm = algorithm
-    if ring_threshold is not None:
-        executor.ring_threshold = int(ring_threshold)
+
+    def switch():
+        executor.algorithm = algorithm
+        if ring_threshold is not None:
+            executor.ring_threshold = int(ring_threshold)
+
+    barrier(name=f"set_allreduce_algorithm.{algorithm}.{ring_threshold}", action=switch)
 
 
 def start_timeline() -> None:

@@ -42,3 +42,13 @@ def test_uncaught_exception_on_one_rank_ends_the_job():
 def test_join_lets_ranks_with_less_data_finish():
     result = run_mpi("errors_worker.py", 4, "join_uneven", timeout=60)
     assert_ok(result, expect_lines=5)
+
+
+def test_settings_that_differ_between_ranks_are_an_error_everywhere():
+    result = run_mpi("errors_worker.py", 2, "settings_differ", timeout=60)
+    assert_ok(result, expect_lines=2)
+
+
+def test_switching_algorithm_with_requests_in_flight():
+    result = run_mpi("errors_worker.py", 3, "algorithm_switch_in_flight", timeout=60)
+    assert_ok(result, expect_lines=3)

@@ -104,3 +104,25 @@ def test_stall_report_names_missing_ranks():
     text = describe_stalls(stalls)
     assert "rank 2 has not submitted: 'a'" in text and "5.0 s" in text
     assert find_stalls(pending, joined={2}, size=3, min_age=2.0) == []
+
+
+def test_identity_values_leave_reductions_unchanged():
+    import numpy as np
+    import torch
+
+    from mpiddp.buffers.dtypes import DTYPES, identity_value
+    from mpiddp.buffers.host_reduce import reduce_into
+    from mpiddp.ops import ReduceOp
+
+    for dtype in DTYPES.values():
+        for op in ReduceOp:
+            if (dtype.kind == "int" and op == ReduceOp.AVERAGE) or \
+                    (dtype.kind == "bool" and op not in (ReduceOp.MIN, ReduceOp.MAX)):
+                continue
+            values = torch.tensor([-3, 0, 2, 5]).to(getattr(torch, dtype.name)) \
+                if dtype.kind != "bool" else torch.tensor([True, False, True, False])
+            flat = values.view(torch.int16).numpy().view(np.uint16) \
+                if dtype.name == "bfloat16" else values.numpy()
+            dst = flat.copy()
+            reduce_into(dst, np.full_like(flat, identity_value(dtype, op)), op, dtype)
+            assert np.array_equal(dst, flat), (dtype.name, op)

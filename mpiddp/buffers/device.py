@@ -188,11 +188,11 @@ class DeviceBackend:
                 with state.stream:
                     dst[...] = src
 
-    def fill_zero(self, array) -> None:
+    def fill(self, array, value) -> None:
         if array.size:
             state = self._array_state(array)
             with cupy.cuda.Device(state.id), state.stream:
-                array.fill(0)
+                array.fill(value)
 
     def reduce_into(self, dst, src, op: ReduceOp, dtype: DType) -> None:
         """``dst = op(dst, src)`` elementwise, queued on the engine stream. Host arrays (MPI

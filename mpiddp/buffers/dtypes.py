@@ -45,3 +45,29 @@ def dtype_named(name: str) -> DType:
     except KeyError:
         raise TypeError(
             f"unsupported dtype {name}; supported: {', '.join(DTYPES)}") from None
+
+
+# bfloat16 bit patterns (the storage is raw uint16).
+_BF16_BITS = {"inf": 0x7F80, "-inf": 0xFF80, "one": 0x3F80}
+
+
+def identity_value(dtype: DType, op: int):
+    """The value a rank that has joined contributes to a reduction: it leaves every other
+    rank's values unchanged (0 for sums, 1 for products, the type's extremes for min/max).
+    Returned as a scalar of the storage type."""
+    from ..ops import ReduceOp
+
+    op = ReduceOp(op)
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        return dtype.storage.type(0)
+    if dtype.kind == "bool":
+        return np.bool_(op == ReduceOp.MIN)          # and: True, or: False
+    if dtype.name == "bfloat16":
+        key = {ReduceOp.PRODUCT: "one", ReduceOp.MIN: "inf", ReduceOp.MAX: "-inf"}[op]
+        return np.uint16(_BF16_BITS[key])
+    if op == ReduceOp.PRODUCT:
+        return dtype.storage.type(1)
+    if dtype.kind == "float":
+        return dtype.storage.type(np.inf if op == ReduceOp.MIN else -np.inf)
+    info = np.iinfo(dtype.storage)
+    return dtype.storage.type(info.max if op == ReduceOp.MIN else info.min)

@@ -26,8 +26,8 @@ class HostBackend:
         np.copyto(dst, src)
 
     @staticmethod
-    def fill_zero(array) -> None:
-        array.fill(0)
+    def fill(array, value) -> None:
+        array.fill(value)
 
     def wait_ready(self, entry) -> None:
         """Host tensors are ready when submitted."""

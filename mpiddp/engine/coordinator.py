@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 from ..collectives.waiting import wait_politely
 from ..config import Settings
-from ..errors import DuplicateNameError, EngineShutdownError
+from ..errors import DuplicateNameError, EngineShutdownError, MpiddpError
 from .executor import Executor
 from .handle import Handle
 from .negotiation import RequestTable, ResponseCache, cacheable
@@ -78,6 +78,7 @@ class Engine:
         self._join_changed = False
         self._join_cycle = 0
         self._progressed = True
+        self._cycles = 0
         self._backoff = _MIN_BACKOFF
         self._last_stall_check = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="mpiddp-coordinator", daemon=True)
@@ -90,11 +91,14 @@ class Engine:
         with self._lock:
             self._check_running()
             clash = [n for n in names if n in self._in_flight]
-            if clash or len(set(names)) != len(names):
-                clash = clash or [n for n in names if names.count(n) > 1]
+            if clash:
                 raise DuplicateNameError(
                     f"a collective named '{clash[0]}' is already in flight on rank {self.rank}; "
                     "wait for it (synchronize) or give the new one another name")
+            if len(set(names)) != len(names):
+                twice = next(n for n in names if names.count(n) > 1)
+                raise DuplicateNameError(f"the name '{twice}' appears twice in one grouped "
+                                         f"submission on rank {self.rank}")
             self._in_flight.update(names)
             for entry in entries:
                 self._inbox.put(entry)
@@ -108,6 +112,12 @@ class Engine:
             self._check_running()
             if self._join_handle is not None:
                 raise RuntimeError(f"join() is already in progress on rank {self.rank}")
+            if self._in_flight:
+                names = ", ".join(repr(n) for n in sorted(self._in_flight)[:5])
+                raise MpiddpError(
+                    f"join() was called on rank {self.rank} while collectives are still in "
+                    f"flight ({names}{', ...' if len(self._in_flight) > 5 else ''}): "
+                    "synchronize them first")
             self._join_handle = Handle("join")
             self._inbox.put(_WAKE)
             return self._join_handle
@@ -174,16 +184,18 @@ class Engine:
         shutdown_requested = self._shutdown_reason is not None
         if self._join_handle is not None and not self._joined:
             self._joined = self._join_changed = True
-            self._join_cycle = self.stats.cycles
+            self._join_cycle = self._cycles
 
         self._fill_bits(shutdown_requested)
         request = self.comm.Iallreduce([self._send, MPI.BYTE], [self._recv, MPI.BYTE], MPI.BAND)
         wait_politely(request)
         any_flags, all_joined, ready_bits, invalid_bits = self._read_bits()
+        ready_bits &= ~invalid_bits      # a joined rank marks its own changed entries both
         ready_slots = self._set_bits(ready_bits) if ready_bits else []
         invalid_slots = self._set_bits(invalid_bits) if invalid_bits else []
         stats = self.stats
         stats.cycles += 1
+        self._cycles += 1                # private: users may reset the stats
 
         for slot in invalid_slots:       # a rank saw a different signature: renegotiate
             name = self.cache.response(slot).name

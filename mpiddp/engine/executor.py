@@ -12,7 +12,7 @@ from typing import Callable
 from mpi4py import MPI
 
 from ..buffers import backend_for
-from ..buffers.dtypes import DType, dtype_named
+from ..buffers.dtypes import DType, dtype_named, identity_value
 from ..collectives.allreduce import allreduce_buffer, choose_algorithm
 from ..collectives.native import allgatherv, alltoallv, broadcast
 from ..collectives.ring import chunk_bounds, ring_reduce_scatter
@@ -98,7 +98,8 @@ class Executor:
             for entry, count in zip(entries, counts):
                 part = buf[offset:offset + count]
                 if entry is None:
-                    backend.fill_zero(part)      # a joined rank contributes zeros
+                    # A joined rank contributes the op's identity (zeros for sums).
+                    backend.fill(part, identity_value(dtype, request.op))
                 else:
                     backend.copy(part, entry.input)
                 offset += count
@@ -204,4 +205,6 @@ class Executor:
 
     def _barrier(self, response: Response, entry: Entry) -> None:
         # Agreement itself proves every rank reached the barrier: nothing left to move.
+        if entry.action is not None:
+            entry.action()
         self.finish(entry)

@@ -71,10 +71,11 @@ class Entry:
     """
 
     __slots__ = ("request", "input", "output", "handle", "allocate", "ready_event",
-                 "submitted", "sent")
+                 "submitted", "sent", "action")
 
     def __init__(self, request: Request, input: Any, output: Any, handle: Handle,
-                 allocate: Optional[Callable[[tuple], Any]] = None, ready_event: Any = None):
+                 allocate: Optional[Callable[[tuple], Any]] = None, ready_event: Any = None,
+                 action: Optional[Callable[[], None]] = None):
         self.request = request
         self.input = input
         self.output = output
@@ -83,3 +84,6 @@ class Entry:
         self.ready_event = ready_event
         self.submitted = time.perf_counter()
         self.sent = False               # its Request has gone to rank 0
+        # A barrier's action runs on the coordinator at the barrier's agreed place in the
+        # execution order, i.e. at the same point on every rank (engine reconfiguration).
+        self.action = action

@@ -8,6 +8,7 @@ order get the same names.
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 from typing import Callable, Optional, Sequence
 
@@ -272,8 +273,15 @@ def _broadcast_async(tensor, root_rank, name, in_place):
     name = _auto_name(BROADCAST, name)
     dtype = _check_tensor(tensor, name)
     size = rt.comm.Get_size()
-    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
-        raise ValueError(f"broadcast of '{name}': root_rank={root_rank!r} is not a rank "
+    try:
+        if isinstance(root_rank, bool):
+            raise TypeError
+        root_rank = operator.index(root_rank)      # ints, NumPy and 0-d torch integers
+    except TypeError:
+        raise TypeError(f"broadcast of '{name}': root_rank must be an integer rank, not "
+                        f"{type(root_rank).__name__}") from None
+    if not 0 <= root_rank < size:
+        raise ValueError(f"broadcast of '{name}': root_rank={root_rank} is not a rank "
                          f"(0..{size - 1})")
     request = Request(name, BROADCAST, dtype, tuple(tensor.shape), device_name(tensor),
                       root=root_rank)
@@ -366,11 +374,12 @@ def alltoall(tensor, splits=None, name=None):
     return synchronize(alltoall_async(tensor, splits, name))
 
 
-def barrier(name=None) -> None:
-    """Return once every rank has called barrier (ordered with the other collectives)."""
+def barrier(name=None, action=None) -> None:
+    """Return once every rank has called barrier (ordered with the other collectives).
+    ``action`` (internal) runs on the engine thread at the barrier's place in the order."""
     runtime.require_engine("barrier()")
     name = _auto_name(BARRIER, name)
-    entry = Entry(Request(name, BARRIER, "uint8", ()), None, None, Handle(name))
+    entry = Entry(Request(name, BARRIER, "uint8", ()), None, None, Handle(name), action=action)
     synchronize(_submit([entry], lambda: None))
 
 

@@ -153,15 +153,31 @@ def uncaught_exception():
 
 
 def join_uneven():
-    """Rank r has r+2 batches; ranks that run out call join() and contribute zeros."""
+    """Rank r has r+2 batches; ranks that run out call join() and contribute each op's
+    identity: zeros to sums, nothing to min/max/product."""
     mpiddp.init()
     rank, size = mpiddp.rank(), mpiddp.size()
     mpiddp.broadcast(torch.ones(2), root_rank=0, name="bc.cached")    # now in the cache
+    pending = mpiddp.allreduce_async(torch.ones(1), name="inflight")
+    expect(mpiddp.MpiddpError, mpiddp.join, "in flight", "'inflight'")
+    mpiddp.synchronize(pending)
     for step in range(rank + 2):
-        out = mpiddp.allreduce(torch.ones(5), name="grad", op=mpiddp.Sum)
-        # Ranks with fewer batches than 'step + 1' have joined and add zeros.
-        active = sum(1 for r in range(size) if r + 2 > step)
-        assert torch.all(out == active), (step, out, active)
+        active = [r for r in range(size) if r + 2 > step]
+        handles = [
+            mpiddp.allreduce_async(torch.ones(5), name="grad", op=mpiddp.Sum),
+            mpiddp.allreduce_async(torch.full((3,), -5.0 - rank), name="max", op=mpiddp.Max),
+            mpiddp.allreduce_async(torch.full((3,), rank + 1, dtype=torch.int32), name="min",
+                                   op=mpiddp.Min),
+            mpiddp.allreduce_async(torch.full((2,), 3.0), name="prod", op=mpiddp.Product),
+            mpiddp.allreduce_async(torch.tensor([True, rank % 2 == 0]), name="and",
+                                   op=mpiddp.Min),
+        ]
+        total, high, low, prod, both = [mpiddp.synchronize(h) for h in handles]
+        assert torch.all(total == len(active)), (step, total, active)
+        assert torch.all(high == -5.0 - min(active)), (step, high)
+        assert torch.all(low == min(active) + 1), (step, low)
+        assert torch.all(prod == 3.0 ** len(active)), (step, prod)
+        assert both.tolist() == [True, all(r % 2 == 0 for r in active)], (step, both)
     if rank == size - 1:
         # Everyone else has joined: anything but allreduce is an error, cached or not.
         for name in ("bc.cached", "bc.new"):
@@ -174,6 +190,32 @@ def join_uneven():
     out = mpiddp.allreduce(torch.ones(2), name="after.join", op=mpiddp.Sum)
     assert torch.all(out == size)
     ok(f"join returned last rank {last}")
+
+
+def settings_differ():
+    """A protocol setting that differs between ranks is a clear error on every rank."""
+    import os
+    if os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK")) == "1":
+        os.environ["MPIDDP_FUSION_THRESHOLD"] = "1"
+    expect(ValueError, mpiddp.init, "MPIDDP_FUSION_THRESHOLD must be the same on every rank",
+           "rank 1 has 1")
+    ok("differing settings")
+
+
+def algorithm_switch_in_flight():
+    """Switching algorithms while gradients are in flight stays consistent across ranks."""
+    mpiddp.init()
+    rank, size = mpiddp.rank(), mpiddp.size()
+    for round_ in range(20):
+        handles = [mpiddp.allreduce_async(torch.full((5000,), float(rank)), name=f"sw.{i}",
+                                          op=mpiddp.Sum) for i in range(8)]
+        mpiddp.set_allreduce_algorithm(("ring", "native", "auto")[round_ % 3])
+        for h in handles:
+            assert torch.all(mpiddp.synchronize(h) == sum(range(size)))
+    t = torch.ones(3)
+    mpiddp.broadcast_(t, root_rank=torch.tensor(size - 1), name="tensor.root")
+    expect(TypeError, lambda: mpiddp.broadcast(t, root_rank=True, name="bool.root"), "root_rank")
+    ok("algorithm switches and integer-like roots")
 
 
 if __name__ == "__main__":

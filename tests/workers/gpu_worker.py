@@ -180,10 +180,10 @@ def mode_unit():
     src = cupy.arange(1000, dtype=cupy.float32)
     inputs_ready()
     backend.copy(buf[10:20], src[:10])
-    backend.fill_zero(buf[:5])
+    backend.fill(buf[:5], 0)
     backend.after_unpack("cuda")
     assert cupy.asnumpy(buf[10:20]).tolist() == list(range(10))
-    print("OK empty, copy, fill_zero", flush=True)
+    print("OK empty, copy, fill", flush=True)
 
     # wait_ready: the tensor's value is written by the producing stream after a long sleep
     for _ in range(3):
