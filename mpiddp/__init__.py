@@ -22,3 +22,7 @@ from .torch.ops import (allgather, allgather_async, allreduce, allreduce_,  # no
                         reducescatter_async, synchronize)
 
 __version__ = "0.1.0"
+from .torch.compression import Compression  # noqa: F401,E402
+from .torch.functions import (allgather_object, broadcast_object,  # noqa: F401,E402
+                              broadcast_optimizer_state, broadcast_parameters)
+from .torch.optimizer import DistributedOptimizer  # noqa: F401,E402

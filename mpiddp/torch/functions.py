@@ -1,0 +1,225 @@
+"""Keeping ranks consistent: broadcast model parameters, optimizer state and Python objects;
+gather Python objects from every rank.
+
+Everything here goes through the engine's collectives (no MPI calls of its own), so it is
+ordered with the rest of the job's collectives. Every rank must make the same calls in the
+same order: they are collectives.
+"""
+from __future__ import annotations
+
+import itertools
+import pickle
+import sys
+import threading
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from .. import runtime
+from .ops import allgather, broadcast_, broadcast_async_, synchronize
+
+_call_counter = itertools.count()
+_counter_lock = threading.Lock()
+
+
+def _call_id(kind: str, name) -> str:
+    """Base name of one call: the caller's ``name``, or a per-kind counter that agrees across
+    ranks as long as they make the same calls in the same order."""
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, not {name!r}")
+        return f"{kind}.{name}"
+    with _counter_lock:
+        return f"{kind}.{next(_call_counter)}"
+
+
+def _check_root(root_rank, what: str) -> None:
+    size = runtime.size()
+    if not isinstance(root_rank, int) or isinstance(root_rank, bool) or \
+            not 0 <= root_rank < size:
+        raise ValueError(f"{what}: root_rank={root_rank!r} is not a rank (0..{size - 1})")
+
+
+# ---- Python objects ----------------------------------------------------------------------
+def _dumps(obj) -> torch.Tensor:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _loads(tensor: torch.Tensor):
+    return pickle.loads(tensor.numpy().tobytes())
+
+
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
+    """Return ``root_rank``'s ``obj`` on every rank (any picklable object; other ranks may pass
+    anything, e.g. None). The length travels first, then the pickled bytes."""
+    runtime.require("broadcast_object()")
+    _check_root(root_rank, "broadcast_object")
+    base = _call_id("broadcast_object", name)
+    is_root = runtime.rank() == root_rank
+    payload = _dumps(obj) if is_root else None
+    length = torch.tensor([payload.numel() if is_root else 0], dtype=torch.int64)
+    broadcast_(length, root_rank, name=f"{base}.len")
+    if not is_root:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    broadcast_(payload, root_rank, name=f"{base}.data")
+    return obj if is_root else _loads(payload)
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list:
+    """Return the list of every rank's ``obj``, in rank order, on every rank.
+
+    One all-gather: each rank contributes an 8-byte length followed by its pickled bytes, so
+    the concatenation is read back without a second round."""
+    runtime.require("allgather_object()")
+    base = _call_id("allgather_object", name)
+    payload = _dumps(obj)
+    header = torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8)
+    gathered = allgather(torch.cat([header, payload]), name=f"{base}.data").numpy().tobytes()
+    result, offset = [], 0
+    for _ in range(runtime.size()):
+        n = int.from_bytes(gathered[offset:offset + 8], sys.byteorder)
+        result.append(pickle.loads(gathered[offset + 8:offset + 8 + n]))
+        offset += 8 + n
+    return result
+
+
+# ---- model parameters --------------------------------------------------------------------
+def _named_tensors(params, what: str) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(params, Mapping):
+        items = list(params.items())
+    elif isinstance(params, torch.Tensor):
+        raise TypeError(f"{what} takes a state_dict, named_parameters() or a list of "
+                        "(name, tensor) pairs, not a single tensor")
+    else:
+        items = []
+        for i, item in enumerate(params):
+            if isinstance(item, torch.Tensor):
+                items.append((str(i), item))
+            elif isinstance(item, tuple) and len(item) == 2:
+                items.append((str(item[0]), item[1]))
+            else:
+                raise TypeError(f"{what}: item {i} is a {type(item).__name__}; expected a "
+                                "(name, tensor) pair or a tensor")
+    names = [n for n, _ in items]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"{what}: the name '{dup}' appears more than once")
+    for n, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: '{n}' is a {type(t).__name__}, not a tensor (use "
+                            "broadcast_object for other values)")
+    return items
+
+
+def broadcast_parameters(params: Mapping | Iterable, root_rank: int = 0,
+                         prefix: str = "broadcast_parameters") -> None:
+    """Overwrite every tensor in ``params`` with ``root_rank``'s values, in place.
+
+    ``params`` is a ``state_dict()`` (parameters and buffers), ``named_parameters()`` or a list
+    of ``(name, tensor)`` pairs. All broadcasts are submitted at once and waited for together.
+    Run it after building the model (and after loading a checkpoint on the root) so that every
+    rank starts from the same weights."""
+    runtime.require("broadcast_parameters()")
+    _check_root(root_rank, "broadcast_parameters")
+    items = _named_tensors(params, "broadcast_parameters")
+    handles = []
+    with torch.no_grad():
+        for name, tensor in items:
+            handles.append(broadcast_async_(tensor, root_rank, name=f"{prefix}.{name}"))
+        for handle in handles:
+            synchronize(handle)
+
+
+# ---- optimizer state ---------------------------------------------------------------------
+class _TensorSlot:
+    """Placeholder for a tensor in the pickled skeleton of an optimizer's state."""
+
+    __slots__ = ("index", "shape", "dtype")
+
+    def __init__(self, index: int, shape, dtype):
+        self.index, self.shape, self.dtype = index, tuple(shape), dtype
+
+    def __getstate__(self):
+        return (self.index, self.shape, self.dtype)
+
+    def __setstate__(self, state):
+        self.index, self.shape, self.dtype = state
+
+
+def _skeleton(value, tensors: list):
+    """Replace every tensor in ``value`` (nested dicts, lists, tuples) by a ``_TensorSlot``."""
+    if isinstance(value, torch.Tensor):
+        # Tensors travel through host memory on every rank (devices may differ per rank);
+        # load_state_dict moves them to each parameter's device.
+        tensors.append(value.detach().cpu())
+        return _TensorSlot(len(tensors) - 1, value.shape, value.dtype)
+    if isinstance(value, dict):
+        return {k: _skeleton(v, tensors) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_skeleton(v, tensors) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_skeleton(v, tensors) for v in value)
+    return value
+
+
+def _fill(value, tensors: list, make):
+    """Inverse of ``_skeleton``: put real tensors (made by ``make(slot)``) back in place."""
+    if isinstance(value, _TensorSlot):
+        tensor = make(value)
+        tensors.append((value.index, tensor))
+        return tensor
+    if isinstance(value, dict):
+        return {k: _fill(v, tensors, make) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill(v, tensors, make) for v in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_fill(v, tensors, make) for v in value)
+    return value
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              prefix: str = "broadcast_optimizer_state") -> None:
+    """Make every rank's optimizer state (per-parameter state such as momentum buffers and step
+    counts, and the param groups' hyperparameters such as ``lr``) equal to ``root_rank``'s.
+
+    The structure and every non-tensor value (Python scalars, hyperparameters) travel as one
+    pickled object; the tensors travel as tensor broadcasts, so large states are not pickled.
+    An optimizer whose state is still empty on the root (no step taken yet) leaves every rank
+    with an empty state. Typical use: after loading a checkpoint on rank 0."""
+    runtime.require("broadcast_optimizer_state()")
+    _check_root(root_rank, "broadcast_optimizer_state")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, not "
+                        f"{type(optimizer).__name__}")
+    base = _call_id(prefix, None)
+    is_root = runtime.rank() == root_rank
+    state_dict = optimizer.state_dict()
+    local_groups = [len(g["params"]) for g in state_dict["param_groups"]]
+
+    skeleton = None
+    root_tensors: list = []
+    if is_root:
+        state = {key: _skeleton(value, root_tensors)
+                 for key, value in state_dict["state"].items()}
+        skeleton = {"state": state, "param_groups": state_dict["param_groups"]}
+    skeleton = broadcast_object(skeleton, root_rank, name=f"{base}.skeleton")
+
+    root_groups = [len(g["params"]) for g in skeleton["param_groups"]]
+    if is_root:
+        pairs = list(enumerate(root_tensors))
+    else:
+        pairs = []
+        make = lambda slot: torch.empty(slot.shape, dtype=slot.dtype)  # noqa: E731
+        state = {key: _fill(value, pairs, make) for key, value in skeleton["state"].items()}
+    handles = [broadcast_async_(tensor, root_rank, name=f"{base}.t{index}")
+               for index, tensor in sorted(pairs, key=lambda pair: pair[0])]
+    for handle in handles:
+        synchronize(handle)
+    if root_groups != local_groups:   # raised only now, so every rank made the same calls
+        raise ValueError(
+            f"broadcast_optimizer_state: rank {root_rank} has param groups of sizes "
+            f"{root_groups} but rank {runtime.rank()} has {local_groups}: the optimizers "
+            "hold different parameters")
+    if not is_root:
+        optimizer.load_state_dict({"state": state, "param_groups": skeleton["param_groups"]})

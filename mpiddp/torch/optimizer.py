@@ -1,0 +1,514 @@
+"""DistributedOptimizer: average gradients across ranks while backward is still running.
+
+``DistributedOptimizer(optimizer, named_parameters=model.named_parameters())`` returns an
+optimizer that *is* the user's optimizer (same class, ``isinstance`` holds; it shares the
+original's ``__dict__``, so ``param_groups``, ``state``, ``state_dict()``/``load_state_dict()``
+and LR schedulers keep working) with four methods changed:
+
+* a ``post_accumulate_grad`` hook on every trainable parameter queues an in-place all-reduce
+  of its gradient the moment the gradient is final (after ``backward_passes_per_step``
+  backward passes). Queued gradients go to the engine together as soon as they add up to
+  ``bucket_cap_mb`` (and at the last gradient of the step), so the last layers' gradients
+  travel while backward still computes the first layers', and one engine cycle covers
+  several gradients (``bucket_cap_mb=0``: every gradient goes out on its own);
+* ``synchronize()`` submits what is still missing (gradients of parameters that got none on
+  this rank: zeros, so that every rank reduces the same names and nothing deadlocks), waits
+  for every reduction and writes the averaged gradients into ``param.grad``;
+* ``step()`` synchronizes (unless inside ``skip_synchronize()``) and then runs the wrapped
+  optimizer's own step;
+* ``zero_grad()`` first completes reductions still in flight, so it never races with them.
+
+Parameters that no rank used keep ``grad=None`` (as in a single process, so optimizers skip
+them): a small usage bit-vector is all-reduced in the background next to the gradients, and
+only a rank that lacks a gradient waits for it.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+from typing import Iterable, Optional
+
+import torch
+
+from .. import runtime
+from ..errors import MpiddpError, TensorMismatchError
+from ..ops import ReduceOp
+from .compression import Compression
+from .functions import allgather_object
+from .ops import TensorHandle, _allreduce_entry, allreduce, synchronize as _wait
+
+_optimizer_index = itertools.count()
+_OWNER_ATTR = "_mpiddp_optimizer"   # on a parameter: weakref to the state reducing it
+
+
+def _nothing():
+    return None
+
+
+class _Pending:
+    """One gradient reduction in flight."""
+
+    __slots__ = ("handle", "wire", "ctx", "local_zeros")
+
+    def __init__(self, handle, wire, ctx, local_zeros):
+        self.handle = handle          # TensorHandle of the all-reduce
+        self.wire = wire              # the tensor being reduced (grad itself, or compressed)
+        self.ctx = ctx                # compression context
+        self.local_zeros = local_zeros  # this rank had no gradient: it contributed zeros
+
+
+class _GradientSync:
+    """The distributed part of a DistributedOptimizer: names, hooks, reductions in flight.
+
+    Lives in the optimizer's ``__dict__`` as ``_mpiddp``. Hooks reach it through a weak
+    reference, so a dropped optimizer leaves only inert hooks behind."""
+
+    def __init__(self, index: int, compression, backward_passes_per_step: int, op: ReduceOp,
+                 gradient_predivide_factor: float, sparse_as_dense: bool, bucket_cap_mb: float):
+        self.index = index
+        self.prefix = f"opt{index}"
+        self.compression = compression
+        self.passes_per_step = backward_passes_per_step
+        self.op = op
+        self.prescale = 1.0 / gradient_predivide_factor
+        self.postscale = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.params: list[torch.Tensor] = []          # reduced parameters, in order
+        self.names: dict[torch.Tensor, str] = {}      # parameter -> tensor name
+        self.frozen: list[tuple[str, torch.Tensor]] = []  # excluded (requires_grad False)
+        self.extra_names: dict = {}                   # names for add_param_group
+        self.hook_handles: list = []
+        self.lock = threading.Lock()
+        self.passes: dict[torch.Tensor, int] = {}     # backward passes seen this step
+        self.bucket: list[torch.Tensor] = []          # queued, not yet submitted
+        self.bucket_bytes = 0
+        self.bucket_cap = int(bucket_cap_mb * 2 ** 20)
+        self.pending: dict[torch.Tensor, _Pending] = {}
+        self.usage_handle = None                      # last step's usage reduction
+        self.usage = None
+        self.synchronized = False
+        self.skip_synchronize = False
+
+    # ---- registration -------------------------------------------------------------------
+    def add(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        ref = weakref.ref(self)
+        for name, param in named:
+            if not param.requires_grad:
+                self.frozen.append((name, param))
+                continue
+            self.params.append(param)
+            self.names[param] = f"{self.prefix}.grad.{name}"
+            setattr(param, _OWNER_ATTR, ref)
+            self.hook_handles.append(
+                param.register_post_accumulate_grad_hook(_make_hook(ref)))
+
+    # ---- called by the autograd hooks ---------------------------------------------------
+    def on_gradient(self, param: torch.Tensor) -> None:
+        with self.lock:
+            if param in self.pending:
+                raise RuntimeError(
+                    f"the gradient of '{self.names[param]}' was computed again before "
+                    f"optimizer.step(): DistributedOptimizer was built with "
+                    f"backward_passes_per_step={self.passes_per_step}, and its reduction has "
+                    "already started. Call optimizer.step() (or zero_grad()) after every "
+                    f"{self.passes_per_step} backward pass(es), or raise "
+                    "backward_passes_per_step to accumulate more passes locally. This step's "
+                    "gradients are not valid: call optimizer.zero_grad() before going on.")
+            self.synchronized = False
+            count = self.passes.get(param, 0) + 1
+            self.passes[param] = count
+            if count >= self.passes_per_step:
+                self._queue(param)
+                if self.bucket_bytes >= self.bucket_cap or len(self.pending) == len(self.params):
+                    self._flush()        # bucket full, or the last gradient of this step
+
+    def _queue(self, param: torch.Tensor, zeros: bool = False) -> None:
+        """Make ``param``'s gradient ready for reduction (it goes out with the next flush)."""
+        name = self.names[param]
+        if zeros:
+            grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        else:
+            grad = param.grad
+            if grad.is_sparse:
+                if not self.sparse_as_dense:
+                    raise RuntimeError(
+                        f"'{name}' has a sparse gradient; mpiddp reduces dense gradients. Use "
+                        "DistributedOptimizer(..., sparse_as_dense=True) or a dense layer "
+                        "(e.g. nn.Embedding(sparse=False)).")
+                grad = param.grad = grad.to_dense()
+        wire, ctx = self.compression.compress(grad)
+        if not wire.is_contiguous():     # reduce a contiguous copy; synchronize copies back
+            wire = wire.contiguous()
+        self.pending[param] = _Pending(None, wire, ctx, zeros)
+        self.bucket.append(param)
+        self.bucket_bytes += wire.numel() * wire.element_size()
+
+    def _flush(self, extra: tuple = ()) -> None:
+        """Submit the queued gradients (and ``extra`` entries) in one go: the engine takes them
+        in the same cycle, so one negotiation covers them all and they fuse together."""
+        if not self.bucket and not extra:
+            return
+        entries, items = [], []
+        for param in self.bucket:
+            item = self.pending[param]
+            entries.append(_allreduce_entry(item.wire, item.wire, self.names[param], self.op,
+                                            self.prescale, self.postscale))
+            items.append(item)
+        self.bucket = []
+        self.bucket_bytes = 0
+        engine = runtime.require_engine("DistributedOptimizer")
+        engine.submit_many(entries + list(extra))
+        for item, entry in zip(items, entries):
+            item.handle = TensorHandle([entry.handle], _nothing)
+
+    # ---- synchronize ----------------------------------------------------------------------
+    def synchronize(self) -> None:
+        with self.lock:
+            if not self.params or (self.synchronized and not self.pending
+                                   and not self.passes):
+                return                   # nothing happened since the last synchronize
+            self._check_frozen()
+            # Every rank must reduce the same names: submit what the hooks did not.
+            missing_zero = False
+            for param in self.params:
+                if param not in self.pending:
+                    if param.grad is None:
+                        self._queue(param, zeros=True)
+                        missing_zero = True
+                    else:                # fewer passes than backward_passes_per_step
+                        self._queue(param)
+            usage_handle = self._flush_with_usage()
+            pending = self.pending
+            self.pending = {}
+            self.passes = {}
+        used = None
+        if missing_zero:                 # only then this rank needs to know who used what
+            _wait(usage_handle)
+            used = self.usage
+        error = None
+        with torch.no_grad():
+            for i, param in enumerate(self.params):
+                item = pending[param]
+                if item.handle is None:          # its submission failed (already raised)
+                    error = error or MpiddpError(
+                        f"the gradient of '{self.names[param]}' was never submitted for "
+                        "reduction because of an earlier error")
+                    continue
+                try:
+                    _wait(item.handle)
+                except BaseException as exc:    # keep waiting for the rest: no stray writes
+                    error = error or exc
+                    continue
+                grad = self.compression.decompress(item.wire, item.ctx)
+                if item.local_zeros:
+                    if used[i] == 0:
+                        continue         # no rank used this parameter: grad stays None
+                    param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
+                elif grad is not param.grad:
+                    param.grad.copy_(grad)
+        self.synchronized = error is None
+        if error is not None:
+            raise error
+
+    def _flush_with_usage(self):
+        """Flush the last gradients together with an all-reduce (logical or) of which
+        parameters have a gradient on some rank. Only ranks that lack a gradient wait for
+        it; everyone else lets it finish in the background."""
+        if self.usage_handle is not None:
+            try:
+                _wait(self.usage_handle)     # last step's: long done
+            except MpiddpError:
+                pass     # its step already reported the error (or the engine restarted)
+        usage = torch.tensor([p.grad is not None for p in self.params], dtype=torch.uint8)
+        entry = _allreduce_entry(usage, usage, f"{self.prefix}.used", ReduceOp.MAX, 1.0, 1.0)
+        self._flush(extra=(entry,))
+        self.usage = usage
+        self.usage_handle = TensorHandle([entry.handle], _nothing)
+        return self.usage_handle
+
+    def _check_frozen(self) -> None:
+        for name, param in self.frozen:
+            if param.grad is not None and param.requires_grad:
+                raise RuntimeError(
+                    f"parameter '{name}' was frozen (requires_grad=False) when the "
+                    "DistributedOptimizer was built, so its gradient is not averaged across "
+                    "ranks, but it has a gradient now. Build the DistributedOptimizer after "
+                    "unfreezing, or add the parameter with optimizer.add_param_group().")
+
+    def wait_all(self) -> None:
+        """Complete reductions still in flight (the whole matched protocol, so the other
+        ranks' collectives are answered too)."""
+        if self.pending:
+            self.synchronize()
+        with self.lock:
+            self.passes = {}
+
+
+def _make_hook(ref):
+    def hook(param):
+        sync = ref()
+        if sync is not None:
+            sync.on_gradient(param)
+    return hook
+
+
+class _DistributedOptimizer:
+    """Methods placed in front of the user's optimizer class (see ``DistributedOptimizer``)."""
+
+    def synchronize(self) -> None:
+        """Wait until every gradient is averaged across ranks and written to ``param.grad``.
+        Call it before reading or changing gradients (e.g. clipping), then call ``step()``
+        inside ``skip_synchronize()``."""
+        self._mpiddp.synchronize()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside this block does not synchronize (you called ``synchronize()``)."""
+        sync = self._mpiddp
+        previous, sync.skip_synchronize = sync.skip_synchronize, True
+        try:
+            yield
+        finally:
+            sync.skip_synchronize = previous
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        _check_passes(passes)
+        self._mpiddp.wait_all()
+        self._mpiddp.passes_per_step = passes
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self._mpiddp.passes_per_step
+
+    def step(self, closure=None):
+        sync = self._mpiddp
+        if sync.skip_synchronize:
+            if sync.pending:
+                raise RuntimeError(
+                    "optimizer.step() inside skip_synchronize() while gradient reductions are "
+                    "still in flight: call optimizer.synchronize() before the block")
+        elif closure is None or sync.pending or sync.passes:
+            sync.synchronize()
+        if closure is not None and not sync.skip_synchronize:
+            closure = _synchronized_closure(self, closure)
+        result = super().step(closure)
+        sync.synchronized = False
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._mpiddp.wait_all()
+        super().zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        before = {id(p) for g in self.param_groups for p in g["params"]}
+        super().add_param_group(param_group)
+        sync = self._mpiddp
+        group_index = len(self.param_groups) - 1
+        new = [p for p in self.param_groups[-1]["params"] if id(p) not in before]
+        named = [(sync.extra_names.get(p, f"group{group_index}.{i}"), p)
+                 for i, p in enumerate(new)]
+        _check_same_everywhere(sync, named, f"add_param_group (group {group_index})")
+        sync.add(named)
+
+
+# Tell torch.optim that ``step`` needs no profiling/hook wrapper of its own: the wrapped
+# class's step (already wrapped by torch) runs the optimizer step hooks once, after the
+# gradients are averaged. Without this, load_state_dict() would wrap ours too.
+_DistributedOptimizer.step.hooked = True
+
+
+def _synchronized_closure(optimizer, closure):
+    """For step(closure) (e.g. LBFGS, which re-evaluates the loss several times): average the
+    gradients after every evaluation, and return the loss averaged across ranks so that every
+    rank takes the same decisions (line search, convergence)."""
+    sync = optimizer._mpiddp
+
+    def evaluate():
+        with torch.enable_grad():
+            loss = closure()
+        sync.synchronize()
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.dtype.is_floating_point:
+            loss = allreduce(loss.detach().reshape(1), op=ReduceOp.AVERAGE,
+                             name=f"{sync.prefix}.closure_loss").reshape(loss.shape)
+        return loss
+
+    return evaluate
+
+
+_classes: dict = {}
+
+
+def _distributed_class(base: type) -> type:
+    cls = _classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_DistributedOptimizer, base),
+                   {"__module__": base.__module__,
+                    "__doc__": f"{base.__name__} averaging gradients across ranks (mpiddp)."})
+        _classes[base] = cls
+    return cls
+
+
+def _check_passes(passes) -> None:
+    if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+        raise ValueError(f"backward_passes_per_step must be a positive integer, not {passes!r}")
+
+
+def _names_for(optimizer, named_parameters) -> tuple[list, dict]:
+    """(name, parameter) for every parameter of the optimizer, in param_groups order, and the
+    name map (kept for parameters added later with add_param_group)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        named = [(f"group{g}.{i}", p) for g, group in enumerate(optimizer.param_groups)
+                 for i, p in enumerate(group["params"])]
+        return named, {}
+    if isinstance(named_parameters, dict):
+        named_parameters = named_parameters.items()
+    pairs = list(named_parameters)
+    by_param: dict = {}
+    seen_names: dict = {}
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+                and isinstance(pair[1], torch.Tensor)):
+            raise TypeError(f"named_parameters must yield (name, parameter) pairs; item {i} "
+                            f"is {type(pair).__name__}")
+        name, param = pair
+        if name in seen_names and seen_names[name] is not param:
+            raise ValueError(f"named_parameters has the name '{name}' more than once (for "
+                             "different parameters); names must be unique. With several "
+                             "models, prefix the names (e.g. 'gen.' + name).")
+        seen_names[name] = param
+        by_param.setdefault(param, name)    # a tied parameter keeps its first name
+    unnamed = [p for p in params if p not in by_param]
+    if unnamed:
+        shapes = ", ".join(str(list(p.shape)) for p in unnamed[:5])
+        raise ValueError(
+            f"named_parameters was given, but {len(unnamed)} parameter(s) of the optimizer are "
+            f"not in it (shapes {shapes}{', ...' if len(unnamed) > 5 else ''}). Pass the "
+            "named_parameters() of the model(s) the optimizer trains.")
+    return [(by_param[p], p) for p in params], by_param
+
+
+def _check_same_everywhere(sync: _GradientSync, named, what: str) -> None:
+    """Collective: every rank must reduce the same parameters with the same settings. Raises
+    TensorMismatchError, on every rank, naming the first difference."""
+    config = {"backward_passes_per_step": sync.passes_per_step, "op": ReduceOp(sync.op).name,
+              "compression": getattr(sync.compression, "__name__",
+                                     type(sync.compression).__name__),
+              "gradient_predivide_factor": sync.postscale}
+    signature = [(name, tuple(p.shape), str(p.dtype).replace("torch.", ""))
+                 for name, p in named if p.requires_grad]
+    everyone = allgather_object((config, signature), name=f"{sync.prefix}.signature")
+    reference_config, reference = everyone[0]
+    for rank, (rank_config, rank_signature) in enumerate(everyone):
+        for key, value in reference_config.items():
+            if rank_config[key] != value:
+                raise TensorMismatchError(
+                    f"DistributedOptimizer ({what}): ranks disagree on {key}: rank 0 uses "
+                    f"{value!r}, rank {rank} uses {rank_config[key]!r}")
+        if rank_signature == reference:
+            continue
+        for i, (a, b) in enumerate(itertools.zip_longest(reference, rank_signature)):
+            if a != b:
+                def show(item):
+                    if item is None:
+                        return "nothing (it has fewer)"
+                    return f"'{item[0]}' {list(item[1])} {item[2]}"
+                raise TensorMismatchError(
+                    f"DistributedOptimizer ({what}): the models differ across ranks. Rank 0 "
+                    f"has {len(reference)} trainable parameters, rank {rank} has "
+                    f"{len(rank_signature)}; first difference at parameter {i}: rank 0 has "
+                    f"{show(a)}, rank {rank} has {show(b)}")
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Optional[Iterable] = None,
+                         compression=Compression.none,
+                         backward_passes_per_step: int = 1,
+                         op=ReduceOp.AVERAGE,
+                         gradient_predivide_factor: float = 1.0,
+                         sparse_as_dense: bool = False,
+                         bucket_cap_mb: float = 4.0):
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged across all ranks.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` instance (any class). The result is an instance
+            of the same class sharing its state; use the result from now on.
+        named_parameters: ``model.named_parameters()`` (or (name, parameter) pairs covering
+            every parameter of ``optimizer``). Names identify gradients across ranks and in
+            stall reports and timelines. Without it, names are generated from positions.
+        compression: ``Compression.none`` (default), ``Compression.fp16`` or
+            ``Compression.bf16``: the dtype gradients are reduced in.
+        backward_passes_per_step: backward passes accumulated locally before one reduction;
+            call ``step()`` after that many passes (scale the loss by 1/passes to average).
+        op: ``mpiddp.Average`` (default) or ``mpiddp.Sum``.
+        gradient_predivide_factor: divide gradients by this factor before the sum and by
+            ``size / factor`` after it (Average only); keeps float16 sums in range.
+        sparse_as_dense: reduce sparse gradients as dense tensors (else they are an error).
+        bucket_cap_mb: gradients that become ready are submitted together once they add up
+            to this many MiB (and at the last gradient of a step). Fewer, larger submissions
+            cost fewer engine cycles; smaller ones start reducing earlier. 0 submits every
+            gradient on its own. See docs/training.md for measurements.
+
+    Construction is collective: every rank must build its DistributedOptimizers in the same
+    order, for the same parameters. Different models on different ranks raise
+    ``mpiddp.TensorMismatchError`` on every rank, naming the first difference.
+    """
+    runtime.require("DistributedOptimizer()")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer instance, not "
+                        f"{type(optimizer).__name__}"
+                        + (" (pass the optimizer instance, not its class)"
+                           if isinstance(optimizer, type) else ""))
+    if "_mpiddp" in optimizer.__dict__:
+        raise ValueError("this optimizer is already a DistributedOptimizer; wrap it only once")
+    _check_passes(backward_passes_per_step)
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"unknown op {op!r}: use mpiddp.Average or mpiddp.Sum") from None
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum, not {op.name}")
+    factor = float(gradient_predivide_factor)
+    if factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be positive, not {factor}")
+    if factor != 1.0 and op != ReduceOp.AVERAGE:
+        raise ValueError("gradient_predivide_factor is only supported with op=Average")
+    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
+        raise TypeError("compression must be Compression.none, .fp16, .bf16 or an object with "
+                        "compress() and decompress()")
+
+    named, name_map = _names_for(optimizer, named_parameters)
+    for name, param in named:
+        owner = getattr(param, _OWNER_ATTR, None)
+        if owner is not None and owner() is not None:
+            raise ValueError(
+                f"parameter '{name}' already belongs to another live DistributedOptimizer "
+                f"({owner().prefix}); a gradient must be reduced by one optimizer only")
+    if not bucket_cap_mb >= 0:
+        raise ValueError(f"bucket_cap_mb must be >= 0, not {bucket_cap_mb!r}")
+    sync = _GradientSync(next(_optimizer_index), compression, backward_passes_per_step, op,
+                         factor, sparse_as_dense, float(bucket_cap_mb))
+    sync.extra_names = name_map
+    _check_same_everywhere(sync, named, "construction")     # collective
+    sync.add(named)
+
+    cls = _distributed_class(type(optimizer))
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__ = optimizer.__dict__       # one optimizer, two views: state is shared
+    patched = wrapped.__dict__.get("step")
+    if patched is not None and hasattr(patched, "_wrapped_by_lr_sched"):
+        # An LR scheduler built on the original replaced the instance's step; route it to
+        # the distributed step (keeping the marker the scheduler checks).
+        wrapped_ref = weakref.ref(wrapped)
+
+        def step(*args, **kwargs):
+            opt = wrapped_ref()
+            opt._opt_called = True
+            return cls.step(opt, *args, **kwargs)
+        step._wrapped_by_lr_sched = True
+        wrapped.__dict__["step"] = step
+    wrapped.__dict__["_mpiddp"] = sync
+    return wrapped
+

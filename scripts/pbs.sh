@@ -1,0 +1,34 @@
+#!/bin/bash
+# PBS Pro / OpenPBS / Torque job: data-parallel training with mpiddp on 2 nodes x 8 ranks.
+#
+#   qsub scripts/pbs.sh                                 # submit from the repository root
+#   qsub -v TRAIN_ARGS="--epochs 30" scripts/pbs.sh     # arguments for train.py
+#
+# Adapt the #PBS lines and the environment block to your site (docs/training.md, "On a
+# cluster"). The job resumes from its checkpoint when it is rerun.
+#PBS -N mpiddp-train
+#PBS -l select=2:ncpus=32:mpiprocs=8
+#PBS -l walltime=00:30:00
+#PBS -j oe
+#PBS -r y
+set -euo pipefail
+
+# ---- environment (site specific) ----------------------------------------------------------
+#   module load openmpi        (the MPI mpi4py was built against)
+#   source /path/to/venv/bin/activate
+if [ -n "${MPIDDP_VENV:-}" ]; then source "$MPIDDP_VENV/bin/activate"; fi
+cd "${PBS_O_WORKDIR:-.}"
+NP=$(wc -l < "${PBS_NODEFILE:?not running under PBS}")        # one line per MPI rank
+NODES=$(sort -u "$PBS_NODEFILE" | wc -l)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"                # cores per rank
+export MPIDDP_CYCLE_TIME="${MPIDDP_CYCLE_TIME:-50}"
+export MPIDDP_FUSION_THRESHOLD="${MPIDDP_FUSION_THRESHOLD:-1048576}"
+echo "job ${PBS_JOBID:-?}: $NODES node(s), $NP rank(s)"
+python -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
+
+# PBS-integrated MPIs read the node file themselves; otherwise pass it: Open MPI
+# --hostfile "$PBS_NODEFILE", MPICH/Intel MPI -f "$PBS_NODEFILE". Open MPI also needs
+# -x OMP_NUM_THREADS -x MPIDDP_CYCLE_TIME -x MPIDDP_FUSION_THRESHOLD to forward variables.
+# shellcheck disable=SC2086
+mpiexec -n "$NP" python scripts/train.py \
+    --checkpoint "checkpoints/${PBS_JOBNAME:-mpiddp-train}.pt" --resume ${TRAIN_ARGS:-}

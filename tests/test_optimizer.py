@@ -1,0 +1,115 @@
+"""DistributedOptimizer, compression and the state-sync functions on 2 and 4 ranks.
+
+Two launches (module-scoped fixtures) run every check of ``workers/optimizer_worker.py``;
+each test below asserts on the lines its checks printed. See the worker for what each check
+compares (the reference is one plain-torch process training on the concatenated batch).
+"""
+import pytest
+
+from mpi_launch import assert_ok, run_mpi
+
+ALL = ("equivalence,unused,clip,compression,two_optimizers,mismatch,state,misuse,scheduler,"
+       "closure")
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    result = run_mpi("optimizer_worker.py", 2, ALL + ",overlap", timeout=120)
+    assert_ok(result)
+    return result
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    # 4 ranks on a small machine: oversubscribed; the overlap check (timing) runs on 2 only.
+    result = run_mpi("optimizer_worker.py", 4, ALL, timeout=150)
+    assert_ok(result)
+    return result
+
+
+def expect(result, *fragments, count=1):
+    lines = [line for line in result.output.splitlines()
+             if line.startswith("OK ") and all(f in line for f in fragments)]
+    assert len(lines) == count, (f"expected {count} OK line(s) with {fragments}, got "
+                                 f"{lines}\n{result.output}")
+    return lines
+
+
+@pytest.fixture(params=[2, 4], ids=["2ranks", "4ranks"])
+def launch(request):
+    return request.getfixturevalue({2: "two_ranks", 4: "four_ranks"}[request.param])
+
+
+def test_same_parameters_as_one_process_on_the_concatenated_batch(launch):
+    for dtype in ("float32", "float64"):
+        for opt in ("sgd", "adam"):
+            for passes in (1, 2):
+                expect(launch, f"equivalence {dtype} {opt} backward_passes_per_step={passes} ",
+                       "bitwise-identical-across-ranks")
+
+
+def test_bucket_sizes_do_not_change_the_result(launch):
+    expect(launch, "bucket_cap_mb 0 / 0.001 / 100 give the same result")
+
+
+def test_sum_op_predivide_factor_and_generated_names(launch):
+    expect(launch, "op=Sum and gradient_predivide_factor")
+    expect(launch, "no named_parameters (generated names)")
+
+
+def test_unused_and_frozen_parameters(launch):
+    expect(launch, "unused parameters: no deadlock")
+
+
+def test_clipping_between_synchronize_and_step(launch):
+    expect(launch, "clipping via synchronize()+skip_synchronize() matches one process")
+
+
+def test_fp16_and_bf16_compression(launch):
+    expect(launch, "compression FP16Compressor: close to the float32 run")
+    expect(launch, "compression BF16Compressor: close to the float32 run")
+    expect(launch, "compression fp16 with gradient_predivide_factor")
+
+
+def test_two_optimizers_with_the_same_parameter_names(launch):
+    expect(launch, "two DistributedOptimizers (GAN-style")
+
+
+def test_models_differing_across_ranks_fail_on_every_rank(launch):
+    line = expect(launch, "different shapes: TensorMismatchError on every rank")[0]
+    assert "first difference at parameter 0: rank 0 has '0.weight' [32, 12] float32, " \
+           "rank 1 has '0.weight' [33, 12] float32" in line
+    expect(launch, "different parameter counts")
+    expect(launch, "different settings across ranks")
+    expect(launch, "a gradient shape that differs at run time: step() raises on every rank")
+    expect(launch, "bad arguments")
+
+
+def test_optimizer_state_and_object_broadcast(launch):
+    for name in ("Adam", "SGD", "CountingOptimizer"):
+        expect(launch, f"broadcast_optimizer_state {name} from rank")
+    expect(launch, "empty state on the root")
+    expect(launch, "state loaded on one rank and broadcast")
+    expect(launch, "broadcast_parameters(state_dict) includes buffers")
+    expect(launch, "broadcast_object / allgather_object")
+
+
+def test_misuse_is_a_clear_error_never_corruption(launch):
+    expect(launch, "an extra backward before step() is a clear error")
+    expect(launch, "zero_grad() while reductions are in flight waits for them")
+    expect(launch, "a third backward before step() is a clear error")
+
+
+def test_schedulers_hooks_and_add_param_group(launch):
+    expect(launch, "LR schedulers built before and after wrapping both apply")
+    expect(launch, "step pre-hooks run once, and see averaged gradients")
+    expect(launch, "add_param_group after wrapping")
+
+
+def test_lbfgs_closure_stays_in_lockstep(launch):
+    expect(launch, "step(closure) with LBFGS")
+
+
+def test_last_layer_is_reduced_while_backward_runs(two_ranks):
+    line = expect(two_ranks, "overlap: reduction of")[0]
+    print(line)
