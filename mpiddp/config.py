@@ -20,7 +20,7 @@ class Settings:
     # Work starts a cycle at once; this only bounds how late an idle rank notices others.
     cycle_time: float = 5.0
     # Fusion buffer size in bytes: ready tensors are packed together up to this size.
-    fusion_threshold: int = 64 * 1024 * 1024
+    fusion_threshold: int = 1024 * 1024
     # Number of tensor names the response cache remembers (bit-vector negotiation).
     cache_capacity: int = 1024
     # Seconds before rank 0 warns about tensors submitted by some ranks but not others.

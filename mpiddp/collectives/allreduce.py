@@ -18,11 +18,16 @@ def choose_algorithm(setting: str, nbytes: int, ring_threshold: int) -> str:
 
 
 def allreduce_buffer(comm: MPI.Comm, buf, scratch, dtype: DType, op: ReduceOp,
-                     algorithm: str, reduce_kernel) -> str:
+                     algorithm: str, reduce_kernel, finish=None) -> str:
     """All-reduce ``buf`` in place with ``algorithm`` ('ring' or 'native'); returns it.
-    ``reduce_kernel(dst, src, op, dtype)`` does the local arithmetic."""
+    ``reduce_kernel(dst, src, op, dtype)`` does the local arithmetic; ``finish(array)``, an
+    elementwise post-processing such as Average's scaling, is applied to the result (by the
+    ring only to the chunk it owns, before the all-gather)."""
     if algorithm == "ring":
-        ring_allreduce(comm, buf, scratch, lambda dst, src: reduce_kernel(dst, src, op, dtype))
+        ring_allreduce(comm, buf, scratch, lambda dst, src: reduce_kernel(dst, src, op, dtype),
+                       finish)
     else:
         native_allreduce(comm, buf, dtype, op, reduce_kernel)
+        if finish is not None:
+            finish(buf)
     return algorithm

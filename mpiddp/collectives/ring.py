@@ -66,13 +66,21 @@ def allgather_steps(comm: MPI.Comm, buf, bounds: Sequence[int], owner_shift: int
         comm.Sendrecv(_bytes(send), right, _TAG_ALLGATHER, _bytes(recv), left, _TAG_ALLGATHER)
 
 
-def ring_allreduce(comm: MPI.Comm, buf, scratch, reduce_into: ReduceInto) -> None:
-    """All-reduce the flat ``buf`` in place. ``scratch`` holds ``ceil(len/size)`` elements."""
+def ring_allreduce(comm: MPI.Comm, buf, scratch, reduce_into: ReduceInto,
+                   finish_chunk: Callable[[object], None] | None = None) -> None:
+    """All-reduce the flat ``buf`` in place. ``scratch`` holds ``ceil(len/size)`` elements.
+    ``finish_chunk(chunk)`` (e.g. the 1/size of an Average) runs on the one chunk this rank
+    finished reducing, before the all-gather spreads it: 1/size of the work of scaling all."""
     size = comm.Get_size()
     if size == 1 or len(buf) == 0:
+        if finish_chunk is not None:
+            finish_chunk(buf)
         return
     bounds = chunk_bounds(len(buf), size)
     reduce_scatter_steps(comm, buf, scratch, bounds, reduce_into, owner_shift=0)
+    if finish_chunk is not None:
+        owned = (comm.Get_rank() + 1) % size
+        finish_chunk(buf[bounds[owned]:bounds[owned + 1]])
     allgather_steps(comm, buf, bounds, owner_shift=0)
 
 

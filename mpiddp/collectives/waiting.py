@@ -11,21 +11,25 @@ import time
 from mpi4py import MPI
 
 SPIN_SECONDS = 200e-6
+SHORT_SLEEP_SECONDS = 160e-6
+LONG_WAIT_SECONDS = 20e-3
 MAX_SLEEP_SECONDS = 1e-3
 
 
-def wait_politely(request: MPI.Request, deadline_check=None, check_every: float = 1.0) -> None:
-    """Wait for ``request``. ``deadline_check()`` is called about every ``check_every``
-    seconds while waiting (it may raise to give up waiting)."""
+def wait_politely(request: MPI.Request, spin: bool = True) -> None:
+    """Wait for ``request``: spin (if asked) for up to ``SPIN_SECONDS``, then test with
+    sleeps growing from 10 us to ``SHORT_SLEEP_SECONDS`` and, after ``LONG_WAIT_SECONDS``,
+    to ``MAX_SLEEP_SECONDS`` (a partner that arrives is noticed within one sleep)."""
     start = time.perf_counter()
-    while time.perf_counter() - start < SPIN_SECONDS:
-        if request.Test():
-            return
+    if spin:
+        while time.perf_counter() - start < SPIN_SECONDS:
+            if request.Test():
+                return
     sleep = 10e-6
-    next_check = start + check_every
+    cap = SHORT_SLEEP_SECONDS
     while not request.Test():
         time.sleep(sleep)
-        sleep = min(sleep * 2, MAX_SLEEP_SECONDS)
-        if deadline_check is not None and time.perf_counter() >= next_check:
-            deadline_check()
-            next_check = time.perf_counter() + check_every
+        if sleep < cap:
+            sleep *= 2
+        elif cap < MAX_SLEEP_SECONDS and time.perf_counter() - start > LONG_WAIT_SECONDS:
+            cap = MAX_SLEEP_SECONDS

@@ -57,11 +57,11 @@ class Engine:
         self.cache = ResponseCache(settings.cache_capacity)
         self.table = RequestTable(self.size) if self.rank == 0 else None
         self.executor = Executor(self.comm, settings, self.stats, self.timeline, self._finish)
-        # Slots rounded up to whole 64-bit words; the message is two flag words and two bits
-        # per slot (ready, invalid).
+        # Slots rounded up to whole 64-bit words; the message is two flag words and three bits
+        # per slot (ready on every rank, pending on some rank, invalid on some rank).
         self._slots = (settings.cache_capacity + 63) // 64 * 64
         self._slot_mask = (1 << self._slots) - 1
-        self._send = bytearray(16 + 2 * self._slots // 8)
+        self._send = bytearray(16 + 3 * self._slots // 8)
         self._recv = bytearray(len(self._send))
 
         self._lock = threading.Lock()
@@ -78,6 +78,9 @@ class Engine:
         self._join_changed = False
         self._join_cycle = 0
         self._progressed = True
+        self._waiting_for_others = False   # all my pending names are cached, others lack some
+        self._table_waiting = False        # rank 0 holds uncached names not yet complete
+        self._entered_with_work = True
         self._cycles = 0
         self._backoff = _MIN_BACKOFF
         self._last_stall_check = time.perf_counter()
@@ -160,13 +163,20 @@ class Engine:
         self._stop(self._stopped_reason or "shut down")
 
     def _collect(self) -> list[Entry]:
-        """Wait for work, then take everything submitted so far. A rank with unfinished work
-        after a productive cycle goes straight on; after an unproductive one it backs off;
-        an idle rank waits up to ``cycle_time`` for work before its heartbeat cycle."""
+        """Wait for work, then take everything submitted so far.
+
+        * After a productive cycle, a rank with unfinished work goes straight on.
+        * A rank that has submitted every name some rank is waiting for (all cached) enters
+          the next cycle at once and waits *inside* it, politely: the ranks it waits for join
+          the moment they submit, so their last gradients are not delayed by a back-off.
+        * Otherwise (this rank itself lacks names others submitted, or names are still being
+          negotiated) it waits for its own new work, with a growing back-off for liveness;
+          an idle rank waits up to ``cycle_time`` before a heartbeat cycle.
+        """
         busy = self._pending or self._joined
         inbox = self._inbox
         items = []
-        if not (busy and self._progressed):
+        if not (busy and (self._progressed or self._waiting_for_others)):
             timeout = self._backoff if busy else self.settings.cycle_time / 1000
             try:
                 items.append(inbox.get(timeout=timeout))
@@ -174,7 +184,11 @@ class Engine:
                 pass
         while not inbox.empty():            # this thread is the only consumer
             items.append(inbox.get_nowait())
-        return [item for item in items if item is not _WAKE]
+        entries = [item for item in items if item is not _WAKE]
+        # Spin briefly only when this rank brings new work: partners in lockstep answer within
+        # microseconds. A cycle entered to wait for others goes straight to sleeping polls.
+        self._entered_with_work = bool(items) or self._progressed
+        return entries
 
     def _cycle(self) -> bool:
         """One negotiation and execution cycle. Returns False once the ranks agreed to stop."""
@@ -188,8 +202,8 @@ class Engine:
 
         self._fill_bits(shutdown_requested)
         request = self.comm.Iallreduce([self._send, MPI.BYTE], [self._recv, MPI.BYTE], MPI.BAND)
-        wait_politely(request)
-        any_flags, all_joined, ready_bits, invalid_bits = self._read_bits()
+        wait_politely(request, spin=self._entered_with_work)
+        any_flags, all_joined, ready_bits, pending_bits, invalid_bits = self._read_bits()
         ready_bits &= ~invalid_bits      # a joined rank marks its own changed entries both
         ready_slots = self._set_bits(ready_bits) if ready_bits else []
         invalid_slots = self._set_bits(invalid_bits) if invalid_bits else []
@@ -236,6 +250,11 @@ class Engine:
             self._progressed = False
             self._backoff = min(self._backoff * 2, self.settings.cycle_time / 1000)
 
+        # Waiting for others only: every name pending anywhere is pending here too, all cached.
+        mine = self._my_pending_bits
+        self._waiting_for_others = bool(
+            self._pending and not self._table_waiting and self._all_pending_cached
+            and not (pending_bits & ~mine) and not ready)
         if plan is not None and plan["shutdown"]:
             self._stopped_reason = plan["shutdown"]
             return False
@@ -247,7 +266,8 @@ class Engine:
         """Write this rank's cycle message into ``self._send``: one little-endian bit string
         ``~or_flags | and_flags << 64 | ready << 128 | ~invalid << (128 + slots)``, built as a
         Python int (fast bit operations in C) and copied into the send buffer."""
-        ready = invalid = or_flags = 0
+        ready = invalid = pending = or_flags = 0
+        all_cached = True
         now = time.perf_counter()
         oldest = now
         joined = self._joined
@@ -257,9 +277,11 @@ class Engine:
                 oldest = entry.submitted
             slot = cache.slot_of(name)
             if slot is None:
+                all_cached = False
                 if not entry.sent:
                     or_flags |= _NEW_NAMES
                 continue
+            pending |= 1 << slot
             cached = cache.response(slot).request
             if cached == entry.request and not (self._others_joined and cached.kind != ALLREDUCE):
                 ready |= 1 << slot
@@ -271,6 +293,7 @@ class Engine:
             # A joined rank takes part in every allreduce the others are ready for.
             for slot in cache.slots_of_kind(ALLREDUCE):
                 ready |= 1 << slot
+                pending |= 1 << slot
         if shutdown_requested:
             or_flags |= _SHUTDOWN
         if self._join_changed:
@@ -280,20 +303,25 @@ class Engine:
             stall_period = min(stall_period, self.settings.stall_shutdown_time)
         if now - oldest >= stall_period and now - self._last_stall_check >= stall_period:
             or_flags |= _STALL_CHECK
-        slots = self._slots
+        self._my_pending_bits = pending
+        self._all_pending_cached = all_cached
+        slots, mask = self._slots, self._slot_mask
         message = ((~or_flags & _MASK64) | ((_JOINED if joined else 0) << 64) | (ready << 128)
-                   | ((~invalid & self._slot_mask) << (128 + slots)))
+                   | ((~pending & mask) << (128 + slots))
+                   | ((~invalid & mask) << (128 + 2 * slots)))
         self._send[:] = message.to_bytes(len(self._send), "little")
 
-    def _read_bits(self) -> tuple[int, bool, int, int]:
-        """Decode the reduced message: (OR of flags, all joined, ready bits, invalid bits)."""
+    def _read_bits(self) -> tuple[int, bool, int, int, int]:
+        """Decode the reduced message: (OR of flags, all joined, ready bits (AND), pending
+        bits (OR), invalid bits (OR))."""
         message = int.from_bytes(self._recv, "little")
-        slots = self._slots
+        slots, mask = self._slots, self._slot_mask
         any_flags = ~message & _MASK64
         all_joined = bool((message >> 64) & _JOINED)
-        ready = (message >> 128) & self._slot_mask
-        invalid = ~(message >> (128 + slots)) & self._slot_mask
-        return any_flags, all_joined, ready, invalid
+        ready = (message >> 128) & mask
+        pending = ~(message >> (128 + slots)) & mask
+        invalid = ~(message >> (128 + 2 * slots)) & mask
+        return any_flags, all_joined, ready, pending, invalid
 
     @staticmethod
     def _set_bits(bits: int) -> list[int]:
@@ -329,6 +357,7 @@ class Engine:
             for slot, response in plan["cache"]:
                 self.cache.put(slot, response)
         self._others_joined = bool(plan["joined"])
+        self._table_waiting = plan["table_waiting"]
         if plan["stall"]:
             # Every rank learns why it waits; rank 0 has already logged the warning.
             log.debug("stall report from rank 0:\n%s", plan["stall"])
@@ -364,7 +393,7 @@ class Engine:
                 log.warning("mpiddp stall warning (rank 0):\n%s", stall_text)
         return {"responses": responses, "cache": cache_updates,
                 "shutdown": "; ".join(shutdown) if shutdown else None, "stall": stall_text,
-                "joined": sorted(joined)}
+                "joined": sorted(joined), "table_waiting": len(self.table) > 0}
 
     def _finish_join(self) -> None:
         # The last rank to join is the one that joined in the latest cycle (ties: highest).

@@ -110,9 +110,10 @@ class Executor:
             scratch = self.pool.get(backend, request.device, dtype, "scratch",
                                     math.ceil(total / self.size))
         backend.before_mpi(request.device)
+        factor = _post_factor(request, self.size)
+        finish = None if factor == 1.0 else (lambda part: backend.scale_(part, factor, dtype))
         allreduce_buffer(backend.communicator(self.comm), buf, scratch, dtype, request.op,
-                         algorithm, backend.reduce_into)
-        backend.scale_(buf, _post_factor(request, self.size), dtype)
+                         algorithm, backend.reduce_into, finish)
         offset = 0
         for entry, count in zip(entries, counts):
             if entry is not None and entry.output is not buf:

@@ -43,8 +43,14 @@ class TensorHandle:
 
     def wait(self):
         if not self._finished:
-            for handle in self._handles:
-                handle.wait()
+            error = None
+            for handle in self._handles:    # wait for all: none may still write afterwards
+                try:
+                    handle.wait()
+                except BaseException as exc:
+                    error = error or exc
+            if error is not None:
+                raise error
             self._value = self._finalize()
             self._finished = True
         return self._value
