@@ -18,7 +18,7 @@ class Settings:
 
     # Longest time (ms) an idle coordinator waits before it joins a heartbeat cycle.
     # Work starts a cycle at once; this only bounds how late an idle rank notices others.
-    cycle_time: float = 5.0
+    cycle_time: float = 50.0
     # Fusion buffer size in bytes: ready tensors are packed together up to this size.
     fusion_threshold: int = 1024 * 1024
     # Number of tensor names the response cache remembers (bit-vector negotiation).

@@ -176,7 +176,8 @@ class Engine:
         busy = self._pending or self._joined
         inbox = self._inbox
         items = []
-        if not (busy and (self._progressed or self._waiting_for_others)):
+        # A joined rank has no work of its own coming: it always waits inside the next cycle.
+        if not (busy and (self._progressed or self._waiting_for_others or self._joined)):
             timeout = self._backoff if busy else self.settings.cycle_time / 1000
             try:
                 items.append(inbox.get(timeout=timeout))
@@ -250,11 +251,14 @@ class Engine:
             self._progressed = False
             self._backoff = min(self._backoff * 2, self.settings.cycle_time / 1000)
 
-        # Waiting for others only: every name pending anywhere is pending here too, all cached.
-        mine = self._my_pending_bits
-        self._waiting_for_others = bool(
-            self._pending and not self._table_waiting and self._all_pending_cached
-            and not (pending_bits & ~mine) and not ready)
+        # Every name pending anywhere is cached; then either this rank has them all (it only
+        # waits for others: wait inside the next cycle) or it lacks some, which only its own
+        # next submission can supply (wait for that; the timeout is just a heartbeat).
+        known = bool(self._pending) and not self._table_waiting and self._all_pending_cached
+        lacking = pending_bits & ~self._my_pending_bits
+        self._waiting_for_others = known and not lacking and not ready
+        if known and lacking and not ready:
+            self._backoff = self.settings.cycle_time / 1000
         if plan is not None and plan["shutdown"]:
             self._stopped_reason = plan["shutdown"]
             return False
