@@ -30,7 +30,7 @@ class Settings:
     # Reduction algorithm for fused buffers: auto (by size), ring or native MPI_Allreduce.
     allreduce_algorithm: str = "auto"
     # auto: messages of at most this many bytes use native MPI_Allreduce, larger ones the ring.
-    ring_threshold: int = 64 * 1024
+    ring_threshold: int = 2 * 1024 * 1024
     # Abort the whole MPI job when a rank dies of an uncaught exception.
     abort_on_exception: bool = True
     # Record a timeline of engine events (negotiation and execution times) in memory.

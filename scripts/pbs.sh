@@ -21,14 +21,12 @@ cd "${PBS_O_WORKDIR:-.}"
 NP=$(wc -l < "${PBS_NODEFILE:?not running under PBS}")        # one line per MPI rank
 NODES=$(sort -u "$PBS_NODEFILE" | wc -l)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"                # cores per rank
-export MPIDDP_CYCLE_TIME="${MPIDDP_CYCLE_TIME:-50}"
-export MPIDDP_FUSION_THRESHOLD="${MPIDDP_FUSION_THRESHOLD:-1048576}"
 echo "job ${PBS_JOBID:-?}: $NODES node(s), $NP rank(s)"
 python -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
 
 # PBS-integrated MPIs read the node file themselves; otherwise pass it: Open MPI
 # --hostfile "$PBS_NODEFILE", MPICH/Intel MPI -f "$PBS_NODEFILE". Open MPI also needs
-# -x OMP_NUM_THREADS -x MPIDDP_CYCLE_TIME -x MPIDDP_FUSION_THRESHOLD to forward variables.
+# -x OMP_NUM_THREADS (and -x for any MPIDDP_* setting) to forward variables.
 # shellcheck disable=SC2086
 mpiexec -n "$NP" python scripts/train.py \
     --checkpoint "checkpoints/${PBS_JOBNAME:-mpiddp-train}.pt" --resume ${TRAIN_ARGS:-}
