@@ -222,7 +222,7 @@ def main():
         print(f"# all-reduce benchmark: {size} ranks, float32 sum, {where}"
               f"{MPI.Get_library_version().splitlines()[0].strip()}, "
               f"torch {torch.__version__}, {os.cpu_count()} cores")
-        print(f"| size | method | time (us) | algbw (GB/s) | busbw (GB/s) | busbw vs MPI |")
+        print("| size | method | time (us) | algbw (GB/s) | busbw (GB/s) | busbw vs MPI |")
         print("|---:|---|---:|---:|---:|---:|")
     nbytes = parse_size(args.min_size)
     while nbytes <= parse_size(args.max_size):

@@ -20,8 +20,7 @@ from ..config import Settings
 from ..errors import MpiddpError, TensorMismatchError
 from ..ops import ReduceOp
 from .fusion import BufferPool, plan_batches
-from .request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER,
-                      Entry, Response)
+from .request import ALLREDUCE, Entry, Response
 from .stats import EngineStats
 from .timeline import Timeline
 

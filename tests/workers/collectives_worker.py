@@ -5,12 +5,12 @@ reference for all ranks locally. Prints one 'OK <check>' line per passed group o
 exits non-zero (aborting the job) on the first failure.
 """
 import sys
-import zlib
 
 import numpy as np
 import torch
 
 import mpiddp
+from reference_data import as64, data
 
 torch.set_num_threads(1)
 mpiddp.init()
@@ -21,31 +21,6 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int
 TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 8e-2, torch.float32: 1e-5,
              torch.float64: 1e-12}
 OPS = [mpiddp.Average, mpiddp.Sum, mpiddp.Min, mpiddp.Max, mpiddp.Product]
-
-
-def data(rank, name, shape, dtype, op=mpiddp.Sum):
-    """Deterministic per-(rank, name) data in a range that cannot overflow the dtype."""
-    rng = np.random.default_rng(zlib.crc32(f"{rank}/{name}".encode()))
-    if dtype == torch.bool:
-        values = rng.integers(0, 2, size=shape).astype(bool)
-    elif op == mpiddp.Product:
-        if dtype.is_floating_point:
-            values = rng.uniform(0.8, 1.25, size=shape)
-        elif dtype == torch.uint8:
-            values = rng.integers(0, 2, size=shape)
-        else:
-            values = rng.choice([-1, 1], size=shape)
-    elif dtype.is_floating_point:
-        values = rng.uniform(-1, 1, size=shape)
-    elif dtype == torch.uint8:
-        values = rng.integers(0, 20, size=shape)
-    else:
-        values = rng.integers(-10, 11, size=shape)
-    return torch.from_numpy(np.asarray(values)).to(dtype)
-
-
-def as64(tensor):
-    return tensor.to(torch.float64).numpy() if tensor.dtype != torch.bool else tensor.numpy()
 
 
 def reference(name, shape, dtype, op):

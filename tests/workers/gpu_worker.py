@@ -17,12 +17,12 @@ MODE is one of:
 Prints 'OK <check>' lines on rank 0 and 'DONE' at the end; any failure aborts the job.
 """
 import sys
-import zlib
 
 import numpy as np
 import torch
 
 import mpiddp
+from reference_data import as64, data
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
           torch.int32, torch.int64, torch.bool]
@@ -41,31 +41,6 @@ def ops_for(dtype):
         return [mpiddp.Min, mpiddp.Max]
     ops = [mpiddp.Sum, mpiddp.Min, mpiddp.Max, mpiddp.Product]
     return ops + [mpiddp.Average] if dtype.is_floating_point else ops
-
-
-def data(rank, name, shape, dtype, op=mpiddp.Sum):
-    rng = np.random.default_rng(zlib.crc32(f"{rank}/{name}".encode()))
-    if dtype == torch.bool:
-        values = rng.integers(0, 2, size=shape).astype(bool)
-    elif op == mpiddp.Product:
-        if dtype.is_floating_point:
-            values = rng.uniform(0.8, 1.25, size=shape)
-        elif dtype == torch.uint8:
-            values = rng.integers(0, 2, size=shape)
-        else:
-            values = rng.choice([-1, 1], size=shape)
-    elif dtype.is_floating_point:
-        values = rng.uniform(-1, 1, size=shape)
-    elif dtype == torch.uint8:
-        values = rng.integers(0, 20, size=shape)
-    else:
-        values = rng.integers(-10, 11, size=shape)
-    return torch.from_numpy(np.asarray(values)).to(dtype)
-
-
-def as64(tensor):
-    tensor = tensor.cpu()
-    return tensor.numpy() if tensor.dtype == torch.bool else tensor.to(torch.float64).numpy()
 
 
 def reference(op, inputs):

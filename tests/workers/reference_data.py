@@ -1,0 +1,35 @@
+"""Deterministic per-(rank, name) test data and float64 views, shared by the workers that
+check collectives against a NumPy reference (each rank computes every rank's data locally)."""
+import zlib
+
+import numpy as np
+import torch
+
+import mpiddp
+
+
+def data(rank, name, shape, dtype, op=mpiddp.Sum):
+    """Deterministic per-(rank, name) data in a range that cannot overflow the dtype."""
+    rng = np.random.default_rng(zlib.crc32(f"{rank}/{name}".encode()))
+    if dtype == torch.bool:
+        values = rng.integers(0, 2, size=shape).astype(bool)
+    elif op == mpiddp.Product:
+        if dtype.is_floating_point:
+            values = rng.uniform(0.8, 1.25, size=shape)
+        elif dtype == torch.uint8:
+            values = rng.integers(0, 2, size=shape)
+        else:
+            values = rng.choice([-1, 1], size=shape)
+    elif dtype.is_floating_point:
+        values = rng.uniform(-1, 1, size=shape)
+    elif dtype == torch.uint8:
+        values = rng.integers(0, 20, size=shape)
+    else:
+        values = rng.integers(-10, 11, size=shape)
+    return torch.from_numpy(np.asarray(values)).to(dtype)
+
+
+def as64(tensor):
+    """A float64 NumPy copy of any tensor (bool stays bool), from host or device."""
+    tensor = tensor.cpu()
+    return tensor.numpy() if tensor.dtype == torch.bool else tensor.to(torch.float64).numpy()
