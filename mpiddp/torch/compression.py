@@ -15,21 +15,23 @@ A custom compressor is any object with the two static methods below (Horovod's i
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 
-class Compressor:
-    """Interface of a gradient compressor."""
+class Compressor(ABC):
+    """Interface of a gradient compressor (used as a class: its methods are static)."""
 
     @staticmethod
+    @abstractmethod
     def compress(tensor: torch.Tensor):
         """Return ``(compressed tensor, context)``; the context goes to ``decompress``."""
-        raise NotImplementedError
 
     @staticmethod
+    @abstractmethod
     def decompress(tensor: torch.Tensor, ctx) -> torch.Tensor:
         """Return the tensor in its original form, given the reduced compressed tensor."""
-        raise NotImplementedError
 
 
 class NoneCompressor(Compressor):

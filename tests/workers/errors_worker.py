@@ -8,23 +8,13 @@ import time
 import torch
 
 import mpiddp
+from checks import expect
 
 torch.set_num_threads(1)
 
 
 def ok(check):
     print(f"OK {mpiddp.rank() if mpiddp.is_initialized() else '-'} {check}", flush=True)
-
-
-def expect(exc_type, fn, *needles):
-    try:
-        fn()
-    except exc_type as exc:
-        text = str(exc)
-        missing = [n for n in needles if n not in text]
-        assert not missing, f"message {text!r} lacks {missing}"
-        return text
-    raise AssertionError(f"expected {exc_type.__name__}")
 
 
 def mismatches():

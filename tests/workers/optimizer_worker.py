@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mpiddp
+from checks import expect
 
 torch.set_num_threads(1)
 mpiddp.init()
@@ -31,17 +32,6 @@ def ok(check: str) -> None:
     mpiddp.barrier()
     if RANK == 0:
         print(f"OK {check}", flush=True)
-
-
-def expect(exc_type, fn, *needles) -> str:
-    try:
-        fn()
-    except exc_type as exc:
-        text = str(exc)
-        missing = [n for n in needles if n not in text]
-        assert not missing, f"message {text!r} lacks {missing}"
-        return text
-    raise AssertionError(f"expected {exc_type.__name__}")
 
 
 def mlp(seed=1, dims=(IN, 32, 32, OUT)) -> nn.Sequential:
