@@ -83,6 +83,11 @@ class Engine:
         self._entered_with_work = True
         self._cycles = 0
         self._backoff = _MIN_BACKOFF
+        self._heartbeat = settings.cycle_time / 1000
+        # How often to compare pending names across ranks (and so notice a stall deadline).
+        self._stall_period = settings.stall_check_time
+        if settings.stall_shutdown_time:
+            self._stall_period = min(self._stall_period, settings.stall_shutdown_time)
         self._last_stall_check = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="mpiddp-coordinator", daemon=True)
         self._thread.start()
@@ -178,7 +183,7 @@ class Engine:
         items = []
         # A joined rank has no work of its own coming: it always waits inside the next cycle.
         if not (busy and (self._progressed or self._waiting_for_others or self._joined)):
-            timeout = self._backoff if busy else self.settings.cycle_time / 1000
+            timeout = self._backoff if busy else self._heartbeat
             try:
                 items.append(inbox.get(timeout=timeout))
             except queue.Empty:
@@ -249,7 +254,7 @@ class Engine:
             self._backoff = _MIN_BACKOFF
         else:
             self._progressed = False
-            self._backoff = min(self._backoff * 2, self.settings.cycle_time / 1000)
+            self._backoff = min(self._backoff * 2, self._heartbeat)
 
         # Every name pending anywhere is cached; then either this rank has them all (it only
         # waits for others: wait inside the next cycle) or it lacks some, which only its own
@@ -258,7 +263,7 @@ class Engine:
         lacking = pending_bits & ~self._my_pending_bits
         self._waiting_for_others = known and not lacking and not ready
         if known and lacking and not ready:
-            self._backoff = self.settings.cycle_time / 1000
+            self._backoff = self._heartbeat
         if plan is not None and plan["shutdown"]:
             self._stopped_reason = plan["shutdown"]
             return False
@@ -302,9 +307,7 @@ class Engine:
             or_flags |= _SHUTDOWN
         if self._join_changed:
             or_flags |= _JOIN_CHANGED
-        stall_period = self.settings.stall_check_time
-        if self.settings.stall_shutdown_time:
-            stall_period = min(stall_period, self.settings.stall_shutdown_time)
+        stall_period = self._stall_period
         if now - oldest >= stall_period and now - self._last_stall_check >= stall_period:
             or_flags |= _STALL_CHECK
         self._my_pending_bits = pending

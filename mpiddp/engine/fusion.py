@@ -55,6 +55,3 @@ class BufferPool:
             buf = backend.empty(math.ceil(grown / per_page) * per_page, dtype)
             self._buffers[key] = buf
         return buf[:count]
-
-    def clear(self) -> None:
-        self._buffers.clear()

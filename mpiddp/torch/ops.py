@@ -17,13 +17,12 @@ import torch
 from .. import runtime
 from ..buffers.dtypes import dtype_named
 from ..engine.handle import Handle
-from ..engine.request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST,
+from ..engine.request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, KINDS,
                               REDUCESCATTER, Entry, Request)
 from ..ops import ReduceOp, check_op_for_dtype
 from .views import device_name, dtype_name, flat_array
 
-_counters = {kind: itertools.count() for kind in
-             (ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER, ALLTOALL, BARRIER)}
+_counters = {kind: itertools.count() for kind in KINDS}
 _counter_lock = threading.Lock()
 
 
