@@ -10,6 +10,7 @@ import atexit
 import logging
 import os
 import sys
+import threading
 from dataclasses import dataclass
 
 from .config import Settings, read_settings
@@ -47,6 +48,7 @@ _runtime: Runtime | None = None
 _was_shut_down = False
 _atexit_registered = False
 _previous_excepthook = None
+_previous_thread_excepthook = None
 
 
 def init(comm=None) -> None:
@@ -137,31 +139,48 @@ def _shutdown_at_exit() -> None:
         shutdown()
 
 
+def _abort_job(what: str) -> None:
+    """End the whole MPI job after ``what`` killed part of this rank (no-op on one rank)."""
+    if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        sys.stderr.write(f"mpiddp: rank {MPI.COMM_WORLD.Get_rank()} {what}; aborting the MPI "
+                         "job so that the other ranks do not wait for it "
+                         "(MPIDDP_ABORT_ON_EXCEPTION=0 disables this)\n")
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+
 def _install_abort_hook() -> None:
     """An uncaught exception on one rank ends the whole job instead of leaving the other ranks
-    waiting forever for collectives this rank will never submit."""
-    global _previous_excepthook
+    waiting forever for collectives this rank will never submit. Both hooks: the main thread's
+    (``sys.excepthook``) and every other thread's (``threading.excepthook``), since a data
+    loading or logging thread that dies leaves its rank just as unable to go on."""
+    global _previous_excepthook, _previous_thread_excepthook
     if _previous_excepthook is not None:
         return
     _previous_excepthook = sys.excepthook
+    _previous_thread_excepthook = threading.excepthook
 
     def abort_on_uncaught(exc_type, exc, tb):
         _previous_excepthook(exc_type, exc, tb)
-        if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
-            sys.stderr.write(f"mpiddp: rank {MPI.COMM_WORLD.Get_rank()} died of an uncaught "
-                             f"{exc_type.__name__}; aborting the MPI job so that the other ranks "
-                             "do not wait for it (MPIDDP_ABORT_ON_EXCEPTION=0 disables this)\n")
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
+        _abort_job(f"died of an uncaught {exc_type.__name__}")
+
+    def abort_on_uncaught_in_thread(args):
+        _previous_thread_excepthook(args)
+        if args.exc_type is SystemExit:
+            return                      # a thread's sys.exit() is a normal end, as in Python
+        name = args.thread.name if args.thread is not None else "?"
+        _abort_job(f"lost its thread '{name}' to an uncaught {args.exc_type.__name__}")
 
     sys.excepthook = abort_on_uncaught
+    threading.excepthook = abort_on_uncaught_in_thread
 
 
 def _remove_abort_hook() -> None:
-    global _previous_excepthook
+    global _previous_excepthook, _previous_thread_excepthook
     if _previous_excepthook is not None:
         sys.excepthook = _previous_excepthook
-        _previous_excepthook = None
+        threading.excepthook = _previous_thread_excepthook
+        _previous_excepthook = _previous_thread_excepthook = None
 
 
 def is_initialized() -> bool:

@@ -39,6 +39,19 @@ def test_uncaught_exception_on_one_rank_ends_the_job():
     assert time.monotonic() - start < 30
 
 
+def test_uncaught_exception_in_a_thread_ends_the_job():
+    # The dying thread is not the main one: threading.excepthook must abort the job too.
+    start = time.monotonic()
+    result = run_mpi("errors_worker.py", 3, "uncaught_exception_in_thread", timeout=60,
+                     mpi4py_run=False)
+    assert not result.timed_out, result.output
+    assert result.returncode != 0
+    assert "loader thread lost its file on rank 1" in result.output
+    assert "lost its thread 'data-loader' to an uncaught OSError" in result.output
+    assert "UNREACHABLE" not in result.output
+    assert time.monotonic() - start < 30
+
+
 def test_join_lets_ranks_with_less_data_finish():
     result = run_mpi("errors_worker.py", 4, "join_uneven", timeout=60)
     assert_ok(result, expect_lines=5)

@@ -142,6 +142,24 @@ def uncaught_exception():
     print("UNREACHABLE", flush=True)
 
 
+def uncaught_exception_in_thread():
+    """Rank 1's data-loading thread dies, so its main thread waits for a batch that never
+    comes, while the other ranks wait for rank 1 in an all-reduce."""
+    import queue
+    import threading
+    mpiddp.init()
+    batches = queue.Queue()
+    if mpiddp.rank() == 1:
+        def loader():
+            time.sleep(0.3)
+            raise OSError("loader thread lost its file on rank 1")
+        threading.Thread(target=loader, name="data-loader").start()
+    else:
+        batches.put(torch.ones(3))
+    mpiddp.allreduce(batches.get(), name="waits.forever")
+    print("UNREACHABLE", flush=True)
+
+
 def join_uneven():
     """Rank r has r+2 batches; ranks that run out call join() and contribute each op's
     identity: zeros to sums, nothing to min/max/product."""
