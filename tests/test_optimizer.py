@@ -9,7 +9,7 @@ import pytest
 from mpi_launch import assert_ok, run_mpi
 
 ALL = ("equivalence,unused,clip,compression,two_optimizers,mismatch,state,misuse,scheduler,"
-       "closure")
+       "closure,amp,join,unfreeze")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,8 @@ def test_unused_and_frozen_parameters(launch):
 
 
 def test_clipping_between_synchronize_and_step(launch):
-    expect(launch, "clipping via synchronize()+skip_synchronize() matches one process")
+    expect(launch, "clipping via synchronize()+skip_synchronize() matches one process",
+           "backward() returns with gradients averaged on every rank")
 
 
 def test_fp16_and_bf16_compression(launch):
@@ -81,7 +82,7 @@ def test_models_differing_across_ranks_fail_on_every_rank(launch):
            "rank 1 has '0.weight' [33, 12] float32" in line
     expect(launch, "different parameter counts")
     expect(launch, "different settings across ranks")
-    expect(launch, "a gradient shape that differs at run time: step() raises on every rank")
+    expect(launch, "a gradient shape that differs at run time: backward() raises on every rank")
     expect(launch, "bad arguments")
 
 
@@ -94,10 +95,25 @@ def test_optimizer_state_and_object_broadcast(launch):
     expect(launch, "broadcast_object / allgather_object")
 
 
-def test_misuse_is_a_clear_error_never_corruption(launch):
-    expect(launch, "an extra backward before step() is a clear error")
-    expect(launch, "zero_grad() while reductions are in flight waits for them")
-    expect(launch, "a third backward before step() is a clear error")
+def test_extra_backward_passes_accumulate_and_zero_grad_never_races(launch):
+    for passes in (1, 2):
+        expect(launch, f"backward_passes_per_step={passes} with {passes + 1} backward passes "
+                       "before step(): gradients accumulate as in one process")
+    expect(launch, "zero_grad() right after backward leaves no late writes")
+
+
+def test_amp_grad_scaler_recipes_step_with_averaged_unscaled_gradients(launch):
+    for recipe in ("plain", "clip"):
+        for compression in ("NoneCompressor", "FP16Compressor"):
+            expect(launch, f"AMP {recipe} recipe, {compression}:", "replicas bitwise identical")
+
+
+def test_uneven_data_with_join_after_step(launch):
+    expect(launch, "uneven data: 12 epochs of step() then join() on every rank, no error")
+
+
+def test_gradual_unfreezing(launch):
+    expect(launch, "gradual unfreezing: frozen at construction, unfrozen at step 4")
 
 
 def test_schedulers_hooks_and_add_param_group(launch):

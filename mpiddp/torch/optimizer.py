@@ -11,16 +11,27 @@ and LR schedulers keep working) with four methods changed:
   ``bucket_cap_mb`` (and at the last gradient of the step), so the last layers' gradients
   travel while backward still computes the first layers', and one engine cycle covers
   several gradients (``bucket_cap_mb=0``: every gradient goes out on its own);
-* ``synchronize()`` submits what is still missing (gradients of parameters that got none on
-  this rank: zeros, so that every rank reduces the same names and nothing deadlocks), waits
-  for every reduction and writes the averaged gradients into ``param.grad``;
-* ``step()`` synchronizes (unless inside ``skip_synchronize()``) and then runs the wrapped
-  optimizer's own step;
+* at the end of the backward pass that made the step's gradients final, a callback of the
+  autograd engine runs ``synchronize()``: it submits what is still missing (gradients of
+  parameters that got none on this rank: zeros, so that every rank reduces the same names and
+  nothing deadlocks), waits for every reduction and writes the averaged gradients into
+  ``param.grad``. So ``backward()`` returns with averaged gradients, as under DDP, and code
+  that reads or rewrites gradients between ``backward()`` and ``step()`` (GradScaler's
+  ``unscale_`` and inf check, clipping) sees the averaged ones and never races with a
+  reduction still writing into ``param.grad``;
+* ``step()`` synchronizes (only needed when gradients did not come from ``backward()``, or
+  after fewer than ``backward_passes_per_step`` passes) and then runs the wrapped optimizer's
+  own step;
 * ``zero_grad()`` first completes reductions still in flight, so it never races with them.
 
 Parameters that no rank used keep ``grad=None`` (as in a single process, so optimizers skip
-them): a small usage bit-vector is all-reduced in the background next to the gradients, and
-only a rank that lacks a gradient waits for it.
+them): a small usage bit-vector is all-reduced next to the last gradients.
+
+Which parameters are reduced is decided at every synchronize: those that require a gradient
+(or have one). A parameter frozen when the optimizer was built and unfrozen later
+(``requires_grad_(True)``, gradual unfreezing) joins the reduction from then on; one frozen
+later stops costing bandwidth. Every rank must freeze and unfreeze the same parameters at the
+same step (a rank that differs is reported by the stall inspector, naming the tensor).
 """
 from __future__ import annotations
 
@@ -38,6 +49,10 @@ from ..ops import ReduceOp
 from .compression import Compression
 from .functions import allgather_object
 from .ops import TensorHandle, _allreduce_entry, allreduce, synchronize as _wait
+
+# The autograd engine: queue_callback() runs a function once the current backward pass
+# has finished (every gradient accumulated), on the thread that ran it.
+_autograd_engine = torch.autograd.Variable._execution_engine
 
 _optimizer_index = itertools.count()
 _OWNER_ATTR = "_mpiddp_optimizer"   # on a parameter: weakref to the state reducing it
@@ -75,9 +90,10 @@ class _GradientSync:
         self.prescale = 1.0 / gradient_predivide_factor
         self.postscale = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
-        self.params: list[torch.Tensor] = []          # reduced parameters, in order
+        self.params: list[torch.Tensor] = []          # hooked parameters, in order
         self.names: dict[torch.Tensor, str] = {}      # parameter -> tensor name
-        self.frozen: list[tuple[str, torch.Tensor]] = []  # excluded (requires_grad False)
+        self.frozen: list[tuple[str, torch.Tensor]] = []  # not hooked yet (requires_grad off)
+        self.trainable = 0                            # params reduced at the last synchronize
         self.extra_names: dict = {}                   # names for add_param_group
         self.hook_handles: list = []
         self.lock = threading.Lock()
@@ -86,43 +102,72 @@ class _GradientSync:
         self.bucket_bytes = 0
         self.bucket_cap = int(bucket_cap_mb * 2 ** 20)
         self.pending: dict[torch.Tensor, _Pending] = {}
-        self.usage_handle = None                      # last step's usage reduction
-        self.usage = None
         self.synchronized = False
         self.skip_synchronize = False
+        self.end_of_backward_queued = False
 
     # ---- registration -------------------------------------------------------------------
     def add(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        ref = weakref.ref(self)
         for name, param in named:
-            if not param.requires_grad:
+            if param.requires_grad:
+                self._hook(name, param)
+            else:       # a hook needs requires_grad: hooked when unfrozen (_adopt_unfrozen)
                 self.frozen.append((name, param))
-                continue
-            self.params.append(param)
-            self.names[param] = f"{self.prefix}.grad.{name}"
-            setattr(param, _OWNER_ATTR, ref)
-            self.hook_handles.append(
-                param.register_post_accumulate_grad_hook(_make_hook(ref)))
+        self.trainable = sum(1 for p in self.params if p.requires_grad)
+
+    def _hook(self, name: str, param: torch.Tensor) -> None:
+        ref = weakref.ref(self)
+        self.params.append(param)
+        self.names[param] = f"{self.prefix}.grad.{name}"
+        setattr(param, _OWNER_ATTR, ref)
+        self.hook_handles.append(param.register_post_accumulate_grad_hook(_make_hook(ref)))
+
+    def _adopt_unfrozen(self) -> None:
+        """Hook the parameters that were frozen at construction and require a gradient now."""
+        if any(param.requires_grad for _, param in self.frozen):
+            still_frozen = []
+            for name, param in self.frozen:
+                if param.requires_grad:
+                    self._hook(name, param)
+                else:
+                    still_frozen.append((name, param))
+            self.frozen = still_frozen
+
+    def _reduced_params(self) -> list[torch.Tensor]:
+        """The parameters every rank reduces in this synchronize: trainable ones, and frozen
+        ones that still hold a gradient (stepping with it unaveraged would split replicas) or
+        whose reduction has started."""
+        return [p for p in self.params
+                if p.requires_grad or p.grad is not None or p in self.pending]
 
     # ---- called by the autograd hooks ---------------------------------------------------
     def on_gradient(self, param: torch.Tensor) -> None:
         with self.lock:
             if param in self.pending:
+                # Only two backward passes running at once (threads) get here: each pass
+                # finishes its reductions before it returns.
                 raise RuntimeError(
-                    f"the gradient of '{self.names[param]}' was computed again before "
-                    f"optimizer.step(): DistributedOptimizer was built with "
-                    f"backward_passes_per_step={self.passes_per_step}, and its reduction has "
-                    "already started. Call optimizer.step() (or zero_grad()) after every "
-                    f"{self.passes_per_step} backward pass(es), or raise "
-                    "backward_passes_per_step to accumulate more passes locally. This step's "
-                    "gradients are not valid: call optimizer.zero_grad() before going on.")
+                    f"the gradient of '{self.names[param]}' was computed again while its "
+                    "reduction was still in flight: two backward passes through the same "
+                    "parameters ran at the same time. Run them one after the other. This "
+                    "step's gradients are not valid: call optimizer.zero_grad() before going on.")
             self.synchronized = False
             count = self.passes.get(param, 0) + 1
             self.passes[param] = count
             if count >= self.passes_per_step:
                 self._queue(param)
-                if self.bucket_bytes >= self.bucket_cap or len(self.pending) == len(self.params):
+                if self.bucket_bytes >= self.bucket_cap or len(self.pending) >= self.trainable:
                     self._flush()        # bucket full, or the last gradient of this step
+                if not self.end_of_backward_queued:
+                    _autograd_engine.queue_callback(self._end_of_backward)
+                    self.end_of_backward_queued = True
+
+    def _end_of_backward(self) -> None:
+        """Finish this step's reductions before ``backward()`` returns (see the module
+        docstring). Runs once per backward pass in which a gradient became final."""
+        self.end_of_backward_queued = False
+        if self.pending:
+            self.synchronize()
 
     def _queue(self, param: torch.Tensor, zeros: bool = False) -> None:
         """Make ``param``'s gradient ready for reduction (it goes out with the next flush)."""
@@ -166,31 +211,27 @@ class _GradientSync:
     # ---- synchronize ----------------------------------------------------------------------
     def synchronize(self) -> None:
         with self.lock:
-            if not self.params or (self.synchronized and not self.pending
-                                   and not self.passes):
+            self._adopt_unfrozen()
+            params = self._reduced_params()
+            if not params or (self.synchronized and not self.pending and not self.passes):
                 return                   # nothing happened since the last synchronize
-            self._check_frozen()
             # Every rank must reduce the same names: submit what the hooks did not.
-            missing_zero = False
-            for param in self.params:
+            for param in params:
                 if param not in self.pending:
-                    if param.grad is None:
-                        self._queue(param, zeros=True)
-                        missing_zero = True
-                    else:                # fewer passes than backward_passes_per_step
-                        self._queue(param)
-            usage_handle = self._flush_with_usage()
-            pending = self.pending
+                    # no gradient on this rank (zeros), or fewer than backward_passes_per_step
+                    self._queue(param, zeros=param.grad is None)
+            usage, usage_handle = self._flush_with_usage(params)
+            pending = [(param, self.pending[param]) for param in params]
             self.pending = {}
             self.passes = {}
-        used = None
-        if missing_zero:                 # only then this rank needs to know who used what
-            _wait(usage_handle)
-            used = self.usage
+            self.trainable = sum(1 for p in params if p.requires_grad)
         error = None
         with torch.no_grad():
-            for i, param in enumerate(self.params):
-                item = pending[param]
+            try:
+                _wait(usage_handle)      # submitted with the last gradients: done with them
+            except BaseException as exc:
+                error = exc
+            for i, (param, item) in enumerate(pending):
                 if item.handle is None:          # its submission failed (already raised)
                     error = error or MpiddpError(
                         f"the gradient of '{self.names[param]}' was never submitted for "
@@ -203,7 +244,7 @@ class _GradientSync:
                     continue
                 grad = self.compression.decompress(item.wire, item.ctx)
                 if item.local_zeros:
-                    if used[i] == 0:
+                    if error is not None or usage[i] == 0:
                         continue         # no rank used this parameter: grad stays None
                     param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
                 elif grad is not param.grad:
@@ -212,30 +253,13 @@ class _GradientSync:
         if error is not None:
             raise error
 
-    def _flush_with_usage(self):
+    def _flush_with_usage(self, params):
         """Flush the last gradients together with an all-reduce (logical or) of which
-        parameters have a gradient on some rank. Only ranks that lack a gradient wait for
-        it; everyone else lets it finish in the background."""
-        if self.usage_handle is not None:
-            try:
-                _wait(self.usage_handle)     # last step's: long done
-            except MpiddpError:
-                pass     # its step already reported the error (or the engine restarted)
-        usage = torch.tensor([p.grad is not None for p in self.params], dtype=torch.uint8)
+        parameters have a gradient on some rank; returns (usage, its handle)."""
+        usage = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
         entry = _allreduce_entry(usage, usage, f"{self.prefix}.used", ReduceOp.MAX, 1.0, 1.0)
         self._flush(extra=(entry,))
-        self.usage = usage
-        self.usage_handle = TensorHandle([entry.handle], _nothing)
-        return self.usage_handle
-
-    def _check_frozen(self) -> None:
-        for name, param in self.frozen:
-            if param.grad is not None and param.requires_grad:
-                raise RuntimeError(
-                    f"parameter '{name}' was frozen (requires_grad=False) when the "
-                    "DistributedOptimizer was built, so its gradient is not averaged across "
-                    "ranks, but it has a gradient now. Build the DistributedOptimizer after "
-                    "unfreezing, or add the parameter with optimizer.add_param_group().")
+        return usage, TensorHandle([entry.handle], _nothing)
 
     def wait_all(self) -> None:
         """Complete reductions still in flight (the whole matched protocol, so the other

@@ -1,7 +1,8 @@
 """DistributedOptimizer and the state-sync functions, checked on K ranks against one process.
 
 Usage: optimizer_worker.py <group>[,<group>...]. Groups: equivalence, overlap, unused, clip,
-compression, two_optimizers, mismatch, state, misuse, scheduler, closure.
+compression, two_optimizers, mismatch, state, misuse, scheduler, closure, amp, join,
+unfreeze.
 
 Each passed check prints 'OK <check>' once (on rank 0) after every rank passed it; a failure
 raises, which aborts the job (the worker runs under ``python -m mpi4py``). The reference runs
@@ -54,6 +55,10 @@ def my_slice(t: torch.Tensor, per_rank: int) -> torch.Tensor:
 
 def max_diff(a: nn.Module, b: nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).double() for t in tensors])
 
 
 def assert_identical_everywhere(model: nn.Module, what: str) -> None:
@@ -290,17 +295,19 @@ def clip():
     diff = assert_close_to_reference(model, reference, "clipping", tol=2e-5)
     assert_identical_everywhere(model, "clip")
 
-    # step() in skip_synchronize() without synchronize() while reductions are in flight.
+    # backward() returns with averaged gradients: step() inside skip_synchronize() without
+    # synchronize() applies them too (identical on every rank before the step).
     opt.zero_grad()
     F.cross_entropy(model(my_slice(x, B)), my_slice(y, B)).backward()
-
-    def bad_step():
-        with opt.skip_synchronize():
-            opt.step()
-    expect(RuntimeError, bad_step, "skip_synchronize", "synchronize()")
-    opt.zero_grad()     # completes the reductions in flight, then clears
+    grads = mpiddp.allgather(flat(p.grad for p in model.parameters()).reshape(1, -1),
+                             name="clip.after_backward")
+    assert all(torch.equal(grads[r], grads[0]) for r in range(SIZE)), \
+        "gradients differ across ranks when backward() returns"
+    with opt.skip_synchronize():
+        opt.step()
+    assert_identical_everywhere(model, "clip.skip")
     ok(f"clipping via synchronize()+skip_synchronize() matches one process (max_diff={diff:.1e})"
-       "; step() in skip_synchronize() without synchronize() is a clear error")
+       "; backward() returns with gradients averaged on every rank")
 
 
 # ---- compression ------------------------------------------------------------------------
@@ -399,8 +406,9 @@ def mismatch():
            "backward_passes_per_step", "rank 0 uses 1", "rank 1 uses 2")
     ok("different settings across ranks: TensorMismatchError naming the setting")
 
-    # Shapes that change after construction: the engine's mismatch error reaches step() on
-    # every rank (no hang), naming the gradient and what each rank sent.
+    # Shapes that change after construction: the engine's mismatch error reaches backward()
+    # (which finishes the reductions) on every rank (no hang), naming the gradient and what
+    # each rank sent.
     class Scaled(nn.Module):
         def __init__(self):
             super().__init__()
@@ -415,11 +423,11 @@ def mismatch():
                                       named_parameters=scaled.named_parameters())
     if RANK == 1:
         scaled.scale.data = torch.ones(3)
-    F.cross_entropy(scaled(batch(0, B)[0]), batch(0, B)[1]).backward()
-    text = expect(mpiddp.TensorMismatchError, opt.step,
+    text = expect(mpiddp.TensorMismatchError,
+                  lambda: F.cross_entropy(scaled(batch(0, B)[0]), batch(0, B)[1]).backward(),
                   f"Mismatched allreduce shapes for '{opt._mpiddp.prefix}.grad.scale'",
                   "rank 1 sent [3]")
-    ok(f"a gradient shape that differs at run time: step() raises on every rank: {text}")
+    ok(f"a gradient shape that differs at run time: backward() raises on every rank: {text}")
 
     # Local argument errors (every rank raises the same, no collective is involved).
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -573,21 +581,46 @@ def train_reference_like_state():
     return opt.state_dict()
 
 
-# ---- misuse: extra backward, zero_grad while reductions are in flight -------------------
+# ---- misuse: extra backward passes, zero_grad right after backward ------------------------
+def extra_backward_runs(passes: int, steps: int = 4):
+    """Each step runs ``passes + 1`` backward passes (one more than the optimizer was built
+    for), then step(): the gradients accumulate exactly as in one process."""
+    model = mlp()
+    opt = mpiddp.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
+                                      named_parameters=model.named_parameters(),
+                                      backward_passes_per_step=passes)
+    reference = mlp() if RANK == 0 else None
+    ref_opt = OPTIMIZERS["sgd"](reference.parameters()) if RANK == 0 else None
+    for step in range(steps):
+        opt.zero_grad()
+        if RANK == 0:
+            ref_opt.zero_grad()
+        for m in range(passes + 1):
+            x, y = batch(10 * step + m, SIZE * B)
+            F.cross_entropy(model(my_slice(x, B)), my_slice(y, B)).backward()
+            if RANK == 0:
+                F.cross_entropy(reference(x), y).backward()
+        opt.step()
+        if RANK == 0:
+            ref_opt.step()
+    diff = assert_close_to_reference(model, reference, f"{passes + 1} backward passes", 2e-5)
+    assert_identical_everywhere(model, f"extra_backward.{passes}")
+    return diff
+
+
 def misuse():
+    for passes in (1, 2):
+        diff = extra_backward_runs(passes)
+        ok(f"backward_passes_per_step={passes} with {passes + 1} backward passes before step(): "
+           f"gradients accumulate as in one process (max_diff={diff:.1e})")
+
+    # zero_grad(set_to_none=False) right after backward: no reduction writes after it, so the
+    # zeros stay zeros.
     model = mlp()
     opt = mpiddp.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
                                       named_parameters=model.named_parameters())
     x, y = batch(0, SIZE * B)
     xs, ys = my_slice(x, B), my_slice(y, B)
-    F.cross_entropy(model(xs), ys).backward()
-    text = expect(RuntimeError, lambda: F.cross_entropy(model(xs), ys).backward(),
-                  "computed again before optimizer.step()", "backward_passes_per_step=1")
-    opt.zero_grad()
-    ok(f"an extra backward before step() is a clear error: {text[:90]}...")
-
-    # zero_grad(set_to_none=False) right after backward: reductions in flight are completed
-    # first, so the zeros are not overwritten by a late reduction.
     for _ in range(3):
         F.cross_entropy(model(xs), ys).backward()
         opt.zero_grad(set_to_none=False)
@@ -597,20 +630,8 @@ def misuse():
     reference = train_reference(OPTIMIZERS["sgd"], steps=5)
     model2, _ = train_distributed(OPTIMIZERS["sgd"], steps=5)
     diff = assert_close_to_reference(model2, reference, "after misuse", tol=2e-5)
-    ok(f"zero_grad() while reductions are in flight waits for them (no late writes); "
-       f"training after it is exact (max_diff={diff:.1e})")
-
-    # backward_passes_per_step=2: a third pass is an error.
-    model = mlp()
-    opt = mpiddp.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
-                                      named_parameters=model.named_parameters(),
-                                      backward_passes_per_step=2)
-    for _ in range(2):
-        F.cross_entropy(model(xs), ys).backward()
-    expect(RuntimeError, lambda: F.cross_entropy(model(xs), ys).backward(),
-           "backward_passes_per_step=2")
-    opt.zero_grad()
-    ok("backward_passes_per_step=2: a third backward before step() is a clear error")
+    ok(f"zero_grad() right after backward leaves no late writes; training after it is exact "
+       f"(max_diff={diff:.1e})")
 
 
 # ---- LR schedulers, state_dict round trip, add_param_group ------------------------------
@@ -702,9 +723,168 @@ def closure():
        f"match one process (max_diff={diff:.1e})")
 
 
+# ---- AMP: torch.amp.GradScaler's standard recipes ------------------------------------------
+def amp_run(recipe: str, compression, steps: int = 20, inf_step: int = 7):
+    """Train with the standard GradScaler recipe; return (model, per-step records). Each
+    record holds the scale of that step, this rank's local (scaled, unreduced) gradients and
+    the gradients the wrapped optimizer stepped with (None when the scaler skipped the step).
+    At ``inf_step`` rank SIZE-1 alone produces an inf gradient: every rank must skip."""
+    torch.manual_seed(11)
+    dims = (64, 128, 128, 128, OUT)
+    layers = []
+    for a, b in zip(dims[:-1], dims[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    model = nn.Sequential(*layers[:-1])
+    opt = mpiddp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                      named_parameters=model.named_parameters(),
+                                      compression=compression)
+    # fp16 compression: a large initial scale overflows float16 on the wire in the first steps
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** (24 if compression is not
+                                                             mpiddp.Compression.none else 16),
+                                  growth_interval=4)
+    params = list(model.parameters())
+    local, stepped = {}, []
+    for p in params:
+        p.register_hook(lambda g, p=p: local.__setitem__(p, g.clone()))
+    opt.register_step_pre_hook(lambda o, a, k: stepped.append([p.grad.clone() for p in params]))
+    records = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(500 + step)
+        x, y = torch.randn(SIZE * B, dims[0], generator=g), torch.randint(0, OUT, (SIZE * B,),
+                                                                         generator=g)
+        opt.zero_grad()
+        loss = F.cross_entropy(model(my_slice(x, B)), my_slice(y, B))
+        if step == inf_step and RANK == SIZE - 1:
+            loss = loss * float("inf")
+        scale = scaler.get_scale()
+        scaler.scale(loss).backward()
+        if recipe == "clip":
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        before = len(stepped)
+        scaler.step(opt)
+        scaler.update()
+        records.append((scale, [local[p] for p in params],
+                        stepped[-1] if len(stepped) > before else None))
+    return model, records
+
+
+def amp():
+    """GradScaler recipes give the optimizer exactly the rank-average of the unscaled local
+    gradients (clipped, for the clipping recipe), every rank skips the same steps, and the
+    replicas stay bitwise identical."""
+    for recipe, compression, tol in (("plain", mpiddp.Compression.none, 1e-6),
+                                     ("clip", mpiddp.Compression.none, 1e-6),
+                                     ("plain", mpiddp.Compression.fp16, 2e-3),
+                                     ("clip", mpiddp.Compression.fp16, 2e-3)):
+        model, records = amp_run(recipe, compression)
+        skipped = [i for i, (_, _, seen) in enumerate(records) if seen is None]
+        worst, compared = 0.0, 0
+        for i, (scale, local_grads, seen) in enumerate(records):
+            everyone = mpiddp.allgather(flat(local_grads).reshape(1, -1), name=f"amp.local.{i}")
+            expected = everyone.mean(0) / scale              # float64 hand-averaged reference
+            if not torch.isfinite(expected).all():
+                assert seen is None, f"{recipe}: step {i} has inf/nan gradients but was taken"
+                continue
+            if seen is None:
+                assert compression is mpiddp.Compression.fp16, \
+                    f"{recipe}: step {i} was skipped although every gradient is finite"
+                continue
+            if recipe == "clip":
+                norm = expected.norm()
+                expected = expected * min(1.0, 0.5 / (float(norm) + 1e-6))
+            got = flat(seen)
+            err = float((got - expected).abs().max() / expected.abs().max())
+            assert err <= tol, (f"{recipe} {compression.__name__}: step {i}: the optimizer "
+                                f"stepped with gradients off the hand-averaged reference by "
+                                f"{err:.3g} (relative), tolerance {tol}")
+            worst, compared = max(worst, err), compared + 1
+        assert 7 in skipped, f"{recipe}: the step with an inf on one rank was not skipped"
+        every_skip_list = mpiddp.allgather_object(skipped)
+        assert all(s == skipped for s in every_skip_list), \
+            f"{recipe}: ranks skipped different steps: {every_skip_list}"
+        assert_identical_everywhere(model, f"amp.{recipe}.{compression.__name__}")
+        ok(f"AMP {recipe} recipe, {compression.__name__}: {compared} steps match the "
+           f"hand-averaged unscaled gradients (max rel err {worst:.1e}), every rank skipped "
+           f"steps {skipped}, replicas bitwise identical")
+
+
+# ---- uneven data: each rank trains its own number of batches, then join() -----------------
+def join():
+    model = mlp()
+    opt = mpiddp.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
+                                      named_parameters=model.named_parameters())
+    last_ranks = []
+    for epoch in range(12):
+        batches = 2 + (RANK + epoch) % SIZE               # uneven, and the longest rank varies
+        for step in range(batches):
+            x, y = batch(100 * epoch + step, B, seed=RANK)
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        last = mpiddp.join()
+        last_ranks.append(last)
+        # The ranks that trained longest hold the newest model: continue from theirs.
+        mpiddp.broadcast_parameters(model.state_dict(), root_rank=last)
+        mpiddp.broadcast_optimizer_state(opt, root_rank=last)
+        assert_identical_everywhere(model, f"join.{epoch}")
+    ok(f"uneven data: 12 epochs of step() then join() on every rank, no error; join() "
+       f"returned the ranks {sorted(set(last_ranks))}; replicas identical after broadcast")
+
+
+# ---- gradual unfreezing: requires_grad_(True) on a parameter frozen at construction --------
+class Backbone(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(21)
+        self.backbone = nn.Sequential(nn.Linear(IN, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
+        self.head = nn.Linear(32, OUT)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+
+def unfreeze():
+    """Build with the backbone frozen, unfreeze it after 4 steps (a scheduler keeps the
+    optimizer alive), freeze it again after 8: matches one process doing the same."""
+    def schedule(model, step):
+        model.backbone.requires_grad_(4 <= step < 8)
+
+    def run(m, opt, sched, xs, ys, step):
+        schedule(m, step)
+        opt.zero_grad()
+        F.cross_entropy(m(xs), ys).backward()
+        opt.step()
+        sched.step()
+
+    model = Backbone()
+    model.backbone.requires_grad_(False)
+    opt = mpiddp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                      named_parameters=model.named_parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    if RANK == 0:
+        reference = Backbone()
+        ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+        ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=3, gamma=0.5)
+    frozen_start = model.backbone[0].weight.detach().clone()
+    for step in range(12):
+        x, y = batch(step, SIZE * B)
+        run(model, opt, sched, my_slice(x, B), my_slice(y, B), step)
+        if RANK == 0:
+            run(reference, ref_opt, ref_sched, x, y, step)
+        if step == 3:
+            assert torch.equal(model.backbone[0].weight, frozen_start), "frozen weights moved"
+    assert not torch.equal(model.backbone[0].weight, frozen_start), "unfrozen weights stayed"
+    diff = assert_close_to_reference(model, reference if RANK == 0 else None, "unfreeze",
+                                     tol=2e-5)
+    assert_identical_everywhere(model, "unfreeze")
+    ok(f"gradual unfreezing: frozen at construction, unfrozen at step 4, frozen again at step "
+       f"8, with a live LR scheduler: matches one process (max_diff={diff:.1e})")
+
+
 GROUPS = {name: globals()[name] for name in (
     "equivalence", "overlap", "unused", "clip", "compression", "two_optimizers", "mismatch",
-    "state", "misuse", "scheduler", "closure")}
+    "state", "misuse", "scheduler", "closure", "amp", "join", "unfreeze")}
 
 if __name__ == "__main__":
     started = time.perf_counter()
