@@ -157,26 +157,35 @@ def main(argv=None) -> int:
         progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-
     # Resume: rank 0 reads the checkpoint; everything it holds reaches the other ranks by
     # broadcast, so the file need not be on a shared file system.
-    start_epoch = 0
+    start_epoch, trained_on = 0, size
     if args.resume and rank == 0 and os.path.exists(args.checkpoint):
         state = torch.load(args.checkpoint, weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        start_epoch = state["epoch"]
-        print(f"resuming from {args.checkpoint}: {start_epoch} epoch(s) done, test accuracy "
-              f"then {state['accuracy']:.4f}", flush=True)
+        start_epoch, trained_on = state["epoch"], state.get("ranks", size)
+        print(f"resuming from {args.checkpoint}: {start_epoch} epoch(s) done on "
+              f"{trained_on} rank(s), test accuracy then {state['accuracy']:.4f}", flush=True)
     elif args.resume and rank == 0:
         print(f"no checkpoint at {args.checkpoint}: starting from scratch", flush=True)
-    start_epoch = mpiddp.broadcast_object(start_epoch, root_rank=0, name="start_epoch")
-    scheduler.load_state_dict(mpiddp.broadcast_object(scheduler.state_dict(), root_rank=0,
-                                                      name="scheduler"))
+    start_epoch, trained_on = mpiddp.broadcast_object((start_epoch, trained_on), root_rank=0,
+                                                      name="start_epoch")
     mpiddp.broadcast_parameters(model.state_dict(), root_rank=0)
     mpiddp.broadcast_optimizer_state(optimizer, root_rank=0)
+
+    # The schedule's position is rebuilt from the epochs done and *this* run's rank count,
+    # never restored from the checkpoint: with another number of ranks both the scaled rate
+    # and the steps per epoch change, and a restored step count would put the cosine at the
+    # wrong place (or past its end: lr 0 for the rest of the run).
+    for group in optimizer.param_groups:
+        group["initial_lr"] = lr
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_factor, last_epoch=start_epoch * steps_per_epoch - 1)
+    if trained_on != size:
+        log(f"the checkpoint was written on {trained_on} rank(s), this run has {size}: "
+            f"learning rate rescaled to {lr:g} and the schedule continued at epoch "
+            f"{start_epoch + 1} of {args.epochs} ({steps_per_epoch} steps per epoch now)")
 
     log(f"training on {size} rank(s): {len(train_set)} train / {len(test_set)} test samples, "
         f"batch {args.batch_size} per rank ({args.batch_size * size} global), lr {lr:g}, "

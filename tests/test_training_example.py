@@ -46,3 +46,33 @@ def test_train_checkpoint_and_resume(tmp_path: Path):
     assert saved["scheduler"]["last_epoch"] == 6 * steps_per_epoch
     assert saved["optimizer"]["param_groups"][0]["lr"] == 0.0
     print(second.output)
+
+
+def epoch_lrs(output: str) -> dict[int, str]:
+    return {int(m.group(1)): m.group(2) for m in re.finditer(
+        r"^epoch +(\d+)/\d+: train loss .* lr (\S+) ", output, re.MULTILINE)}
+
+
+def test_resume_on_a_different_number_of_ranks(tmp_path: Path):
+    """Half of a 4-epoch run on one rank count, the rest on another: the learning rate is
+    rescaled to the new rank count and the cosine schedule continues where the epochs say
+    (at the end of epoch 3 of 4 its factor is 0.25), in both directions."""
+    for before, after in ((1, 2), (2, 1)):
+        checkpoint = tmp_path / f"digits-{before}-{after}.pt"
+        common = ["--epochs", 4, "--batch-size", BATCH, "--checkpoint", checkpoint,
+                  "--no-progress"]
+        assert_ok(run_mpi(TRAIN, before, *common, "--stop-after", 2, timeout=90))
+        resumed = run_mpi(TRAIN, after, *common, "--resume", "--min-accuracy", 0.93,
+                          timeout=90)
+        assert_ok(resumed)
+        out = resumed.output
+        assert f"written on {before} rank(s), this run has {after}" in out, out
+        lrs = epoch_lrs(out)
+        assert sorted(lrs) == [3, 4], out
+        assert float(lrs[3]) == 0.02 * after * 0.25, out       # base lr x ranks x cosine
+        assert float(lrs[4]) == 0.0, out
+        assert "target accuracy 0.93: reached" in out, out
+        steps_per_epoch = math.ceil(math.ceil(1437 / after) / BATCH)
+        saved = torch.load(checkpoint, weights_only=False)
+        assert saved["epoch"] == 4 and saved["ranks"] == after
+        assert saved["scheduler"]["last_epoch"] == 4 * steps_per_epoch

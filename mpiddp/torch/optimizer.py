@@ -283,8 +283,9 @@ class _DistributedOptimizer:
 
     def synchronize(self) -> None:
         """Wait until every gradient is averaged across ranks and written to ``param.grad``.
-        Call it before reading or changing gradients (e.g. clipping), then call ``step()``
-        inside ``skip_synchronize()``."""
+        ``backward()`` already does this at its end; call it for gradients that did not come
+        from ``backward()`` (set by hand, or fewer than ``backward_passes_per_step`` passes),
+        then call ``step()`` inside ``skip_synchronize()``."""
         self._mpiddp.synchronize()
 
     @contextlib.contextmanager
