@@ -11,21 +11,30 @@ over every rank's share of the test set; rank 0 writes the checkpoint.
 
 Any rank count works: the learning rate is scaled by the number of ranks (the global batch
 grows with it) after a short warm-up, following Goyal et al., "Accurate, Large Minibatch SGD".
+
+Batch jobs: SIGTERM or SIGUSR1 (a scheduler's warning before preemption or the time limit) on
+any rank makes every rank stop at the same step boundary; rank 0 writes a checkpoint of the
+exact position (epoch, batch, model, optimizer, every rank's random state) and the job exits
+with status 75 (EX_TEMPFAIL) so that the job script can requeue it. ``--resume`` goes on from
+there and, on the same number of ranks, ends with the same parameters, bit for bit, as a run
+that was never interrupted.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import mpiddp
+from train_support import EXIT_PREEMPTED, PreemptionWatch, ResumableSampler, save_checkpoint
 
 
 def parse_args(argv=None):
@@ -132,8 +141,8 @@ def main(argv=None) -> int:
     data = load_digits_split(args.seed) if rank == 0 else None
     train_set, test_set = (TensorDataset(*tensors) for tensors in
                            mpiddp.broadcast_object(data, root_rank=0, name="dataset"))
-    sampler = DistributedSampler(train_set, num_replicas=size, rank=rank, shuffle=True,
-                                 seed=args.seed)
+    sampler = ResumableSampler(train_set, num_replicas=size, rank=rank, shuffle=True,
+                               seed=args.seed)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
     # Test set: rank r takes every size-th sample (no padding, so the metrics are exact).
     test_loader = DataLoader(Subset(test_set, range(rank, len(test_set), size)),
@@ -159,33 +168,40 @@ def main(argv=None) -> int:
 
     # Resume: rank 0 reads the checkpoint; everything it holds reaches the other ranks by
     # broadcast, so the file need not be on a shared file system.
-    start_epoch, trained_on = 0, size
+    position = {"epoch": 0, "step": 0, "ranks": size, "rng": None, "loss_sum": 0.0}
     if args.resume and rank == 0 and os.path.exists(args.checkpoint):
         state = torch.load(args.checkpoint, weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        start_epoch, trained_on = state["epoch"], state.get("ranks", size)
-        print(f"resuming from {args.checkpoint}: {start_epoch} epoch(s) done on "
-              f"{trained_on} rank(s), test accuracy then {state['accuracy']:.4f}", flush=True)
+        position.update({key: state[key] for key in position if key in state})
+        print(f"resuming from {args.checkpoint}: {position['epoch']} epoch(s) "
+              f"{'and ' + str(position['step']) + ' step(s) ' if position['step'] else ''}"
+              f"done on {position['ranks']} rank(s), test accuracy then "
+              f"{state['accuracy']:.4f}", flush=True)
     elif args.resume and rank == 0:
         print(f"no checkpoint at {args.checkpoint}: starting from scratch", flush=True)
-    start_epoch, trained_on = mpiddp.broadcast_object((start_epoch, trained_on), root_rank=0,
-                                                      name="start_epoch")
+    position = mpiddp.broadcast_object(position, root_rank=0, name="resume.position")
     mpiddp.broadcast_parameters(model.state_dict(), root_rank=0)
     mpiddp.broadcast_optimizer_state(optimizer, root_rank=0)
+    start_epoch, trained_on = position["epoch"], position["ranks"]
+    # Steps already done in the interrupted epoch, in this run's units: the same global
+    # samples are skipped (exactly, when the rank counts divide evenly).
+    start_step = position["step"] * trained_on // size
+    rng_states = position["rng"] if trained_on == size else None
 
-    # The schedule's position is rebuilt from the epochs done and *this* run's rank count,
+    # The schedule's position is rebuilt from the steps done and *this* run's rank count,
     # never restored from the checkpoint: with another number of ranks both the scaled rate
     # and the steps per epoch change, and a restored step count would put the cosine at the
     # wrong place (or past its end: lr 0 for the rest of the run).
     for group in optimizer.param_groups:
         group["initial_lr"] = lr
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_factor, last_epoch=start_epoch * steps_per_epoch - 1)
+        optimizer, lr_factor, last_epoch=start_epoch * steps_per_epoch + start_step - 1)
     if trained_on != size:
         log(f"the checkpoint was written on {trained_on} rank(s), this run has {size}: "
             f"learning rate rescaled to {lr:g} and the schedule continued at epoch "
-            f"{start_epoch + 1} of {args.epochs} ({steps_per_epoch} steps per epoch now)")
+            f"{start_epoch + 1} of {args.epochs} ({steps_per_epoch} steps per epoch now)"
+            + ("; dropout masks are drawn afresh" if start_step else ""))
 
     log(f"training on {size} rank(s): {len(train_set)} train / {len(test_set)} test samples, "
         f"batch {args.batch_size} per rank ({args.batch_size * size} global), lr {lr:g}, "
@@ -196,32 +212,55 @@ def main(argv=None) -> int:
         from tqdm import tqdm
     last_epoch = args.epochs if args.stop_after is None else \
         min(args.epochs, start_epoch + args.stop_after)
+    preemption = PreemptionWatch()
+
+    def checkpoint(epoch: int, step: int, loss_sum: float) -> None:
+        """Collective: rank 0 writes the position after ``step`` steps of ``epoch`` (0: the
+        epoch is done), with every rank's random state when the epoch is part-way."""
+        rng = mpiddp.allgather_object(torch.get_rng_state(), name="checkpoint.rng") \
+            if step else None
+        if rank == 0:
+            save_checkpoint(args.checkpoint, {
+                "epoch": epoch, "step": step, "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "accuracy": accuracy, "ranks": size, "rng": rng, "loss_sum": loss_sum})
+
     for epoch in range(start_epoch, last_epoch):
-        sampler.set_epoch(epoch)           # a different shuffle every epoch, same on all ranks
-        torch.manual_seed(args.seed + 1000 * epoch + rank)   # dropout: per rank and epoch,
-                                                             # reproducible after --resume
-        batches = train_loader
+        skip = start_step if epoch == start_epoch else 0
+        # A different shuffle every epoch, the same on all ranks; a resumed epoch skips the
+        # samples it had trained on.
+        sampler.set_epoch(epoch, skip=skip * args.batch_size)
+        torch.manual_seed(args.seed + 1000 * epoch + rank)   # dropout: per rank and epoch
+        batches = iter(train_loader)       # draws the loader's seed from torch's generator:
+        if skip and rng_states is not None:    # restore the random state only after that
+            torch.set_rng_state(rng_states[rank])
         if rank == 0 and not args.no_progress:
-            batches = tqdm(train_loader, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
-                           file=sys.stdout, dynamic_ncols=True)
-        loss_sum = torch.zeros(1, dtype=torch.float64)
-        for x, y in batches:
+            batches = tqdm(batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
+                           file=sys.stdout, dynamic_ncols=True, initial=skip,
+                           total=steps_per_epoch)
+        loss_sum = position["loss_sum"] if skip else 0.0
+        for step, (x, y) in enumerate(batches, start=skip + 1):
+            preemption.start_step()
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             optimizer.step()
             scheduler.step()
             loss_sum += loss.item()
-        train_loss = mpiddp.allreduce(loss_sum / steps_per_epoch, name="train.loss").item()
+            signum = preemption.stop_agreed()
+            if signum:
+                checkpoint(epoch, step, loss_sum)
+                log(f"{signal.Signals(signum).name} received: stopped at step {step} of epoch "
+                    f"{epoch + 1} on every rank, checkpoint written to {args.checkpoint}; "
+                    f"exiting with status {EXIT_PREEMPTED} (requeue, then --resume)")
+                return EXIT_PREEMPTED
+        train_loss = mpiddp.allreduce(torch.tensor([loss_sum / steps_per_epoch],
+                                                   dtype=torch.float64), name="train.loss").item()
         test_loss, accuracy = evaluate(model, test_loader)
         log(f"epoch {epoch + 1:3d}/{args.epochs}: train loss {train_loss:.4f}  "
             f"test loss {test_loss:.4f}  test accuracy {accuracy:.4f}  "
             f"lr {optimizer.param_groups[0]['lr']:.3g}  ({time.perf_counter() - started:.1f} s)")
-        if rank == 0:
-            save_checkpoint(args.checkpoint, {
-                "epoch": epoch + 1, "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "accuracy": accuracy, "ranks": size})
+        checkpoint(epoch + 1, 0, 0.0)
 
     if start_epoch >= last_epoch:
         _, accuracy = evaluate(model, test_loader)
@@ -237,14 +276,6 @@ def main(argv=None) -> int:
         if not reached:
             return 2
     return 0
-
-
-def save_checkpoint(path: str, state: dict) -> None:
-    """Write atomically: a crash while saving never leaves a truncated checkpoint."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

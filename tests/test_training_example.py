@@ -1,13 +1,18 @@
-"""scripts/train.py end to end on 4 ranks: a run stopped after 3 of 6 epochs writes a
-checkpoint; a second run with --resume goes on from it (epochs 4-6, learning-rate schedule
-continued, not restarted) and reaches the accuracy target."""
+"""scripts/train.py end to end: stop and --resume (same and other rank counts), a preemption
+signal on one rank with an exact resume, and checkpoints that survive a killed writer."""
 import math
+import os
 import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
 
-from mpi_launch import ROOT, assert_ok, run_mpi
+from mpi_launch import ROOT, assert_ok, mpiexec_path, run_mpi
 
 TRAIN = str(ROOT / "scripts" / "train.py")
 RANKS, EPOCHS, BATCH = 4, 6, 16
@@ -76,3 +81,105 @@ def test_resume_on_a_different_number_of_ranks(tmp_path: Path):
         saved = torch.load(checkpoint, weights_only=False)
         assert saved["epoch"] == 4 and saved["ranks"] == after
         assert saved["scheduler"]["last_epoch"] == 4 * steps_per_epoch
+
+
+def rank_pid(marker: str, rank: int, timeout: float = 30) -> int:
+    """The pid of the process of ``rank`` whose command line contains ``marker`` (hydra gives
+    each rank PMI_RANK in its environment)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() not in f.read().split(b"\0"):
+                        continue
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if f"PMI_RANK={rank}".encode() in f.read().split(b"\0"):
+                        return int(entry)
+            except OSError:
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no rank {rank} with {marker!r} in its command line")
+
+
+def run_until_signalled(args: list, marker: str, signal_rank: int, after_line: str,
+                        timeout: float = 90):
+    """Run train.py on 2 ranks and send SIGUSR1 to one rank once ``after_line`` is printed
+    (``marker``: an argument that only this run has)."""
+    cmd = [mpiexec_path(), "-n", "2", sys.executable, TRAIN, *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True, cwd=str(ROOT))
+    killer = threading.Timer(timeout, os.killpg, (proc.pid, signal.SIGKILL))
+    killer.start()
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if after_line in line:
+                os.kill(rank_pid(marker, signal_rank), signal.SIGUSR1)
+                break
+        lines.extend(proc.stdout)
+        return proc.wait(), "".join(lines)
+    finally:
+        killer.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_preemption_signal_checkpoints_and_resume_is_exact(tmp_path: Path):
+    """SIGUSR1 on rank 1 only: every rank stops at the same step, rank 0 writes a mid-epoch
+    checkpoint and the job exits 75; --resume then ends with parameters bitwise equal to a run
+    that was never interrupted (same seed, 2 ranks)."""
+    common = ["--epochs", 6, "--batch-size", 4, "--no-progress", "--seed", 3]
+    whole = tmp_path / "whole.pt"
+    assert_ok(run_mpi(TRAIN, 2, *common, "--checkpoint", whole, timeout=120))
+
+    interrupted = tmp_path / "interrupted.pt"
+    rc, out = run_until_signalled([*common, "--checkpoint", interrupted], str(interrupted),
+                                  signal_rank=1, after_line="epoch   1/6")
+    assert rc == 75, out
+    assert "SIGUSR1 received: stopped at step" in out, out
+    saved = torch.load(interrupted, weights_only=False)
+    assert 1 <= saved["epoch"] < 6 and saved["step"] > 0, (saved["epoch"], saved["step"])
+    assert len(saved["rng"]) == 2
+
+    resumed = run_mpi(TRAIN, 2, *common, "--checkpoint", interrupted, "--resume", timeout=120)
+    assert_ok(resumed)
+    assert f"{saved['step']} step(s) done on 2 rank(s)" in resumed.output, resumed.output
+    expected = torch.load(whole, weights_only=False)
+    got = torch.load(interrupted, weights_only=False)
+    assert got["epoch"] == 6 and got["step"] == 0
+    for name, tensor in expected["model"].items():
+        assert torch.equal(got["model"][name], tensor), f"{name} differs after resume"
+    for key, state in expected["optimizer"]["state"].items():
+        assert torch.equal(got["optimizer"]["state"][key]["momentum_buffer"],
+                           state["momentum_buffer"])
+
+
+def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path):
+    path = tmp_path / "ckpt.pt"
+    code = f"""
+import sys, torch
+sys.path.insert(0, {str(ROOT / 'scripts')!r})
+from train_support import save_checkpoint
+save_checkpoint({str(path)!r}, {{"generation": 1, "w": torch.arange(1000.0)}})
+print("FIRST", flush=True)
+save_checkpoint({str(path)!r}, {{"generation": 2, "w": torch.ones(150_000_000)}})
+print("SECOND", flush=True)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "FIRST"
+        tmp = Path(f"{path}.tmp")
+        deadline = time.monotonic() + 60
+        while not (tmp.exists() and tmp.stat().st_size > 1 << 20):
+            assert time.monotonic() < deadline and proc.poll() is None, "never caught mid-write"
+            time.sleep(0.001)
+        proc.kill()                       # mid-write: the new file is partial
+    finally:
+        proc.kill()
+        proc.wait()
+    assert tmp.stat().st_size < 600_000_000          # it really was cut short
+    state = torch.load(path, weights_only=False)
+    assert state["generation"] == 1 and torch.equal(state["w"], torch.arange(1000.0))
