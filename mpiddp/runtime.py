@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 from .config import Settings, read_settings
@@ -32,7 +33,7 @@ _prefer_yielding_waits()
 
 from mpi4py import MPI  # noqa: E402  (after the environment above is set)
 
-from .engine.coordinator import Engine  # noqa: E402
+from .engine.coordinator import Engine, start_engine  # noqa: E402
 
 
 @dataclass
@@ -84,7 +85,7 @@ def init(comm=None) -> None:
     from .buffers import gpu  # device selection before any CUDA call; CUDA-aware probe
 
     gpu.setup(settings, local_comm.Get_rank())
-    engine = Engine(comm, settings)
+    engine = start_engine(comm, settings)
     _runtime = Runtime(comm, local_comm, cross_comm, settings, engine)
     if not _atexit_registered:
         atexit.register(_shutdown_at_exit)
@@ -145,7 +146,11 @@ def _abort_job(what: str) -> None:
         sys.stderr.write(f"mpiddp: rank {MPI.COMM_WORLD.Get_rank()} {what}; aborting the MPI "
                          "job so that the other ranks do not wait for it "
                          "(MPIDDP_ABORT_ON_EXCEPTION=0 disables this)\n")
+        sys.stdout.flush()
         sys.stderr.flush()
+        # MPI_Abort tears the job down at once; give the launcher a moment to forward what
+        # this rank printed (the traceback above), or the user sees no reason at all.
+        time.sleep(0.5)
         MPI.COMM_WORLD.Abort(1)
 
 

@@ -1,0 +1,131 @@
+"""Fake ranks in one process: the real ``Engine`` (coordinator thread, protocol, waiting policy)
+over an in-memory control channel, with an executor that records what it runs.
+
+Each collective of the fake channel is a rendezvous of every rank's thread on a barrier with a
+timeout, so a protocol bug that would hang real ranks fails the test instead.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+from mpiddp.config import Settings
+from mpiddp.engine.coordinator import Engine
+from mpiddp.engine.handle import Handle
+from mpiddp.engine.request import ALLREDUCE, Entry, Request
+from mpiddp.errors import MpiddpError, TensorMismatchError
+
+TEST_SETTINGS = Settings(cycle_time=2.0, cache_capacity=8, stall_check_time=30.0)
+
+
+class FakeAbort(RuntimeError):
+    pass
+
+
+class Hub:
+    """What the fake ranks share: one deposit box per rank and a barrier."""
+
+    def __init__(self, size: int, timeout: float = 20.0):
+        self.size = size
+        self.box: list = [None] * size
+        self.barrier = threading.Barrier(size, timeout=timeout)
+        self.aborted = threading.Event()
+
+    def exchange(self, rank: int, value) -> list:
+        """Every rank's ``value``, in rank order (a collective of all fake ranks)."""
+        self.box[rank] = value
+        self.barrier.wait()
+        values = list(self.box)
+        self.barrier.wait()         # nobody overwrites the box before everyone has read it
+        return values
+
+
+class FakeChannel:
+    """``ControlChannel`` between threads of one process."""
+
+    def __init__(self, hub: Hub, rank: int):
+        self.hub, self.rank, self.size = hub, rank, hub.size
+
+    def and_reduce(self, message: bytes, wait) -> bytes:
+        values = self.hub.exchange(self.rank, int.from_bytes(message, "little"))
+        result = values[0]
+        for value in values[1:]:
+            result &= value
+        return result.to_bytes(len(message), "little")
+
+    def gather_to_root(self, obj):
+        values = self.hub.exchange(self.rank, obj)
+        return values if self.rank == 0 else None
+
+    def broadcast_from_root(self, obj):
+        return self.hub.exchange(self.rank, obj)[0]
+
+    def max(self, value):
+        return max(self.hub.exchange(self.rank, value))
+
+    def abort(self) -> None:
+        self.hub.aborted.set()
+        self.hub.barrier.abort()
+
+    def close(self) -> None:
+        pass
+
+
+class RecordingExecutor:
+    """Runs nothing: records the agreed order and completes (or fails) every handle, the way
+    the real executor reports agreed errors."""
+
+    def __init__(self, rank, finish):
+        self.rank = rank
+        self.finish = finish
+        self.log: list = []          # (name, error or None), in execution order
+
+    def run(self, responses, entries) -> None:
+        for response in responses:
+            self.log.append((response.name, response.error))
+            entry = entries.get(response.name)
+            if response.error is not None:
+                if entry is not None:
+                    kind = TensorMismatchError if response.error_is_mismatch else MpiddpError
+                    self.finish(entry, error=kind(response.error))
+            elif entry is not None:
+                self.finish(entry)
+            elif response.request.kind != ALLREDUCE:
+                raise MpiddpError(f"rank {self.rank} has no entry for agreed "
+                                  f"{response.request.kind} '{response.name}'")
+            # else: a joined rank takes part in an allreduce with zeros
+
+
+class FakeCluster:
+    """``size`` engines, one per fake rank, sharing a hub."""
+
+    def __init__(self, size: int, settings: Settings = TEST_SETTINGS, **overrides):
+        settings = replace(settings, **overrides)
+        self.hub = Hub(size)
+        self.executors: list = [None] * size
+
+        def factory(rank):
+            def make(stats, timeline, finish):
+                self.executors[rank] = RecordingExecutor(rank, finish)
+                return self.executors[rank]
+            return make
+
+        self.engines = [Engine(FakeChannel(self.hub, r), settings, factory(r))
+                        for r in range(size)]
+
+    @property
+    def size(self) -> int:
+        return self.hub.size
+
+    def logs(self) -> list:
+        return [executor.log for executor in self.executors]
+
+    def shutdown(self, rank: int = 0, reason: str = "test over") -> None:
+        self.engines[rank].shutdown(reason)
+        for engine in self.engines:
+            engine.shutdown("test over")
+
+
+def entry(name: str, kind: str = ALLREDUCE, shape=(4,), dtype: str = "float32",
+          **fields) -> Entry:
+    return Entry(Request(name, kind, dtype, tuple(shape), **fields), None, None, Handle(name))

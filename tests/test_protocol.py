@@ -1,0 +1,287 @@
+"""The engine's cycle protocol with 2-8 fake ranks in one process (threads), in milliseconds.
+
+The real coordinator, protocol, waiting policy and handles run over an in-memory channel
+(``protocol_fakes.py``); only MPI and the data movement are fake. Properties checked under
+randomized schedules: every rank executes the same responses in the same order, no name is lost
+or run twice, every handle ends (completed, or failed with the agreed error).
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from mpiddp.engine.protocol import CycleProtocol
+from mpiddp.engine.request import ALLGATHER, ALLREDUCE, BROADCAST
+from mpiddp.errors import DuplicateNameError, EngineShutdownError, TensorMismatchError
+from protocol_fakes import TEST_SETTINGS, FakeCluster, entry
+
+
+def run_ranks(cluster: FakeCluster, work, timeout: float = 60.0) -> list:
+    """Run ``work(rank, engine)`` on one user thread per fake rank; return their results and
+    re-raise the first failure (a thread still running at the timeout fails the test)."""
+    results, errors = [None] * cluster.size, []
+
+    def body(rank):
+        try:
+            results[rank] = work(rank, cluster.engines[rank])
+        except BaseException as exc:       # reported below, on the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(cluster.size)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    alive = [i for i, t in enumerate(threads) if t.is_alive()]
+    if errors:
+        raise errors[0]
+    assert not alive, f"fake ranks {alive} hung (cluster aborted: {cluster.hub.aborted.is_set()})"
+    return results
+
+
+def assert_same_order(cluster: FakeCluster) -> list:
+    logs = cluster.logs()
+    for rank, log in enumerate(logs):
+        assert log == logs[0], f"rank {rank} executed another order than rank 0"
+    return logs[0]
+
+
+def random_schedule(seed: int, size: int, rounds: int, names_per_round: int,
+                    new_name_rate: float = 0.3, change_rate: float = 0.05,
+                    mismatch_rate: float = 0.05, max_delay: float = 0.0):
+    """Per rank, per round: a list of groups (submitted together) of
+    (name, shape, kind, expect_error) in that rank's own random order."""
+    rng = random.Random(seed)
+    known = [f"t{i}" for i in range(names_per_round)]
+    shapes = {name: (4,) for name in known}
+    fresh = 0
+    plan = [[] for _ in range(size)]
+    for round_ in range(rounds):
+        names = []
+        for _ in range(names_per_round):
+            if rng.random() < new_name_rate:
+                fresh += 1
+                name = f"n{fresh}"
+                known.append(name)
+                shapes[name] = (rng.randint(1, 9),)
+            names.append(rng.choice(known))
+        names = list(dict.fromkeys(names))          # one in-flight use of a name per round
+        items = {}
+        for name in names:
+            if rng.random() < change_rate:           # every rank changes it: renegotiated
+                shapes[name] = (shapes[name][0] + 1,)
+            kind = BROADCAST if rng.random() < 0.1 else ALLREDUCE
+            mismatch_rank = rng.randrange(size) if rng.random() < mismatch_rate else None
+            items[name] = (shapes[name], kind, mismatch_rank)
+        for rank in range(size):
+            order = list(items)
+            rng.shuffle(order)
+            groups, i = [], 0
+            while i < len(order):
+                n = rng.randint(1, 4)
+                groups.append([(name, items[name][0] if items[name][2] != rank
+                                else (items[name][0][0] + 7,), items[name][1],
+                                items[name][2] is not None) for name in order[i:i + n]])
+                i += n
+            delays = [rng.random() * max_delay for _ in groups]
+            plan[rank].append(list(zip(groups, delays)))
+    return plan
+
+
+def play(cluster: FakeCluster, plan) -> dict:
+    """Every rank submits its schedule round by round and waits for its handles; returns the
+    number of completed and failed handles per rank."""
+    def work(rank, engine):
+        done = failed = 0
+        for round_ in plan[rank]:
+            handles = []
+            for group, delay in round_:
+                if delay:
+                    time.sleep(delay)
+                entries = [entry(name, kind, shape, root=0 if kind == BROADCAST else -1)
+                           for name, shape, kind, _ in group]
+                handles += [(h, err) for h, (_, _, _, err)
+                            in zip(engine.submit_many(entries), group)]
+            for handle, expect_error in handles:
+                try:
+                    handle.wait(timeout=30)
+                    assert not expect_error, f"{handle.name}: mismatch not reported"
+                    done += 1
+                except TensorMismatchError:
+                    assert expect_error, f"{handle.name}: unexpected mismatch"
+                    failed += 1
+        return done, failed
+    return run_ranks(cluster, work)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+def test_random_schedules_execute_identically_everywhere(size):
+    cluster = FakeCluster(size, cache_capacity=4)          # tiny cache: constant eviction
+    try:
+        plan = random_schedule(seed=size, size=size, rounds=40, names_per_round=6,
+                               max_delay=0.002)
+        counts = play(cluster, plan)
+        order = assert_same_order(cluster)
+    finally:
+        cluster.shutdown()
+    expected = sum(len(group) for round_ in plan[0] for group, _ in round_)
+    assert len(order) == expected, "a name was lost or run twice"
+    assert all(done + failed == expected for done, failed in counts)
+    assert counts[0][1] > 0, "the schedule should contain mismatches"
+
+
+def test_soak_ten_thousand_cycles(soak_cycles):
+    """A long seeded run: many rounds of random schedules until rank 0 has run at least
+    ``soak_cycles`` cycles (10,000 by default; ``pytest --soak-cycles N`` for more)."""
+    cluster = FakeCluster(4, cache_capacity=16)
+    seed = 0
+    executed = 0
+    try:
+        while cluster.engines[0].stats.cycles < soak_cycles:
+            seed += 1
+            plan = random_schedule(seed=seed, size=4, rounds=50, names_per_round=8)
+            play(cluster, plan)
+            executed += sum(len(group) for round_ in plan[0] for group, _ in round_)
+        order = assert_same_order(cluster)
+        cycles = cluster.engines[0].stats.cycles
+    finally:
+        cluster.shutdown()
+    assert len(order) == executed
+    assert cycles >= soak_cycles
+
+
+def test_ranks_submitting_in_opposite_orders_agree():
+    cluster = FakeCluster(3)
+    names = [f"g{i}" for i in range(30)]
+
+    def work(rank, engine):
+        order = names if rank % 2 == 0 else names[::-1]
+        handles = [engine.submit_many([entry(n)])[0] for n in order]
+        for h in handles:
+            h.wait(timeout=10)
+    try:
+        run_ranks(cluster, work)
+        order = assert_same_order(cluster)
+    finally:
+        cluster.shutdown()
+    assert sorted(name for name, _ in order) == sorted(names)
+
+
+def test_mismatch_fails_that_name_on_every_rank_and_the_engine_goes_on():
+    cluster = FakeCluster(3)
+
+    def work(rank, engine):
+        bad = engine.submit_many([entry("w", shape=(4, 3) if rank < 2 else (3, 4))])[0]
+        good = engine.submit_many([entry("ok")])[0]
+        with pytest.raises(TensorMismatchError) as info:
+            bad.wait(timeout=10)
+        good.wait(timeout=10)
+        return str(info.value)
+    try:
+        messages = run_ranks(cluster, work)
+    finally:
+        cluster.shutdown()
+    assert all("Mismatched allreduce shapes for 'w': ranks 0, 1 sent [4, 3], rank 2 sent [3, 4]"
+               in m for m in messages)
+
+
+def test_duplicate_in_flight_name_is_refused_locally():
+    cluster = FakeCluster(2)
+    try:
+        engine = cluster.engines[0]
+        handle = engine.submit_many([entry("dup")])[0]
+        with pytest.raises(DuplicateNameError, match="already in flight on rank 0"):
+            engine.submit_many([entry("dup")])
+        with pytest.raises(DuplicateNameError, match="appears twice"):
+            cluster.engines[1].submit_many([entry("x"), entry("x")])
+        cluster.engines[1].submit_many([entry("dup")])[0].wait(timeout=10)
+        handle.wait(timeout=10)
+    finally:
+        cluster.shutdown()
+
+
+def test_join_with_uneven_work():
+    """Rank r has 5 + 3r allreduces; ranks out of work join and answer the others; join
+    returns the last rank to join on every rank; non-allreduce while joined is an error."""
+    cluster = FakeCluster(4)
+
+    def work(rank, engine):
+        for i in range(5 + 3 * rank):
+            engine.submit_many([entry(f"step{i}")])[0].wait(timeout=10)
+        if rank == 3:
+            with pytest.raises(Exception, match="have called join"):
+                engine.submit_many([entry("gather", kind=ALLGATHER)])[0].wait(timeout=10)
+        return engine.join().wait(timeout=20)
+    try:
+        last = run_ranks(cluster, work)
+        order = assert_same_order(cluster)
+    finally:
+        cluster.shutdown()
+    assert last == [3, 3, 3, 3]
+    assert [name for name, _ in order if name.startswith("step")] == \
+        [f"step{i}" for i in range(14)]
+
+
+def test_stall_is_reported_and_shuts_every_rank_down():
+    cluster = FakeCluster(3, stall_check_time=0.05, stall_shutdown_time=0.3)
+
+    def work(rank, engine):
+        if rank == 2:
+            time.sleep(1.0)         # never submits 'lonely'
+            return None
+        handle = engine.submit_many([entry("lonely")])[0]
+        with pytest.raises(EngineShutdownError) as info:
+            handle.wait(timeout=10)
+        return str(info.value)
+    try:
+        messages = run_ranks(cluster, work)
+    finally:
+        cluster.shutdown()
+    for text in messages[:2]:
+        assert "stalled for more than 0.3 s" in text
+        assert "rank 2 has not submitted: 'lonely'" in text
+
+
+@pytest.mark.parametrize("who", [0, 2])
+def test_shutdown_from_any_rank_fails_pending_handles_everywhere(who):
+    cluster = FakeCluster(3)
+    handles = [cluster.engines[r].submit_many([entry(f"only.{r}")])[0] for r in range(3)]
+    cluster.engines[who].shutdown(f"rank {who} is done")
+    for rank, handle in enumerate(handles):
+        with pytest.raises(EngineShutdownError, match=f"rank {who} is done"):
+            handle.wait(timeout=10)
+        assert not cluster.engines[rank].running
+    with pytest.raises(EngineShutdownError):
+        cluster.engines[1].submit_many([entry("late")])
+    cluster.shutdown()
+
+
+def test_protocol_alone_encodes_and_agrees_without_threads():
+    """Two protocol objects driven by hand: first use goes through rank 0's plan, the second
+    is a cache hit (ready bit, no slow path)."""
+    ranks = [CycleProtocol(r, 2, TEST_SETTINGS) for r in range(2)]
+
+    def cycle():
+        messages = [p.encode(shutdown_requested=False) for p in ranks]
+        reduced = int.from_bytes(messages[0], "little") & int.from_bytes(messages[1], "little")
+        bits = [p.decode(reduced.to_bytes(len(messages[0]), "little")) for p in ranks]
+        plan = None
+        if bits[0].slow:
+            slow = [p.slow_message(b, None) for p, b in zip(ranks, bits)]
+            plan = ranks[0].make_plan(slow)
+        return [p.finish(b, plan) for p, b in zip(ranks, bits)], bits[0]
+
+    for p in ranks:
+        p.add([entry("a"), entry("b")])
+    results, bits = cycle()
+    assert bits.slow and [r.name for r in results[0].ready] == ["a", "b"]
+    assert [r.name for r in results[1].ready] == ["a", "b"]
+    for p in ranks:
+        p.add([entry("b"), entry("a")])
+    results, bits = cycle()
+    assert not bits.slow and {r.name for r in results[0].ready} == {"a", "b"}
+    assert [r.name for r in results[0].ready] == [r.name for r in results[1].ready]
