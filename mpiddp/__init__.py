@@ -11,7 +11,7 @@ from .runtime import (cross_rank, cross_size, engine_stats, init, is_initialized
                       set_allreduce_algorithm, shutdown, size, start_timeline,
                       stop_timeline, timeline_events)
 from .ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
-from .buffers.cuda_aware import mpi_cuda_aware  # noqa: F401
+from .transport.cuda_aware import mpi_cuda_aware  # noqa: F401
 from .errors import (DuplicateNameError, EngineShutdownError, MpiddpError,  # noqa: F401
                      NotInitializedError, TensorMismatchError)
 from .torch.ops import (allgather, allgather_async, allreduce, allreduce_,  # noqa: F401

@@ -82,7 +82,7 @@ def init(comm=None) -> None:
                     "while mpiddp collectives are in flight")
     local_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     cross_comm = comm.Split(color=local_comm.Get_rank(), key=comm.Get_rank())
-    from .buffers import gpu  # device selection before any CUDA call; CUDA-aware probe
+    from . import gpu  # device selection before any CUDA call; CUDA-aware probe
 
     gpu.setup(settings, local_comm.Get_rank())
     engine = start_engine(comm, settings)

@@ -84,7 +84,7 @@ def make_cuda_methods(comm: MPI.Comm, with_nccl: bool):
     from mpiddp.buffers import backend_for
     from mpiddp.buffers.device import CupyCopier
     from mpiddp.buffers.dtypes import dtype_named
-    from mpiddp.buffers.staging import DirectComm, StagedComm
+    from mpiddp.transport.staging import DirectComm, StagedComm
     from mpiddp.collectives.ring import ring_allreduce
     from mpiddp.torch.views import flat_array
 

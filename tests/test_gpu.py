@@ -31,8 +31,10 @@ import torch
 
 from mpi_launch import ROOT, assert_ok, run_mpi
 
-from mpiddp.buffers import cuda_aware, device_kernels as dk, gpu
-from mpiddp.buffers.staging import DirectComm, StagedComm, device_comm, segments
+from mpiddp import gpu
+from mpiddp.buffers import device_kernels as dk
+from mpiddp.transport import cuda_aware
+from mpiddp.transport.staging import DirectComm, StagedComm, device_comm, segments
 from mpiddp.config import read_settings
 from mpiddp.engine.fusion import plan_batches
 from mpiddp.engine.negotiation import RequestTable, agree

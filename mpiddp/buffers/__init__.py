@@ -4,6 +4,17 @@ from __future__ import annotations
 from .host import HostBackend
 
 _backends: dict = {"cpu": HostBackend()}
+_default_device = None
+
+
+def set_default_device(index) -> None:
+    """The CUDA device that plain 'cuda' requests use (chosen by ``mpiddp.gpu`` at init)."""
+    global _default_device
+    _default_device = index
+
+
+def default_device():
+    return _default_device
 
 
 def backend_for(device: str):

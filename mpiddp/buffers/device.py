@@ -10,7 +10,7 @@ Ordering, all without timing assumptions:
   (packing, reduce kernels, scaling, unpacking, staging copies to the device) is queued on it.
 * ``wait_ready(entry)`` makes the engine stream wait (on the device, not the host) for the
   ``torch.cuda.Event`` recorded on the stream that produced the tensor.
-* ``before_mpi`` and the device communicators (``staging``) synchronise the engine stream
+* ``before_mpi`` and the staging transport (``mpiddp.transport.staging``) synchronise the engine stream
   before MPI reads or writes a device buffer: MPI does not order itself against streams.
 * ``after_unpack`` synchronises the engine stream before the handles complete, so the
   results are visible to any stream the caller uses next.
@@ -31,11 +31,9 @@ from cupy.cuda import runtime
 
 from ..errors import MpiddpError
 from ..ops import ReduceOp
-from . import cuda_aware, gpu
 from .device_kernels import KERNEL_SOURCE, THREADS_PER_BLOCK, launch_blocks
 from .dtypes import DType
 from .host_reduce import reduce_into as host_reduce_into
-from .staging import SEGMENT_BYTES, device_comm
 
 _UFUNCS = {
     ReduceOp.AVERAGE: cupy.add,
@@ -76,6 +74,7 @@ class CupyCopier:
 
     def __init__(self, state: _DeviceState):
         self.state = state
+        self.device_id = state.id
 
     def pinned(self, nbytes: int) -> np.ndarray:
         with cupy.cuda.Device(self.state.id):
@@ -119,18 +118,16 @@ class DeviceBackend:
 
     device_type = "cuda"
 
-    def __init__(self, device: int | None = None, segment_bytes: int = SEGMENT_BYTES):
+    def __init__(self, device: int | None = None):
         if not cupy.cuda.is_available():
             raise MpiddpError("mpiddp got a CUDA tensor but CuPy finds no usable CUDA device "
                               "(cupy.cuda.is_available() is False): check the driver and that "
                               "the cupy-cudaXXx package matches the CUDA version")
         self._fixed_device = device
-        self._segment_bytes = segment_bytes
         self._states: dict[int, _DeviceState] = {}
+        self._copiers: dict[int, CupyCopier] = {}
         self._lock = threading.Lock()
         self._thread = threading.local()
-        self._comm = None
-        self._device_comm = None
 
     # ---- devices and streams --------------------------------------------------------------
     def device_id(self, device: str | None = None) -> int:
@@ -140,7 +137,9 @@ class DeviceBackend:
             return int(device.split(":", 1)[1])
         if self._fixed_device is not None:
             return self._fixed_device
-        chosen = gpu.engine_device()
+        from . import default_device    # set by mpiddp.gpu at init()
+
+        chosen = default_device()
         return chosen if chosen is not None else runtime.getDevice()
 
     def state(self, device_id: int) -> _DeviceState:
@@ -268,12 +267,11 @@ class DeviceBackend:
         any stream."""
         self._sync_all()
 
-    def communicator(self, comm):
-        """The communicator for device buffers on ``comm``: direct when MPI is CUDA-aware,
-        staged through pinned host memory otherwise (see ``staging``)."""
-        if self._comm is not comm:
-            state = self.state(self.device_id())
-            self._device_comm = device_comm(comm, cuda_aware.mpi_cuda_aware(),
-                                            CupyCopier(state), self._segment_bytes)
-            self._comm = comm
-        return self._device_comm
+    def copier(self) -> CupyCopier:
+        """The device side of a staging transport for this rank's engine device (see
+        ``mpiddp.transport``)."""
+        device_id = self.device_id()
+        copier = self._copiers.get(device_id)
+        if copier is None:
+            copier = self._copiers[device_id] = CupyCopier(self.state(device_id))
+        return copier

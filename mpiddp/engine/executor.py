@@ -2,12 +2,19 @@
 
 Every rank runs this on the identical response list, so every rank makes the identical
 sequence of MPI calls. Ranks that have joined take part with zeros.
+
+Each kind of collective is an ``Operation`` with three steps: ``prepare`` (pack inputs into
+buffers, allocate outputs), ``communicate`` (the MPI part, on whatever the device backend
+hands out: the communicator itself, or host staging for device memory) and ``unpack``. The
+device phase around them (wait for the producing stream, synchronize before MPI, after
+unpacking) is in one place, ``Executor._execute``; statistics are recorded apart
+(``EngineStats.record``).
 """
 from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from mpi4py import MPI
 
@@ -19,8 +26,10 @@ from ..collectives.ring import chunk_bounds, ring_reduce_scatter
 from ..config import Settings
 from ..errors import MpiddpError, TensorMismatchError
 from ..ops import ReduceOp
+from ..transport import transport_for
 from .fusion import BufferPool, plan_batches
-from .request import ALLREDUCE, Entry, Response
+from .request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER,
+                      Response)
 from .stats import EngineStats
 from .timeline import Timeline
 
@@ -33,6 +42,163 @@ def _post_factor(request, size: int) -> float:
     if request.op == ReduceOp.AVERAGE:
         factor /= size
     return factor
+
+
+class Job:
+    """What one operation carries from ``prepare`` to ``unpack`` (fields as each kind needs)."""
+
+    __slots__ = ("request", "dtype", "entries", "counts", "buf", "scratch", "output", "bounds",
+                 "row_bounds", "algorithm", "infos")
+
+    def __init__(self, request, dtype: Optional[DType], entries: list):
+        self.request = request
+        self.dtype = dtype
+        self.entries = entries       # this rank's entries in batch order (None: joined)
+        self.infos = None            # per-entry extra results for the handles
+        self.algorithm = None
+
+
+class Operation:
+    """One kind of collective (see the module docstring). ``ex`` is the executor: its rank,
+    size, settings and buffer pool."""
+
+    def prepare(self, ex: "Executor", backend, batch: list, entries: list) -> Job:
+        return Job(batch[0].request, dtype_named(batch[0].request.dtype), entries)
+
+    def communicate(self, ex: "Executor", job: Job, comm, backend) -> None:
+        """Move the data (every rank makes the same calls)."""
+
+    def unpack(self, ex: "Executor", job: Job, backend) -> None:
+        """Results into the entries' outputs."""
+
+
+class Allreduce(Operation):
+    def prepare(self, ex, backend, batch, entries):
+        job = super().prepare(ex, backend, batch, entries)
+        request, dtype = job.request, job.dtype
+        job.counts = [r.request.numel for r in batch]
+        total = sum(job.counts)
+        if len(batch) == 1 and entries[0] is not None:
+            # One tensor: reduce straight in its output memory, no fusion copy.
+            job.buf = entries[0].output
+            if entries[0].input is not job.buf:
+                backend.copy(job.buf, entries[0].input)
+        else:
+            job.buf = ex.pool.get(backend, request.device, dtype, "fusion", total)
+            offset = 0
+            for entry, count in zip(entries, job.counts):
+                part = job.buf[offset:offset + count]
+                if entry is None:
+                    # A joined rank contributes the op's identity (zeros for sums).
+                    backend.fill(part, identity_value(dtype, request.op))
+                else:
+                    backend.copy(part, entry.input)
+                offset += count
+        backend.scale_(job.buf, request.prescale, dtype)
+        job.algorithm = choose_algorithm(ex.algorithm, total * dtype.itemsize, ex.ring_threshold)
+        job.scratch = None
+        if job.algorithm == "ring":
+            job.scratch = ex.pool.get(backend, request.device, dtype, "scratch",
+                                      math.ceil(total / ex.size))
+        return job
+
+    def communicate(self, ex, job, comm, backend):
+        request, dtype = job.request, job.dtype
+        factor = _post_factor(request, ex.size)
+        finish = None if factor == 1.0 else (lambda part: backend.scale_(part, factor, dtype))
+        allreduce_buffer(comm, job.buf, job.scratch, dtype, request.op, job.algorithm,
+                         backend.reduce_into, finish)
+
+    def unpack(self, ex, job, backend):
+        offset = 0
+        for entry, count in zip(job.entries, job.counts):
+            if entry is not None and entry.output is not job.buf:
+                backend.copy(entry.output, job.buf[offset:offset + count])
+            offset += count
+
+
+class Broadcast(Operation):
+    def prepare(self, ex, backend, batch, entries):
+        job = super().prepare(ex, backend, batch, entries)
+        entry = entries[0]
+        if ex.rank == job.request.root and entry.input is not entry.output:
+            backend.copy(entry.output, entry.input)
+        return job
+
+    def communicate(self, ex, job, comm, backend):
+        broadcast(comm, job.entries[0].output, job.request.root)
+
+
+class Allgather(Operation):
+    def prepare(self, ex, backend, batch, entries):
+        job = super().prepare(ex, backend, batch, entries)
+        request, sizes = job.request, batch[0].sizes
+        row = math.prod(request.shape[1:])
+        job.counts = [n * row for n in sizes]
+        job.output = entries[0].allocate((sum(sizes),) + tuple(request.shape[1:]))
+        return job
+
+    def communicate(self, ex, job, comm, backend):
+        allgatherv(comm, job.entries[0].input, job.output, job.counts, job.dtype.itemsize)
+
+
+class Alltoall(Operation):
+    def prepare(self, ex, backend, batch, entries):
+        job = super().prepare(ex, backend, batch, entries)
+        request, matrix = job.request, batch[0].sizes
+        row = math.prod(request.shape[1:])
+        received = [matrix[src][ex.rank] for src in range(ex.size)]
+        job.counts = ([n * row for n in matrix[ex.rank]], [n * row for n in received])
+        job.output = entries[0].allocate((sum(received),) + tuple(request.shape[1:]))
+        job.infos = [tuple(received)]      # the handle reports how many rows came from whom
+        return job
+
+    def communicate(self, ex, job, comm, backend):
+        sent, received = job.counts
+        alltoallv(comm, job.entries[0].input, sent, job.output, received, job.dtype.itemsize)
+
+
+class Reducescatter(Operation):
+    def prepare(self, ex, backend, batch, entries):
+        job = super().prepare(ex, backend, batch, entries)
+        request, dtype = job.request, job.dtype
+        row = math.prod(request.shape[1:])
+        job.row_bounds = chunk_bounds(request.shape[0], ex.size)   # rows of rank r's share
+        job.bounds = [b * row for b in job.row_bounds]
+        job.buf = ex.pool.get(backend, request.device, dtype, "fusion", request.numel)
+        backend.copy(job.buf, entries[0].input)
+        backend.scale_(job.buf, request.prescale, dtype)
+        largest = max(job.bounds[i + 1] - job.bounds[i] for i in range(ex.size))
+        job.scratch = ex.pool.get(backend, request.device, dtype, "scratch", largest)
+        return job
+
+    def communicate(self, ex, job, comm, backend):
+        op, dtype = job.request.op, job.dtype
+        ring_reduce_scatter(comm, job.buf, job.scratch, job.bounds,
+                            lambda dst, src: backend.reduce_into(dst, src, op, dtype))
+
+    def unpack(self, ex, job, backend):
+        request, rank = job.request, ex.rank
+        mine = job.buf[job.bounds[rank]:job.bounds[rank + 1]]
+        rows = job.row_bounds[rank + 1] - job.row_bounds[rank]
+        output = job.entries[0].allocate((rows,) + tuple(request.shape[1:]))
+        backend.copy(output, mine)
+        backend.scale_(output, _post_factor(request, ex.size), job.dtype)
+
+
+class Barrier(Operation):
+    """Agreement itself proves every rank reached the barrier: nothing left to move. Its
+    action (an engine reconfiguration) runs here, at the same point of the order everywhere."""
+
+    def prepare(self, ex, backend, batch, entries):
+        action = entries[0].action
+        if action is not None:
+            action()
+        return Job(batch[0].request, None, entries)
+
+
+OPERATIONS = {ALLREDUCE: Allreduce(), BROADCAST: Broadcast(), ALLGATHER: Allgather(),
+              ALLTOALL: Alltoall(), REDUCESCATTER: Reducescatter(), BARRIER: Barrier()}
 
 
 class Executor:
@@ -49,7 +215,7 @@ class Executor:
         self.algorithm = settings.allreduce_algorithm
         self.ring_threshold = settings.ring_threshold
 
-    def run(self, responses: list[Response], entries: dict[str, Entry]) -> None:
+    def run(self, responses: list[Response], entries: dict) -> None:
         """Execute ``responses`` in order; ``entries`` maps names to this rank's entries
         (absent for a rank that has joined)."""
         for batch in plan_batches(responses, self.settings.fusion_threshold):
@@ -59,152 +225,35 @@ class Executor:
                 if entry is not None:
                     kind = TensorMismatchError if first.error_is_mismatch else MpiddpError
                     self.finish(entry, error=kind(first.error))
-                self.stats.tensors += 1
-                self.stats.errors += 1
+                self.stats.record_error()
                 continue
+            members = [entries.get(r.name) for r in batch]
             kind = first.request.kind
-            if kind == ALLREDUCE:
-                self._allreduce(batch, [entries.get(r.name) for r in batch])
-            else:
-                entry = entries.get(first.name)
-                if entry is None:
-                    raise MpiddpError(f"rank {self.rank} has no local request for agreed "
-                                      f"{kind} '{first.name}'")
-                self.timeline.record(first.name, "start")
-                getattr(self, "_" + kind)(first, entry)
-                self.timeline.record(first.name, "end")
-                self.stats.tensors += 1
+            if kind != ALLREDUCE and members[0] is None:
+                raise MpiddpError(f"rank {self.rank} has no local request for agreed "
+                                  f"{kind} '{first.name}'")
+            job = self._execute(OPERATIONS[kind], batch, members)
+            self.stats.record(kind, len(batch), job)
 
-    # -- allreduce ------------------------------------------------------------------------
-    def _allreduce(self, batch: list[Response], entries: list) -> None:
-        request = batch[0].request
-        dtype = dtype_named(request.dtype)
-        backend = backend_for(request.device)
-        counts = [r.request.numel for r in batch]
-        total = sum(counts)
-        for entry in entries:
-            if entry is not None:
-                backend.wait_ready(entry)
-                self.timeline.record(entry.request.name, "start")
-        if len(batch) == 1 and entries[0] is not None:
-            # One tensor: reduce straight in its output memory, no fusion copy.
-            buf = entries[0].output
-            if entries[0].input is not buf:
-                backend.copy(buf, entries[0].input)
-        else:
-            buf = self.pool.get(backend, request.device, dtype, "fusion", total)
-            offset = 0
-            for entry, count in zip(entries, counts):
-                part = buf[offset:offset + count]
-                if entry is None:
-                    # A joined rank contributes the op's identity (zeros for sums).
-                    backend.fill(part, identity_value(dtype, request.op))
-                else:
-                    backend.copy(part, entry.input)
-                offset += count
-        backend.scale_(buf, request.prescale, dtype)
-        algorithm = choose_algorithm(self.algorithm, total * dtype.itemsize, self.ring_threshold)
-        scratch = None
-        if algorithm == "ring":
-            scratch = self.pool.get(backend, request.device, dtype, "scratch",
-                                    math.ceil(total / self.size))
-        backend.before_mpi(request.device)
-        factor = _post_factor(request, self.size)
-        finish = None if factor == 1.0 else (lambda part: backend.scale_(part, factor, dtype))
-        allreduce_buffer(backend.communicator(self.comm), buf, scratch, dtype, request.op,
-                         algorithm, backend.reduce_into, finish)
-        offset = 0
-        for entry, count in zip(entries, counts):
-            if entry is not None and entry.output is not buf:
-                backend.copy(entry.output, buf[offset:offset + count])
-            offset += count
-        backend.after_unpack(request.device)
+    def _execute(self, operation: Operation, batch: list, members: list) -> Job:
+        """The device phase, the same for every kind: wait until the producers' device work
+        is done, prepare, synchronize before MPI touches the buffers, communicate, unpack,
+        make the results visible, complete the handles."""
+        device = batch[0].request.device
+        backend = backend_for(device)
+        present = [entry for entry in members if entry is not None]
+        record = self.timeline.record
+        for entry in present:
+            backend.wait_ready(entry)
+            record(entry.request.name, "start")
+        job = operation.prepare(self, backend, batch, members)
+        backend.before_mpi(device)
+        operation.communicate(self, job, transport_for(self.comm, backend), backend)
+        operation.unpack(self, job, backend)
+        backend.after_unpack(device)
         end = time.perf_counter()
-        for entry in entries:
-            if entry is not None:
-                self.timeline.record(entry.request.name, "end", end)
-                self.finish(entry)
-        stats = self.stats
-        stats.tensors += len(batch)
-        stats.allreduce_batches += 1
-        stats.allreduce_bytes += total * dtype.itemsize
-        if len(batch) > 1:
-            stats.fused_batches += 1
-            stats.fused_tensors += len(batch)
-        stats.max_batch_tensors = max(stats.max_batch_tensors, len(batch))
-        if algorithm == "ring":
-            stats.ring_batches += 1
-        else:
-            stats.native_batches += 1
-
-    # -- the other collectives (one tensor each) ------------------------------------------
-    def _broadcast(self, response: Response, entry: Entry) -> None:
-        request = response.request
-        backend = backend_for(request.device)
-        backend.wait_ready(entry)
-        if self.rank == request.root and entry.input is not entry.output:
-            backend.copy(entry.output, entry.input)
-        backend.before_mpi(request.device)
-        broadcast(backend.communicator(self.comm), entry.output, request.root)
-        backend.after_unpack(request.device)
-        self.finish(entry)
-
-    def _allgather(self, response: Response, entry: Entry) -> None:
-        request = response.request
-        dtype = dtype_named(request.dtype)
-        backend = backend_for(request.device)
-        backend.wait_ready(entry)
-        row = math.prod(request.shape[1:])
-        output = entry.allocate((sum(response.sizes),) + tuple(request.shape[1:]))
-        backend.before_mpi(request.device)
-        allgatherv(backend.communicator(self.comm), entry.input, output,
-                   [n * row for n in response.sizes], dtype.itemsize)
-        backend.after_unpack(request.device)
-        self.finish(entry)
-
-    def _alltoall(self, response: Response, entry: Entry) -> None:
-        request = response.request
-        dtype = dtype_named(request.dtype)
-        backend = backend_for(request.device)
-        backend.wait_ready(entry)
-        row = math.prod(request.shape[1:])
-        matrix = response.sizes
-        received = [matrix[src][self.rank] for src in range(self.size)]
-        output = entry.allocate((sum(received),) + tuple(request.shape[1:]))
-        backend.before_mpi(request.device)
-        alltoallv(backend.communicator(self.comm), entry.input,
-                  [n * row for n in matrix[self.rank]], output, [n * row for n in received],
-                  dtype.itemsize)
-        backend.after_unpack(request.device)
-        self.finish(entry, info=tuple(received))
-
-    def _reducescatter(self, response: Response, entry: Entry) -> None:
-        request = response.request
-        dtype: DType = dtype_named(request.dtype)
-        backend = backend_for(request.device)
-        backend.wait_ready(entry)
-        row = math.prod(request.shape[1:])
-        row_bounds = chunk_bounds(request.shape[0], self.size)   # rows of rank r's share
-        bounds = [b * row for b in row_bounds]
-        work = self.pool.get(backend, request.device, dtype, "fusion", request.numel)
-        backend.copy(work, entry.input)
-        backend.scale_(work, request.prescale, dtype)
-        largest = max(bounds[i + 1] - bounds[i] for i in range(self.size))
-        scratch = self.pool.get(backend, request.device, dtype, "scratch", largest)
-        backend.before_mpi(request.device)
-        ring_reduce_scatter(backend.communicator(self.comm), work, scratch, bounds,
-                            lambda dst, src: backend.reduce_into(dst, src, request.op, dtype))
-        mine = work[bounds[self.rank]:bounds[self.rank + 1]]
-        rows = row_bounds[self.rank + 1] - row_bounds[self.rank]
-        output = entry.allocate((rows,) + tuple(request.shape[1:]))
-        backend.copy(output, mine)
-        backend.scale_(output, _post_factor(request, self.size), dtype)
-        backend.after_unpack(request.device)
-        self.stats.allreduce_bytes += request.numel * dtype.itemsize
-        self.finish(entry)
-
-    def _barrier(self, response: Response, entry: Entry) -> None:
-        # Agreement itself proves every rank reached the barrier: nothing left to move.
-        if entry.action is not None:
-            entry.action()
-        self.finish(entry)
+        infos = job.infos or [None] * len(present)
+        for entry, info in zip(present, infos):
+            record(entry.request.name, "end", end)
+            self.finish(entry, info=info)
+        return job

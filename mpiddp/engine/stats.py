@@ -22,6 +22,29 @@ class EngineStats:
     allreduce_bytes: int = 0        # bytes of all-reduced buffers
     ring_batches: int = 0           # batches reduced by the ring
     native_batches: int = 0         # batches reduced by MPI_Allreduce
+    reducescatter_bytes: int = 0    # bytes of reduce-scattered tensors
+
+    def record(self, kind: str, tensors: int, job) -> None:
+        """Count one executed batch of ``tensors`` requests of ``kind`` (``job``: what the
+        executor's operation prepared; its buffer sizes and algorithm)."""
+        self.tensors += tensors
+        if kind == "allreduce":
+            self.allreduce_batches += 1
+            self.allreduce_bytes += sum(job.counts) * job.dtype.itemsize
+            if tensors > 1:
+                self.fused_batches += 1
+                self.fused_tensors += tensors
+            self.max_batch_tensors = max(self.max_batch_tensors, tensors)
+            if job.algorithm == "ring":
+                self.ring_batches += 1
+            else:
+                self.native_batches += 1
+        elif kind == "reducescatter":
+            self.reducescatter_bytes += job.request.numel * job.dtype.itemsize
+
+    def record_error(self) -> None:
+        self.tensors += 1
+        self.errors += 1
 
     def snapshot(self) -> dict:
         return asdict(self)

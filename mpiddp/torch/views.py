@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..buffers import gpu
+from .. import gpu
 from ..buffers.dtypes import DTYPES
 
 _TORCH_NAMES = {getattr(torch, name): name for name in DTYPES}

@@ -1,4 +1,4 @@
-"""Host-memory stand-ins for the device side of mpiddp.buffers.staging, for machines without
+"""Host-memory stand-ins for the device side of mpiddp.transport.staging, for machines without
 a GPU.
 
 ``FakeDeviceArray`` is host memory that exposes only ``__cuda_array_interface__`` (a pointer),

@@ -14,7 +14,7 @@ import torch
 
 import mpiddp
 from mpiddp import runtime
-from mpiddp.buffers import gpu
+from mpiddp import gpu
 from mpiddp.engine.handle import Handle
 from mpiddp.engine.request import ALLREDUCE, Entry, Request
 

@@ -1,4 +1,4 @@
-"""The device communicators of mpiddp.buffers.staging over real MPI, without a GPU.
+"""The device communicators of mpiddp.transport.staging over real MPI, without a GPU.
 
 The "device" arrays are host memory behind ``__cuda_array_interface__`` (gpu_fakes), and the
 collectives are the engine's own (ring, native), unchanged. Checks, each against a NumPy
@@ -17,7 +17,7 @@ from mpi4py import MPI
 from gpu_fakes import FakeCopier, FakeDeviceArray, RecordingComm
 from mpiddp.buffers.dtypes import dtype_named
 from mpiddp.buffers.host_reduce import reduce_into
-from mpiddp.buffers.staging import DirectComm, StagedComm, device_comm
+from mpiddp.transport.staging import DirectComm, StagedComm, device_comm
 from mpiddp.collectives.native import allgatherv, alltoallv, broadcast, native_allreduce
 from mpiddp.collectives.ring import chunk_bounds, ring_allreduce, ring_reduce_scatter
 from mpiddp.ops import ReduceOp

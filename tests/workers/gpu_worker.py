@@ -70,7 +70,7 @@ def mode_unit():
     from mpiddp.buffers import device_kernels as dk
     from mpiddp.buffers.device import CupyCopier, DeviceBackend
     from mpiddp.buffers.dtypes import DTYPES as BUFFER_DTYPES
-    from mpiddp.buffers.staging import StagedComm
+    from mpiddp.transport.staging import StagedComm
     from mpiddp.engine.handle import Handle
     from mpiddp.engine.request import ALLREDUCE, Entry, Request
     from mpiddp.ops import ReduceOp

@@ -1,4 +1,5 @@
-"""GPU set-up at ``init()``: which device this rank uses, and whether MPI is CUDA-aware.
+"""GPU set-up at ``init()`` (runtime level): which device this rank uses, and whether MPI is
+CUDA-aware.
 
 Each rank uses one GPU, its *engine device*: ``local_rank % device_count`` among the devices
 it can see, chosen before the first CUDA call so that the CUDA context is created on the
@@ -15,7 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from . import cuda_aware
+from .buffers import set_default_device
+from .transport import cuda_aware
 
 log = logging.getLogger("mpiddp")
 
@@ -43,18 +45,21 @@ def select_device(local_rank: int, cuda=None) -> Optional[int]:
         cuda = torch.cuda
     if not cuda.is_available() or cuda.device_count() == 0:
         _engine_device, _how = None, "no CUDA device"
+        set_default_device(None)
         return None
     count = cuda.device_count()
     wanted = choose_device(local_rank, count)
     if cuda.is_initialized():
         current = cuda.current_device()
         _engine_device = current
+        set_default_device(current)
         _how = f"cuda:{current}, kept: CUDA was initialised before mpiddp.init()"
         if current != wanted:
             _how += f" (local rank {local_rank} of {count} visible devices would use cuda:{wanted})"
         return current
     cuda.set_device(wanted)
     _engine_device = wanted
+    set_default_device(wanted)
     _how = f"cuda:{wanted} = local rank {local_rank} % {count} visible device(s)"
     return wanted
 
@@ -91,4 +96,5 @@ def reset() -> None:
     """Forget the selection (tests)."""
     global _engine_device, _how
     _engine_device, _how = None, "no CUDA device"
+    set_default_device(None)
     cuda_aware.reset()

@@ -1,0 +1,49 @@
+"""How bytes move: the MPI communicator as it is for host memory, and for device memory
+either the same calls on device pointers (CUDA-aware MPI) or host staging (``staging.py``).
+
+The collectives in ``mpiddp/collectives`` only use the calls of ``Transport``, so anything
+that offers them (an ``MPI.Comm``, ``staging.DirectComm``, ``staging.StagedComm``) works.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Transport(Protocol):
+    """The communicator calls the collectives use (mpi4py's buffer-based signatures)."""
+
+    def Get_rank(self) -> int: ...
+
+    def Get_size(self) -> int: ...
+
+    def Sendrecv(self, sendbuf: Any, dest: int, sendtag: int = 0, recvbuf: Any = None,
+                 source: int = 0, recvtag: int = 0, status: Any = None) -> None: ...
+
+    def Allreduce(self, sendbuf: Any, recvbuf: Any, op: Any = None) -> None: ...
+
+    def Bcast(self, buf: Any, root: int = 0) -> None: ...
+
+    def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None: ...
+
+    def Alltoallv(self, sendbuf: Any, recvbuf: Any) -> None: ...
+
+
+_device_transports: dict = {}
+
+
+def transport_for(comm, backend) -> Transport:
+    """The transport for buffers of ``backend`` on ``comm``: ``comm`` itself for host memory;
+    for device memory a direct or staging wrapper, made once per communicator and device
+    (decided at ``init()`` from the CUDA-aware probe, ``cuda_aware.mpi_cuda_aware()``)."""
+    copier = backend.copier()
+    if copier is None:
+        return comm
+    key = (id(comm), copier.device_id)
+    transport = _device_transports.get(key)
+    if transport is None or transport[0] is not comm:
+        from .cuda_aware import mpi_cuda_aware
+        from .staging import device_comm
+
+        transport = (comm, device_comm(comm, mpi_cuda_aware(), copier))
+        _device_transports[key] = transport
+    return transport[1]
