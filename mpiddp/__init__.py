@@ -12,8 +12,8 @@ from .runtime import (cross_rank, cross_size, engine_stats, init, is_initialized
                       stop_timeline, timeline_events)
 from .ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from .transport.cuda_aware import mpi_cuda_aware  # noqa: F401
-from .errors import (DuplicateNameError, EngineShutdownError, MpiddpError,  # noqa: F401
-                     NotInitializedError, TensorMismatchError)
+from .errors import (DuplicateNameError, EngineShutdownError, LaunchError,  # noqa: F401
+                     MpiddpError, NotInitializedError, TensorMismatchError)
 from .torch.ops import (allgather, allgather_async, allreduce, allreduce_,  # noqa: F401
                         allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier,
                         broadcast, broadcast_, broadcast_async, broadcast_async_,

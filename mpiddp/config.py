@@ -2,14 +2,22 @@
 
 Every setting is listed, with its default and meaning, in ``docs/configuration.md``.
 A bad value raises ``ValueError`` naming the variable, the value and what is allowed.
+An unknown ``MPIDDP_*`` name is not an error (``unknown_settings`` words a warning for it):
+a job must not die of a variable meant for a script, or of one a newer version knows.
 """
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, fields
 
 ALGORITHMS = ("auto", "ring", "native")
 TRI_STATE = ("auto", "0", "1")
+# MPIDDP_* variables that belong to the project's scripts and tests, not to the engine:
+# MPIDDP_VENV picks the virtual environment (scripts/ensure_env.sh, the job scripts) and
+# MPIDDP_SYSTEM_TESTS runs the tests that change the machine (tests/conftest.py). Job
+# environments carry them into every rank, so they pass without a warning.
+SCRIPT_VARIABLES = ("MPIDDP_VENV", "MPIDDP_SYSTEM_TESTS")
 
 
 @dataclass(frozen=True)
@@ -25,8 +33,9 @@ class Settings:
     cache_capacity: int = 1024
     # Seconds before rank 0 warns about tensors submitted by some ranks but not others.
     stall_check_time: float = 60.0
-    # Seconds after which a stall shuts the engine down (0 = never).
-    stall_shutdown_time: float = 0.0
+    # Seconds after which a stall shuts the engine down on every rank (0 = never). Finite by
+    # default, like NCCL's 10-minute watchdog, so that a hung job does not burn its allocation.
+    stall_shutdown_time: float = 600.0
     # Reduction algorithm for fused buffers: auto (by size), ring or native MPI_Allreduce.
     allreduce_algorithm: str = "auto"
     # auto: messages of at most this many bytes use native MPI_Allreduce, larger ones the ring.
@@ -39,6 +48,9 @@ class Settings:
     log_level: str = "WARNING"
     # Whether MPI can read device memory directly: auto (probe), 0 or 1.
     cuda_aware: str = "auto"
+    # Refuse to start when the launcher started N > 1 tasks but MPI sees one process in each
+    # (srun without PMI, or another MPI's mpiexec): see mpiddp/launch_check.py.
+    launch_check: bool = True
 
 
 def _parse_bool(name: str, raw: str) -> bool:
@@ -71,14 +83,26 @@ def env_name(field_name: str) -> str:
     return "MPIDDP_" + field_name.upper()
 
 
-def read_settings(environ=None) -> Settings:
-    """Read and validate every ``MPIDDP_*`` setting from ``environ`` (default ``os.environ``)."""
+def unknown_settings(environ=None) -> list[str]:
+    """One message per ``MPIDDP_*`` variable that is neither a setting nor a script's own,
+    with the closest known name when it looks like a typo. ``init()`` logs them on rank 0."""
     environ = os.environ if environ is None else environ
-    known = {env_name(f.name) for f in fields(Settings)}
-    unknown = sorted(k for k in environ if k.startswith("MPIDDP_") and k not in known)
-    if unknown:
-        raise ValueError(
-            f"unknown setting(s) {', '.join(unknown)}; known settings: {', '.join(sorted(known))}")
+    known = [env_name(f.name) for f in fields(Settings)] + list(SCRIPT_VARIABLES)
+    # Compare what follows the prefix: the shared "MPIDDP_" would make every name look close.
+    suffixes = {name[len("MPIDDP_"):]: name for name in known}
+    messages = []
+    for name in sorted(k for k in environ if k.startswith("MPIDDP_") and k not in known):
+        close = difflib.get_close_matches(name[len("MPIDDP_"):].upper(), suffixes, n=1)
+        hint = f"; did you mean {suffixes[close[0]]}?" if close else \
+            " (settings are listed in docs/configuration.md)"
+        messages.append(f"unknown setting {name} (ignored){hint}")
+    return messages
+
+
+def read_settings(environ=None) -> Settings:
+    """Read and validate every ``MPIDDP_*`` setting from ``environ`` (default ``os.environ``).
+    Unknown ``MPIDDP_*`` names are ignored here (see ``unknown_settings``)."""
+    environ = os.environ if environ is None else environ
     values = {}
     for f in fields(Settings):
         name = env_name(f.name)

@@ -20,3 +20,7 @@ class DuplicateNameError(MpiddpError, ValueError):
 
 class EngineShutdownError(MpiddpError):
     """The engine stopped (shutdown, stall timeout or a failure) before the request finished."""
+
+
+class LaunchError(MpiddpError):
+    """The launcher started several tasks, but MPI sees each of them as a job of its own."""

@@ -14,8 +14,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .config import Settings, read_settings
+from .config import Settings, read_settings, unknown_settings
 from .errors import EngineShutdownError, NotInitializedError
+from .launch_check import check_launch
 
 log = logging.getLogger("mpiddp")
 
@@ -64,6 +65,7 @@ def init(comm=None) -> None:
     # Installed first, so that an error on one rank during start-up (a bad setting, say)
     # ends the job instead of leaving the others waiting in the collectives below.
     _install_abort_hook()
+    check_launch(MPI.COMM_WORLD.Get_size(), os.environ)   # N singletons (srun without PMI)?
     provided = MPI.Query_thread()
     if provided < MPI.THREAD_SERIALIZED:
         raise RuntimeError(
@@ -77,6 +79,9 @@ def init(comm=None) -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("[mpiddp %(levelname)s] %(message)s"))
         log.addHandler(handler)
+    unknown = unknown_settings()
+    if unknown and comm.Get_rank() == 0:                 # once per job, not once per rank
+        log.warning("\n".join(unknown))
     if provided < MPI.THREAD_MULTIPLE:
         log.warning("MPI provides only MPI_THREAD_SERIALIZED: do not make MPI calls of your own "
                     "while mpiddp collectives are in flight")

@@ -24,9 +24,15 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"                # cores per rank
 echo "job ${PBS_JOBID:-?}: $NODES node(s), $NP rank(s)"
 python -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
 
-# PBS-integrated MPIs read the node file themselves; otherwise pass it: Open MPI
-# --hostfile "$PBS_NODEFILE", MPICH/Intel MPI -f "$PBS_NODEFILE". Open MPI also needs
-# -x OMP_NUM_THREADS (and -x for any MPIDDP_* setting) to forward variables.
+# The launch rule is the one of scripts/slurm.sbatch: the mpiexec must be the one of the MPI
+# library mpi4py was built against (after the module load above, `which mpiexec` is); another
+# MPI's mpiexec starts N one-process MPI jobs, and mpiddp.init() stops them all with a
+# LaunchError. PBS-integrated MPIs read the node file themselves; otherwise pass it: Open MPI
+# --hostfile "$PBS_NODEFILE", MPICH/Intel MPI (the bundled MPICH wheel's mpiexec too, which
+# reaches the other nodes by ssh) -f "$PBS_NODEFILE". Open MPI also needs -x OMP_NUM_THREADS
+# (and -x for any MPIDDP_* setting) to forward variables.
+# Unlike the Slurm script (tests/test_slurm.py), this one is untested: no PBS server can run on
+# the development machine.
 # shellcheck disable=SC2086
 mpiexec -n "$NP" python scripts/train.py \
     --checkpoint "checkpoints/${PBS_JOBNAME:-mpiddp-train}.pt" --resume ${TRAIN_ARGS:-}

@@ -1,8 +1,11 @@
 """Errors end cleanly on every rank with messages that name the tensor, ranks and values;
 stalls, shutdowns and crashed ranks never leave the others hanging."""
+import os
+import subprocess
+import sys
 import time
 
-from mpi_launch import assert_ok, run_mpi
+from mpi_launch import ROOT, assert_ok, run_mpi
 
 
 def test_mismatches_and_bad_input_fail_on_every_rank():
@@ -65,3 +68,28 @@ def test_settings_that_differ_between_ranks_are_an_error_everywhere():
 def test_switching_algorithm_with_requests_in_flight():
     result = run_mpi("errors_worker.py", 3, "algorithm_switch_in_flight", timeout=60)
     assert_ok(result, expect_lines=3)
+
+
+def test_unknown_settings_warn_once_and_script_variables_pass(tmp_path):
+    script = tmp_path / "init_only.py"
+    script.write_text("import mpiddp\nmpiddp.init()\nprint('OK rank', mpiddp.rank(), flush=True)\n")
+    env = {"MPIDDP_VENV": "/somewhere/venv", "MPIDDP_SYSTEM_TESTS": "0",
+           "MPIDDP_STALL_SHUTDOWN_TIM": "5"}
+    result = run_mpi(str(script), 2, timeout=60, env=env)
+    assert_ok(result, expect_lines=2)
+    warning = ("unknown setting MPIDDP_STALL_SHUTDOWN_TIM (ignored); "
+               "did you mean MPIDDP_STALL_SHUTDOWN_TIME?")
+    assert result.output.count(warning) == 1, result.output      # rank 0 only
+    assert "MPIDDP_VENV" not in result.output and "MPIDDP_SYSTEM_TESTS" not in result.output
+
+
+def test_tasks_that_each_see_a_world_of_one_fail_at_init():
+    # What each task of `srun -n 2 --mpi=none` sees (tests/test_slurm.py runs the real srun).
+    env = dict(os.environ, SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2", SLURM_PROCID="1")
+    for name in ("PMI_SIZE", "PMI_RANK", "PMI_FD", "OMPI_COMM_WORLD_SIZE", "SLURM_MPI_TYPE"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-c", "import mpiddp; mpiddp.init(); print('TRAINS')"],
+                          env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "TRAINS" not in proc.stdout, proc.stdout + proc.stderr
+    assert "mpiddp.errors.LaunchError: srun started 2 tasks but MPI sees 1 process per task: " \
+           "each would train alone" in proc.stderr

@@ -3,7 +3,9 @@ the response cache and stall reports."""
 import pytest
 
 from mpiddp.collectives.ring import chunk_bounds
-from mpiddp.config import Settings, read_settings
+from mpiddp.config import Settings, read_settings, unknown_settings
+from mpiddp.errors import LaunchError
+from mpiddp.launch_check import check_launch
 from mpiddp.engine.fusion import plan_batches
 from mpiddp.engine.negotiation import RequestTable, ResponseCache, agree
 from mpiddp.engine.request import ALLGATHER, ALLREDUCE, BROADCAST, Request, Response
@@ -25,13 +27,78 @@ def test_settings_defaults_and_parsing():
     ({"MPIDDP_CYCLE_TIME": "0"}, "MPIDDP_CYCLE_TIME"),
     ({"MPIDDP_ALLREDUCE_ALGORITHM": "tree"}, "auto, ring, native"),
     ({"MPIDDP_ABORT_ON_EXCEPTION": "maybe"}, "not a boolean"),
-    ({"MPIDDP_FUSION_TRESHOLD": "1"}, "unknown setting(s) MPIDDP_FUSION_TRESHOLD"),
+    ({"MPIDDP_STALL_SHUTDOWN_TIME": "soon"}, "MPIDDP_STALL_SHUTDOWN_TIME='soon'"),
+    ({"MPIDDP_LAUNCH_CHECK": "maybe"}, "MPIDDP_LAUNCH_CHECK='maybe' is not a boolean"),
     ({"MPIDDP_CACHE_CAPACITY": "0"}, "MPIDDP_CACHE_CAPACITY"),
 ])
 def test_bad_settings_are_named(env, needle):
     with pytest.raises(ValueError, match=None) as info:
         read_settings(env)
     assert needle in str(info.value)
+
+
+def test_unknown_settings_are_ignored_with_a_hint():
+    env = {"MPIDDP_STALL_SHUTDOWN_TIM": "5", "MPIDDP_fusion_threshold": "1", "MPIDDP_XYZZY": "1",
+           "MPIDDP_VENV": "/opt/venv", "MPIDDP_SYSTEM_TESTS": "1", "MPIDDP_CYCLE_TIME": "7"}
+    assert read_settings(env) == Settings(cycle_time=7.0)      # no error, unknowns ignored
+    assert unknown_settings(env) == [
+        "unknown setting MPIDDP_STALL_SHUTDOWN_TIM (ignored); did you mean "
+        "MPIDDP_STALL_SHUTDOWN_TIME?",
+        "unknown setting MPIDDP_XYZZY (ignored) (settings are listed in docs/configuration.md)",
+        "unknown setting MPIDDP_fusion_threshold (ignored); did you mean "
+        "MPIDDP_FUSION_THRESHOLD?"]
+    assert unknown_settings({"MPIDDP_VNEV": "x"}) == [
+        "unknown setting MPIDDP_VNEV (ignored); did you mean MPIDDP_VENV?"]
+    # The project's own script variables, settings and other programs' variables pass.
+    assert unknown_settings({"MPIDDP_VENV": "x", "MPIDDP_SYSTEM_TESTS": "1",
+                             "MPIDDP_TIMELINE": "1", "SLURM_NTASKS": "2"}) == []
+
+
+def test_stall_shutdown_is_finite_by_default_and_zero_waits_forever():
+    assert Settings().stall_shutdown_time == 600.0
+    assert Settings().stall_check_time < Settings().stall_shutdown_time
+    assert read_settings({"MPIDDP_STALL_SHUTDOWN_TIME": "0"}).stall_shutdown_time == 0.0
+
+
+# What srun really sets (Slurm 22.05): the batch script has SLURM_NTASKS and SLURM_PROCID but no
+# SLURM_STEP_ID; a step has SLURM_STEP_ID and SLURM_STEP_NUM_TASKS; --mpi=pmi2 adds PMI_SIZE
+# and SLURM_MPI_TYPE; --mpi=none adds neither.
+_BATCH = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_NPROCS": "2", "SLURM_PROCID": "0"}
+_STEP = dict(_BATCH, SLURM_STEP_ID="0", SLURM_STEPID="0", SLURM_STEP_NUM_TASKS="2")
+_PMI2_STEP = dict(_STEP, PMI_SIZE="2", PMI_RANK="1", SLURM_MPI_TYPE="pmi2")
+
+
+@pytest.mark.parametrize("mpi_size,env", [
+    (1, {}),                                         # plain python
+    (1, _BATCH),                                     # the batch script itself: one process
+    (1, dict(_STEP, SLURM_STEP_NUM_TASKS="1")),      # srun -n 1
+    (2, _STEP), (2, _PMI2_STEP),                     # srun that MPI understood
+    (1, {"PMI_SIZE": "1"}), (4, {"PMI_SIZE": "4"}),  # mpiexec -n 1 / -n 4
+    (3, {"OMPI_COMM_WORLD_SIZE": "3"}),
+    (1, dict(_STEP, PMI_SIZE="1")),                  # mpiexec -n 1 run inside a 2-task step
+    (1, dict(_STEP, MPIDDP_LAUNCH_CHECK="0")),       # the escape hatch
+])
+def test_launch_check_accepts_real_launches(mpi_size, env):
+    check_launch(mpi_size, env)
+
+
+@pytest.mark.parametrize("env,needles", [
+    (_STEP, ["srun started 2 tasks but MPI sees 1 process per task: each would train alone",
+             "no PMI (--mpi=none", "srun --mpi=pmi2", "--mpi=pmix", "mpiexec",
+             "MPIDDP_LAUNCH_CHECK=0"]),
+    (_PMI2_STEP, ["srun started 2 tasks but MPI sees 1", "--mpi=pmi2, which this MPI library "
+                  "does not use", "--mpi=pmix"]),
+    (dict(_STEP, SLURM_MPI_TYPE="pmix"), ["--mpi=pmix, which this MPI library does not use"]),
+    ({"PMI_SIZE": "4", "PMI_RANK": "0"}, ["mpiexec started 4 processes (PMI_SIZE=4)",
+                                          "MPI.Get_library_version()"]),
+    ({"OMPI_COMM_WORLD_SIZE": "8"}, ["Open MPI's mpirun started 8 processes",
+                                     "mpiexec of the MPI library mpi4py uses"]),
+])
+def test_launch_check_refuses_singletons(env, needles):
+    with pytest.raises(LaunchError) as info:
+        check_launch(1, env)
+    for needle in needles:
+        assert needle in str(info.value)
 
 
 @pytest.mark.parametrize("count,parts", [(0, 1), (0, 4), (1, 4), (7, 3), (10, 4), (97, 8)])

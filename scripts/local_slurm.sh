@@ -1,0 +1,220 @@
+#!/usr/bin/env bash
+# A one-machine Slurm cluster (munged + slurmctld + slurmd) for trying and testing the job
+# scripts; docs/slurm.md tells how to use it. Needs root.
+#
+#   bash scripts/local_slurm.sh start     # install slurm-wlm and munge if missing, configure, start
+#   export SLURM_CONF=/tmp/mpiddp-slurm/slurm.conf    # (start prints it) for sbatch, srun, squeue
+#   bash scripts/local_slurm.sh status    # daemons, node and queue
+#   bash scripts/local_slurm.sh stop      # cancel jobs, stop the daemons, remove the scratch dir
+#
+# Everything it writes lives in one scratch directory, LOCAL_SLURM_DIR (default
+# /tmp/mpiddp-slurm): configuration, munge key and socket, state, spool, logs and pid files.
+# The node has the CPUs slurmd finds; LOCAL_SLURM_CPUS=N at start pretends it has N.
+# Nothing under /etc is written and no system service is started, so `stop` leaves the machine
+# as it was, except for the packages `start` installed (it says so).
+set -euo pipefail
+
+DIR="${LOCAL_SLURM_DIR:-/tmp/mpiddp-slurm}"
+CONF="$DIR/slurm.conf"
+MARK="$DIR/.made-by-local_slurm"     # stop removes only a directory this script made
+export SLURM_CONF="$CONF"            # every Slurm command (and daemon) reads this config
+
+say() { echo "[local_slurm] $*" >&2; }
+die() { say "error: $*"; exit 1; }
+
+need_root() {
+  [ "$(id -u)" = 0 ] || die "must run as root: it installs packages and runs slurmctld/slurmd \
+as root (SlurmUser=root). Run: sudo bash $0 $1"
+}
+
+# The pid in a pid file, if that process is alive and is the program we expect. The daemons
+# detach, so an init that does not reap (containers) keeps them as zombies: those are dead.
+alive() {  # alive PIDFILE PROGRAM
+  local pid
+  pid="$(cat "$1" 2>/dev/null)" || return 1
+  [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ] &&
+    ! grep -q '^State:[[:space:]]*Z' "/proc/$pid/status" 2>/dev/null && echo "$pid"
+}
+
+install_packages() {
+  if command -v slurmctld >/dev/null && command -v slurmd >/dev/null &&
+     command -v sbatch >/dev/null && command -v munged >/dev/null; then
+    return
+  fi
+  command -v apt-get >/dev/null || die "slurm-wlm and munge are missing and there is no apt-get"
+  say "installing slurm-wlm and munge with apt-get (they stay installed after stop)"
+  # Keep the packages from starting their own services: we run the daemons ourselves.
+  local policy=/usr/sbin/policy-rc.d made_policy=""
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod 755 "$policy" && made_policy=1
+  fi
+  local install=(apt-get install -y -q --no-install-recommends slurm-wlm munge)
+  local rc=0
+  DEBIAN_FRONTEND=noninteractive "${install[@]}" >&2 ||
+    { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive "${install[@]}" >&2; } || rc=$?
+  [ -z "$made_policy" ] || rm -f "$policy"
+  [ "$rc" = 0 ] || die "apt-get could not install slurm-wlm and munge"
+}
+
+write_config() {
+  local host node overrides=""
+  host="$(hostname -s)"
+  # slurmd reports this machine's CPUs, sockets, cores and memory; use them as they are.
+  node="$(slurmd -C | head -n 1)"
+  [[ "$node" == NodeName=* ]] || die "slurmd -C did not describe the node: $node"
+  if [ -n "${LOCAL_SLURM_CPUS:-}" ]; then
+    # More CPUs than the machine has, for job scripts that ask for more tasks per node than
+    # it has CPUs (--ntasks-per-node refuses that even with --overcommit).
+    [[ "$LOCAL_SLURM_CPUS" =~ ^[1-9][0-9]*$ ]] || die "LOCAL_SLURM_CPUS must be a number"
+    node="NodeName=$host CPUs=$LOCAL_SLURM_CPUS $(grep -o 'RealMemory=[0-9]*' <<< "$node")"
+    overrides="SlurmdParameters=config_overrides"
+  fi
+  cat > "$CONF" <<EOF
+# Written by scripts/local_slurm.sh: a one-node cluster for testing; removed by its 'stop'.
+ClusterName=mpiddp-local
+SlurmctldHost=$host(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+# munged of this cluster, with its own key and socket (nothing in /etc/munge is used).
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket=$DIR/munge/munge.socket
+# No cgroups: plain process tracking and no task binding work in containers and VMs.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+# Like many sites: srun starts no PMI unless asked (--mpi=pmi2), so srun without it is testable.
+MpiDefault=none
+StateSaveLocation=$DIR/state
+SlurmdSpoolDir=$DIR/spool
+SlurmctldPidFile=$DIR/state/slurmctld.pid
+SlurmdPidFile=$DIR/state/slurmd.pid
+SlurmctldLogFile=$DIR/log/slurmctld.log
+SlurmdLogFile=$DIR/log/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+ReturnToService=2
+MailProg=/bin/true
+# No accounting database: keep finished jobs in 'scontrol show job' for an hour instead.
+MinJobAge=3600
+KillWait=5
+$overrides
+$node NodeAddr=127.0.0.1 State=UNKNOWN
+# More tasks than CPUs: submit with --overcommit (-O), or start with LOCAL_SLURM_CPUS=N.
+PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+EOF
+}
+
+abandon() {  # a failed start: show the logs, undo what was started, fail
+  say "error: $1; the logs end with:"
+  tail -n 15 "$DIR"/log/* >&2 || true
+  stop >/dev/null 2>&1 || true
+  exit 1
+}
+
+# Run a daemon in the foreground of its own session and record its pid ourselves: a detaching
+# daemon writes its pid file late or not at all when it fails (slurmd writes it only once it has
+# registered), and then nothing could stop it.
+launch() {  # launch PROGRAM ARGS...
+  setsid "$@" >> "$DIR/log/$1.out" 2>&1 < /dev/null &
+  echo $! > "$DIR/$1.pid"
+}
+
+# Wait up to $2 seconds for the command $1 to succeed; slurm commands get 5 s each.
+wait_for() {
+  local deadline=$((SECONDS + $2))
+  until eval "$1" >/dev/null 2>&1; do
+    [ "$SECONDS" -lt "$deadline" ] || return 1
+    sleep 0.5
+  done
+}
+
+start() {
+  need_root start
+  if [ -n "$(alive "$DIR/slurmctld.pid" slurmctld)" ]; then
+    say "already running (stop it first to start afresh)"
+    echo "export SLURM_CONF=$CONF"
+    return
+  fi
+  if [ -e "$DIR" ]; then   # left from a run that did not stop cleanly: clear it first
+    [ -e "$MARK" ] || die "$DIR exists and was not made by this script; set LOCAL_SLURM_DIR"
+    stop
+  fi
+  install_packages
+  # Readable by all (the configuration, munge's socket), so that other users can submit too.
+  mkdir -p "$DIR" && chmod 755 "$DIR" && touch "$MARK"
+  mkdir -m 755 "$DIR/munge" && mkdir -m 700 "$DIR/state" "$DIR/spool" "$DIR/log"
+  # munged refuses to run as root without --force, and wants its socket directory to exist.
+  dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none
+  chmod 400 "$DIR/munge/munge.key"
+  launch munged --foreground --force --key-file="$DIR/munge/munge.key" \
+    --socket="$DIR/munge/munge.socket" --pid-file="$DIR/munge/munged.pid" \
+    --seed-file="$DIR/munge/munged.seed"
+  wait_for "[ -S '$DIR/munge/munge.socket' ]" 10 || abandon "munged did not start"
+  write_config
+  launch slurmctld -D
+  wait_for "timeout 5 scontrol ping | grep -q UP" 30 || abandon "slurmctld did not start"
+  launch slurmd -D
+  wait_for "[ \"\$(timeout 5 sinfo -h -o %T)\" = idle ]" 30 ||
+    abandon "slurmd did not bring the node up"
+  say "running: $(sinfo -h -o '%N %c CPUs, partition %P')"
+  echo "export SLURM_CONF=$CONF"
+}
+
+stop_daemon() {  # stop_daemon PROGRAM: SIGTERM, then SIGKILL after 10 s
+  local pid
+  pid="$(alive "$DIR/$1.pid" "$1")" || return 0
+  kill "$pid" 2>/dev/null || true
+  for _ in $(seq 50); do [ -n "$(alive "$DIR/$1.pid" "$1")" ] || return 0; sleep 0.2; done
+  say "$1 ($pid) did not stop on SIGTERM; killing it"
+  kill -KILL "$pid" 2>/dev/null || true
+}
+
+stop() {
+  need_root stop
+  if [ ! -e "$DIR" ]; then say "not running (no $DIR)"; return; fi
+  [ -e "$MARK" ] || die "$DIR was not made by this script; not touching it"
+  if [ -n "$(alive "$DIR/slurmctld.pid" slurmctld)" ]; then
+    # Jobs first, so that slurmd's step daemons end their tasks before the daemons go.
+    local jobs
+    jobs="$(timeout 10 squeue -h -o %i 2>/dev/null || true)"
+    if [ -n "$jobs" ]; then
+      say "cancelling jobs: $(echo $jobs)"
+      # shellcheck disable=SC2086
+      timeout 10 scancel $jobs || true
+      wait_for '[ -z "$(timeout 5 squeue -h -o %i)" ]' 20 || say "jobs still listed; going on"
+    fi
+  fi
+  stop_daemon slurmd
+  stop_daemon slurmctld
+  stop_daemon munged
+  rm -rf "$DIR"
+  say "stopped; removed $DIR. The packages slurm-wlm and munge stay installed" \
+      "(apt-get purge slurm-wlm munge removes them)."
+}
+
+status() {
+  local up=0 daemon pid
+  for daemon in munged slurmctld slurmd; do
+    if pid="$(alive "$DIR/$daemon.pid" "$daemon")"; then
+      say "$daemon: running (pid $pid)"; up=$((up + 1))
+    else
+      say "$daemon: not running"
+    fi
+  done
+  if [ "$up" = 3 ]; then
+    sinfo >&2 && squeue >&2
+    echo "export SLURM_CONF=$CONF"
+  fi
+  [ "$up" = 3 ]
+}
+
+case "${1:-}" in
+  start) start ;;
+  stop) stop ;;
+  status) status ;;
+  *) echo "usage: $0 start|stop|status   (scratch directory: $DIR)" >&2; exit 2 ;;
+esac

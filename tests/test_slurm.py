@@ -1,0 +1,131 @@
+"""The job script and the launch rules on a real Slurm.
+
+``scripts/local_slurm.sh`` runs munged, slurmctld and slurmd on this machine (installing
+slurm-wlm and munge if needed, as root); these tests submit to it. They change the machine, so
+they run only with MPIDDP_SYSTEM_TESTS=1 (tests/conftest.py), and are skipped with the reason
+where Slurm cannot start (not root, no packages). Every job gets a unique name and a time
+limit, and is cancelled when its test ends, whether it passed, failed or timed out.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+
+import pytest
+
+from mpi_launch import ROOT
+
+pytestmark = [pytest.mark.system, pytest.mark.timeout(900)]   # the first one may install Slurm
+LOCAL_SLURM = ROOT / "scripts" / "local_slurm.sh"
+SINGLETON_ERROR = "srun started 2 tasks but MPI sees 1 process per task: each would train alone"
+
+
+@pytest.fixture(scope="session")
+def slurm_env():
+    """The environment for Slurm commands; Slurm is started for the session (and stopped after
+    it) unless it was already running."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: scripts/local_slurm.sh installs Slurm and runs it as root")
+    status = subprocess.run(["bash", str(LOCAL_SLURM), "status"], capture_output=True, text=True,
+                            timeout=60)
+    started_here = status.returncode != 0
+    if started_here:
+        status = subprocess.run(["bash", str(LOCAL_SLURM), "start"], capture_output=True,
+                                text=True, timeout=600)
+        if status.returncode != 0:
+            pytest.skip("scripts/local_slurm.sh could not start Slurm:\n" + status.stderr[-3000:])
+    conf = re.search(r"export SLURM_CONF=(\S+)", status.stdout).group(1)
+    env = dict(os.environ, SLURM_CONF=conf, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    try:
+        yield env
+    finally:
+        if started_here:
+            subprocess.run(["bash", str(LOCAL_SLURM), "stop"], timeout=180)
+
+
+@contextmanager
+def job(env):
+    """A unique job name; whatever still runs under it is cancelled at the end."""
+    name = f"mpiddp-test-{uuid.uuid4().hex[:8]}"
+    try:
+        yield name
+    finally:
+        subprocess.run(["scancel", f"--name={name}"], env=env, timeout=60)
+
+
+def srun(env, name: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run srun (its own allocation, a 5-minute limit); kill it and fail on timeout."""
+    cmd = ["srun", f"--job-name={name}", "--time=5", "--kill-on-bad-exit=0", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, cwd=str(ROOT), start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"srun timed out after {timeout} s:\n{output}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, output)
+
+
+def wait_for_job(env, job_id: str, timeout: float) -> dict:
+    """The job's fields from ``scontrol show job`` once it has ended (accounting is off)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env,
+                               capture_output=True, text=True, timeout=60).stdout
+        fields = dict(re.findall(r"(\w+)=(\S*)", shown))
+        if fields.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING",
+                                          "COMPLETING"):
+            return fields
+        assert time.monotonic() < deadline, f"job {job_id} did not end in {timeout} s:\n{shown}"
+        time.sleep(1)
+
+
+def test_sbatch_job_script_trains_on_two_ranks(slurm_env, tmp_path):
+    env = dict(slurm_env)
+    if sys.prefix != sys.base_prefix:
+        env["MPIDDP_VENV"] = sys.prefix       # the job script activates it, as users do
+    out = tmp_path / "job.out"
+    with job(env) as name:
+        # Command-line options override the script's #SBATCH lines (2 nodes x 8 ranks).
+        submit = subprocess.run(
+            ["sbatch", "--parsable", f"--job-name={name}", "--nodes=1", "--ntasks=2",
+             "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10", "--no-requeue",
+             f"--output={out}", "scripts/slurm.sbatch",
+             "--epochs", "8", "--min-accuracy", "0.95", "--no-progress",
+             "--checkpoint", str(tmp_path / "digits.pt")],
+            env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+        assert submit.returncode == 0, submit.stderr
+        fields = wait_for_job(env, submit.stdout.strip().split(";")[0], timeout=300)
+    text = out.read_text() if out.exists() else "(no output file)"
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert "MPICH" in text                              # the library line of the job script
+    assert "training on 2 rank(s)" in text
+    assert "target accuracy 0.95: reached" in text
+    assert "unknown setting MPIDDP_VENV" not in text and "LaunchError" not in text, text
+    assert (tmp_path / "digits.pt").exists()
+
+
+def test_srun_with_pmi2_makes_one_mpi_job(slurm_env):
+    code = ("import mpiddp, torch; mpiddp.init(); total = mpiddp.allreduce(torch.ones(1), "
+            "op=mpiddp.Sum); print(f'rank {mpiddp.rank()} of {mpiddp.size()}: sum "
+            "{int(total)}', flush=True)")
+    with job(slurm_env) as name:
+        result = srun(slurm_env, name, "--mpi=pmi2", "-n", "2", sys.executable, "-c", code)
+    assert result.returncode == 0, result.stdout
+    assert "rank 0 of 2: sum 2" in result.stdout and "rank 1 of 2: sum 2" in result.stdout
+
+
+def test_srun_without_pmi_fails_on_every_task(slurm_env):
+    code = "import mpiddp; mpiddp.init(); print('TRAINING ALONE', flush=True)"
+    with job(slurm_env) as name:
+        result = srun(slurm_env, name, "--mpi=none", "-n", "2", sys.executable, "-c", code)
+    assert result.returncode != 0, result.stdout
+    assert result.stdout.count(SINGLETON_ERROR) == 2, result.stdout
+    assert "srun --mpi=pmi2" in result.stdout and "TRAINING ALONE" not in result.stdout
