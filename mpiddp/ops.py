@@ -21,6 +21,19 @@ Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 
 
+# The one reduction table: the elementwise function that combines two ranks' values, by its
+# NumPy name (CuPy and torch use the same names). Average sums; the division comes after.
+_COMBINE = {ReduceOp.AVERAGE: "add", ReduceOp.SUM: "add", ReduceOp.MIN: "minimum",
+            ReduceOp.MAX: "maximum", ReduceOp.PRODUCT: "multiply"}
+_BOOL_COMBINE = {ReduceOp.MIN: "logical_and", ReduceOp.MAX: "logical_or"}
+
+
+def combine_function(op: ReduceOp, dtype_kind: str) -> str:
+    """The NumPy/CuPy/torch name of the function that reduces ``op`` on ``dtype_kind``
+    values ('float', 'int' or 'bool')."""
+    return (_BOOL_COMBINE if dtype_kind == "bool" else _COMBINE)[ReduceOp(op)]
+
+
 def check_op_for_dtype(op: ReduceOp, dtype_kind: str, dtype_name: str, tensor_name: str) -> None:
     """Raise ``ValueError`` for an (op, dtype) pair that has no sensible meaning."""
     if dtype_kind == "int" and op == ReduceOp.AVERAGE:

@@ -254,18 +254,12 @@ def set_allreduce_algorithm(algorithm: str, ring_threshold: int | None = None) -
     every rank must make it; the switch happens at the same point of the agreed execution
     order on every rank, so ranks never pick different algorithms for the same buffer."""
     from .config import ALGORITHMS
-    from .torch.ops import barrier
 
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm {algorithm!r} is not one of: {', '.join(ALGORITHMS)}")
-    executor = require("set_allreduce_algorithm()").engine.executor
-
-    def switch():
-        executor.algorithm = algorithm
-        if ring_threshold is not None:
-            executor.ring_threshold = int(ring_threshold)
-
-    barrier(name=f"set_allreduce_algorithm.{algorithm}.{ring_threshold}", action=switch)
+    engine = require("set_allreduce_algorithm()").engine
+    engine.barrier(f"set_allreduce_algorithm.{algorithm}.{ring_threshold}",
+                   action=lambda: engine.executor.configure(algorithm, ring_threshold)).wait()
 
 
 def start_timeline() -> None:

@@ -30,19 +30,11 @@ import numpy as np
 from cupy.cuda import runtime
 
 from ..errors import MpiddpError
-from ..ops import ReduceOp
+from ..ops import ReduceOp, combine_function
 from .device_kernels import KERNEL_SOURCE, THREADS_PER_BLOCK, launch_blocks
 from .dtypes import DType
 from .host_reduce import reduce_into as host_reduce_into
 
-_UFUNCS = {
-    ReduceOp.AVERAGE: cupy.add,
-    ReduceOp.SUM: cupy.add,
-    ReduceOp.MIN: cupy.minimum,
-    ReduceOp.MAX: cupy.maximum,
-    ReduceOp.PRODUCT: cupy.multiply,
-}
-_BOOL_UFUNCS = {ReduceOp.MIN: cupy.logical_and, ReduceOp.MAX: cupy.logical_or}
 _HALF_REDUCE = {"float16": "mpiddp_f16_reduce", "bfloat16": "mpiddp_bf16_reduce"}
 _HALF_SCALE = {"float16": "mpiddp_f16_scale_kernel", "bfloat16": "mpiddp_bf16_scale_kernel"}
 
@@ -208,10 +200,8 @@ class DeviceBackend:
                 kernel = state.kernel(_HALF_REDUCE[dtype.name])
                 kernel((launch_blocks(n),), (THREADS_PER_BLOCK,),
                        (dst, src, np.int64(n), np.int32(int(op))))
-            elif dtype.kind == "bool":
-                _BOOL_UFUNCS[ReduceOp(op)](dst, src, out=dst)
             else:
-                _UFUNCS[ReduceOp(op)](dst, src, out=dst)
+                getattr(cupy, combine_function(op, dtype.kind))(dst, src, out=dst)
 
     def scale_(self, array, factor: float, dtype: DType) -> None:
         """Multiply a floating-point buffer by ``factor`` in place on the device (Average's

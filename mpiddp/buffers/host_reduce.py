@@ -7,17 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops import ReduceOp
+from ..ops import ReduceOp, combine_function
 from .dtypes import DType
-
-_NUMPY_UFUNCS = {
-    ReduceOp.AVERAGE: np.add,
-    ReduceOp.SUM: np.add,
-    ReduceOp.MIN: np.minimum,
-    ReduceOp.MAX: np.maximum,
-    ReduceOp.PRODUCT: np.multiply,
-}
-_BOOL_UFUNCS = {ReduceOp.MIN: np.logical_and, ReduceOp.MAX: np.logical_or}
 
 
 def _torch_half_view(array: np.ndarray, dtype: DType):
@@ -31,21 +22,14 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp, dtype: DType) ->
     """``dst = op(dst, src)`` elementwise, in place."""
     if dst.size == 0:
         return
+    function = combine_function(op, dtype.kind)
     if dtype.name in ("float16", "bfloat16"):
         import torch
 
-        d, s = _torch_half_view(dst, dtype), _torch_half_view(src, dtype)
-        if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
-            d.add_(s)
-        elif op == ReduceOp.PRODUCT:
-            d.mul_(s)
-        elif op == ReduceOp.MIN:
-            torch.minimum(d, s, out=d)
-        else:
-            torch.maximum(d, s, out=d)
+        d = _torch_half_view(dst, dtype)
+        getattr(torch, function)(d, _torch_half_view(src, dtype), out=d)
         return
-    ufunc = _BOOL_UFUNCS[op] if dtype.kind == "bool" else _NUMPY_UFUNCS[op]
-    ufunc(dst, src, out=dst)
+    getattr(np, function)(dst, src, out=dst)
 
 
 def scale_(array: np.ndarray, factor: float, dtype: DType) -> None:

@@ -8,16 +8,11 @@ import numpy as np
 from mpi4py import MPI
 
 from ..buffers.dtypes import DType
-from ..ops import ReduceOp
+from ..ops import ReduceOp, combine_function
 
-_PREDEFINED = {
-    ReduceOp.AVERAGE: MPI.SUM,
-    ReduceOp.SUM: MPI.SUM,
-    ReduceOp.MIN: MPI.MIN,
-    ReduceOp.MAX: MPI.MAX,
-    ReduceOp.PRODUCT: MPI.PROD,
-}
-_BOOL_OPS = {ReduceOp.MIN: MPI.LAND, ReduceOp.MAX: MPI.LOR}
+# MPI's predefined op for each elementwise function of ``ops.combine_function``.
+_MPI_OPS = {"add": MPI.SUM, "minimum": MPI.MIN, "maximum": MPI.MAX, "multiply": MPI.PROD,
+            "logical_and": MPI.LAND, "logical_or": MPI.LOR}
 _user_ops: dict = {}
 
 
@@ -38,9 +33,7 @@ def _user_op(dtype: DType, op: ReduceOp, reduce_into) -> MPI.Op:
 def mpi_op(dtype: DType, op: ReduceOp, reduce_into: Callable) -> MPI.Op:
     if not dtype.native_reduce:
         return _user_op(dtype, op, reduce_into)
-    if dtype.kind == "bool":
-        return _BOOL_OPS[op]
-    return _PREDEFINED[op]
+    return _MPI_OPS[combine_function(op, dtype.kind)]
 
 
 def native_allreduce(comm: MPI.Comm, buf, dtype: DType, op: ReduceOp, reduce_into) -> None:

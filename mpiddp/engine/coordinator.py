@@ -21,7 +21,7 @@ from ..errors import DuplicateNameError, EngineShutdownError, MpiddpError
 from .channel import ControlChannel, MPIChannel
 from .handle import Handle
 from .protocol import CycleProtocol
-from .request import Entry
+from .request import BARRIER, Entry, Request
 from .stats import EngineStats
 from .timeline import Timeline
 from .waiting import WaitPolicy
@@ -88,6 +88,13 @@ class Engine:
             for entry in entries:
                 self.timeline.record(entry.request.name, "submit", entry.submitted)
         return [entry.handle for entry in entries]
+
+    def barrier(self, name: str, action: Callable[[], None] | None = None) -> Handle:
+        """Submit a barrier; ``action`` runs on the coordinator at the barrier's place in the
+        agreed order, i.e. at the same point on every rank (engine reconfiguration)."""
+        entry = Entry(Request(name, BARRIER, "uint8", ()), None, None, Handle(name),
+                      action=action)
+        return self.submit_many([entry])[0]
 
     def join(self) -> Handle:
         with self._lock:

@@ -215,6 +215,13 @@ class Executor:
         self.algorithm = settings.allreduce_algorithm
         self.ring_threshold = settings.ring_threshold
 
+    def configure(self, algorithm: str, ring_threshold: Optional[int] = None) -> None:
+        """Switch the fused all-reduce algorithm (run it at an agreed point: a barrier's
+        action, so that every rank switches between the same two batches)."""
+        self.algorithm = algorithm
+        if ring_threshold is not None:
+            self.ring_threshold = int(ring_threshold)
+
     def run(self, responses: list[Response], entries: dict) -> None:
         """Execute ``responses`` in order; ``entries`` maps names to this rank's entries
         (absent for a rank that has joined)."""

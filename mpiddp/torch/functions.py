@@ -7,38 +7,15 @@ same order: they are collectives.
 """
 from __future__ import annotations
 
-import itertools
 import pickle
 import sys
-import threading
 from typing import Any, Iterable, Mapping
 
 import torch
 
 from .. import runtime
+from .naming import collective_name, root_rank as root_rank_of
 from .ops import allgather, broadcast_, broadcast_async_, synchronize
-
-_call_counter = itertools.count()
-_counter_lock = threading.Lock()
-
-
-def _call_id(kind: str, name) -> str:
-    """Base name of one call: the caller's ``name``, or a per-kind counter that agrees across
-    ranks as long as they make the same calls in the same order."""
-    if name is not None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty string, not {name!r}")
-        return f"{kind}.{name}"
-    with _counter_lock:
-        return f"{kind}.{next(_call_counter)}"
-
-
-def _check_root(root_rank, what: str) -> None:
-    size = runtime.size()
-    if not isinstance(root_rank, int) or isinstance(root_rank, bool) or \
-            not 0 <= root_rank < size:
-        raise ValueError(f"{what}: root_rank={root_rank!r} is not a rank (0..{size - 1})")
-
 
 # ---- Python objects ----------------------------------------------------------------------
 def _dumps(obj) -> torch.Tensor:
@@ -54,8 +31,8 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = Non
     """Return ``root_rank``'s ``obj`` on every rank (any picklable object; other ranks may pass
     anything, e.g. None). The length travels first, then the pickled bytes."""
     runtime.require("broadcast_object()")
-    _check_root(root_rank, "broadcast_object")
-    base = _call_id("broadcast_object", name)
+    root_rank = root_rank_of(root_rank, runtime.size(), "broadcast_object")
+    base = collective_name("broadcast_object", name, prefixed=True)
     is_root = runtime.rank() == root_rank
     payload = _dumps(obj) if is_root else None
     length = torch.tensor([payload.numel() if is_root else 0], dtype=torch.int64)
@@ -72,7 +49,7 @@ def allgather_object(obj: Any, name: str | None = None) -> list:
     One all-gather: each rank contributes an 8-byte length followed by its pickled bytes, so
     the concatenation is read back without a second round."""
     runtime.require("allgather_object()")
-    base = _call_id("allgather_object", name)
+    base = collective_name("allgather_object", name, prefixed=True)
     payload = _dumps(obj)
     header = torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8)
     gathered = allgather(torch.cat([header, payload]), name=f"{base}.data").numpy().tobytes()
@@ -121,7 +98,7 @@ def broadcast_parameters(params: Mapping | Iterable, root_rank: int = 0,
     Run it after building the model (and after loading a checkpoint on the root) so that every
     rank starts from the same weights."""
     runtime.require("broadcast_parameters()")
-    _check_root(root_rank, "broadcast_parameters")
+    root_rank = root_rank_of(root_rank, runtime.size(), "broadcast_parameters")
     items = _named_tensors(params, "broadcast_parameters")
     handles = []
     with torch.no_grad():
@@ -188,11 +165,11 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     An optimizer whose state is still empty on the root (no step taken yet) leaves every rank
     with an empty state. Typical use: after loading a checkpoint on rank 0."""
     runtime.require("broadcast_optimizer_state()")
-    _check_root(root_rank, "broadcast_optimizer_state")
+    root_rank = root_rank_of(root_rank, runtime.size(), "broadcast_optimizer_state")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, not "
                         f"{type(optimizer).__name__}")
-    base = _call_id(prefix, None)
+    base = collective_name(prefix, None)
     is_root = runtime.rank() == root_rank
     state_dict = optimizer.state_dict()
     local_groups = [len(g["params"]) for g in state_dict["param_groups"]]

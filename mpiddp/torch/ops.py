@@ -7,9 +7,6 @@ order get the same names.
 """
 from __future__ import annotations
 
-import itertools
-import operator
-import threading
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -17,14 +14,11 @@ import torch
 from .. import runtime
 from ..buffers.dtypes import dtype_named
 from ..engine.handle import Handle
-from ..engine.request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, KINDS,
+from ..engine.request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST,
                               REDUCESCATTER, Entry, Request)
 from ..ops import ReduceOp, check_op_for_dtype
+from .naming import collective_name, root_rank as check_root
 from .views import device_name, dtype_name, flat_array
-
-_counters = {kind: itertools.count() for kind in KINDS}
-_counter_lock = threading.Lock()
-
 
 class TensorHandle:
     """What the ``*_async`` calls return; pass it to ``synchronize`` or ``poll``."""
@@ -76,15 +70,6 @@ def poll(handle: TensorHandle) -> bool:
         raise TypeError(f"poll() takes a handle returned by an *_async call, "
                         f"not {type(handle).__name__}")
     return handle.done()
-
-
-def _auto_name(kind: str, name: Optional[str]) -> str:
-    if name is not None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty string, not {name!r}")
-        return name
-    with _counter_lock:
-        return f"{kind}.noname.{next(_counters[kind])}"
 
 
 def _check_tensor(tensor, name: str) -> str:
@@ -151,9 +136,32 @@ def _allreduce_entry(tensor, output, name, op, prescale, postscale) -> Entry:
     return _entry(request, _contiguous(tensor), flat_array(output))
 
 
+def allreduce_request_(tensor: torch.Tensor, name: str, op=ReduceOp.AVERAGE,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Entry:
+    """Check ``tensor`` (contiguous) and describe an in-place all-reduce of it named ``name``,
+    without submitting it: a building block for framework glue (``DistributedOptimizer``)
+    that submits many at once with ``submit_together``."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"allreduce_request_ of '{name}' needs a contiguous tensor")
+    return _allreduce_entry(tensor, tensor, name, ReduceOp(op), prescale_factor,
+                            postscale_factor)
+
+
+def submit_together(entries: list) -> list:
+    """Submit requests made by ``allreduce_request_`` in one go: the engine takes them in the
+    same cycle, so one negotiation covers them all and they fuse together. Returns one
+    ``TensorHandle`` per entry, in order."""
+    engine = runtime.require_engine("submit_together()")
+    return [TensorHandle([handle], _nothing) for handle in engine.submit_many(entries)]
+
+
+def _nothing():
+    return None
+
+
 def _allreduce_async(tensor, in_place, average, name, op, prescale_factor, postscale_factor):
     runtime.require_engine("allreduce()")
-    name = _auto_name(ALLREDUCE, name)
+    name = collective_name(ALLREDUCE, name)
     op = _resolve_op(op, average)
     _check_tensor(tensor, name)
     if in_place and tensor.is_contiguous():
@@ -200,7 +208,7 @@ def _grouped_async(tensors, in_place, average, name, op, prescale_factor, postsc
     runtime.require_engine("grouped_allreduce()")
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ValueError("grouped_allreduce takes a non-empty list of tensors")
-    base = _auto_name(ALLREDUCE, name)
+    base = collective_name(ALLREDUCE, name)
     op = _resolve_op(op, average)
     entries, outputs = [], []
     for i, tensor in enumerate(tensors):
@@ -260,7 +268,7 @@ def _needs_dim(tensor: torch.Tensor, name: str, what: str) -> None:
 def allgather_async(tensor, name=None) -> TensorHandle:
     """Start concatenating every rank's ``tensor`` along dimension 0 (sizes may differ)."""
     runtime.require_engine("allgather()")
-    name = _auto_name(ALLGATHER, name)
+    name = collective_name(ALLGATHER, name)
     dtype = _check_tensor(tensor, name)
     _needs_dim(tensor, name, "allgather")
     holder: dict = {}
@@ -275,19 +283,9 @@ def allgather(tensor, name=None) -> torch.Tensor:
 
 def _broadcast_async(tensor, root_rank, name, in_place):
     rt = runtime.require("broadcast()")
-    name = _auto_name(BROADCAST, name)
+    name = collective_name(BROADCAST, name)
     dtype = _check_tensor(tensor, name)
-    size = rt.comm.Get_size()
-    try:
-        if isinstance(root_rank, bool):
-            raise TypeError
-        root_rank = operator.index(root_rank)      # ints, NumPy and 0-d torch integers
-    except TypeError:
-        raise TypeError(f"broadcast of '{name}': root_rank must be an integer rank, not "
-                        f"{type(root_rank).__name__}") from None
-    if not 0 <= root_rank < size:
-        raise ValueError(f"broadcast of '{name}': root_rank={root_rank} is not a rank "
-                         f"(0..{size - 1})")
+    root_rank = check_root(root_rank, rt.comm.Get_size(), f"broadcast of '{name}'")
     request = Request(name, BROADCAST, dtype, tuple(tensor.shape), device_name(tensor),
                       root=root_rank)
     if in_place and tensor.is_contiguous():
@@ -324,7 +322,7 @@ def reducescatter_async(tensor, name=None, op=None, prescale_factor=1.0,
     """Start reducing ``tensor`` across ranks and keep rank r's share of dimension 0
     (rows split as evenly as possible, the first ranks taking one extra)."""
     runtime.require_engine("reducescatter()")
-    name = _auto_name(REDUCESCATTER, name)
+    name = collective_name(REDUCESCATTER, name)
     op = _resolve_op(op, None)
     dtype = _check_tensor(tensor, name)
     _needs_dim(tensor, name, "reducescatter")
@@ -347,7 +345,7 @@ def alltoall_async(tensor, splits: Optional[Sequence[int]] = None, name=None) ->
     """Start sending ``splits[d]`` rows of ``tensor`` to each rank ``d`` (default: equal
     shares) and receiving what every rank sends here, concatenated in rank order."""
     rt = runtime.require("alltoall()")
-    name = _auto_name(ALLTOALL, name)
+    name = collective_name(ALLTOALL, name)
     dtype = _check_tensor(tensor, name)
     _needs_dim(tensor, name, "alltoall")
     size, rows = rt.comm.Get_size(), tensor.shape[0]
@@ -379,13 +377,10 @@ def alltoall(tensor, splits=None, name=None):
     return synchronize(alltoall_async(tensor, splits, name))
 
 
-def barrier(name=None, action=None) -> None:
-    """Return once every rank has called barrier (ordered with the other collectives).
-    ``action`` (internal) runs on the engine thread at the barrier's place in the order."""
-    runtime.require_engine("barrier()")
-    name = _auto_name(BARRIER, name)
-    entry = Entry(Request(name, BARRIER, "uint8", ()), None, None, Handle(name), action=action)
-    synchronize(_submit([entry], lambda: None))
+def barrier(name=None) -> None:
+    """Return once every rank has called barrier (ordered with the other collectives)."""
+    engine = runtime.require_engine("barrier()")
+    engine.barrier(collective_name(BARRIER, name)).wait()
 
 
 def join() -> int:

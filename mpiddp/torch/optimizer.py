@@ -48,7 +48,7 @@ from ..errors import MpiddpError, TensorMismatchError
 from ..ops import ReduceOp
 from .compression import Compression
 from .functions import allgather_object
-from .ops import TensorHandle, _allreduce_entry, allreduce, synchronize as _wait
+from .ops import allreduce, allreduce_request_, submit_together, synchronize as _wait
 
 # The autograd engine: queue_callback() runs a function once the current backward pass
 # has finished (every gradient accumulated), on the thread that ran it.
@@ -56,10 +56,6 @@ _autograd_engine = torch.autograd.Variable._execution_engine
 
 _optimizer_index = itertools.count()
 _OWNER_ATTR = "_mpiddp_optimizer"   # on a parameter: weakref to the state reducing it
-
-
-def _nothing():
-    return None
 
 
 class _Pending:
@@ -190,23 +186,24 @@ class _GradientSync:
         self.bucket.append(param)
         self.bucket_bytes += wire.numel() * wire.element_size()
 
-    def _flush(self, extra: tuple = ()) -> None:
+    def _flush(self, extra: tuple = ()) -> list:
         """Submit the queued gradients (and ``extra`` entries) in one go: the engine takes them
-        in the same cycle, so one negotiation covers them all and they fuse together."""
+        in the same cycle, so one negotiation covers them all and they fuse together. Returns
+        the handles of the ``extra`` entries."""
         if not self.bucket and not extra:
-            return
+            return []
         entries, items = [], []
         for param in self.bucket:
             item = self.pending[param]
-            entries.append(_allreduce_entry(item.wire, item.wire, self.names[param], self.op,
-                                            self.prescale, self.postscale))
+            entries.append(allreduce_request_(item.wire, self.names[param], self.op,
+                                              self.prescale, self.postscale))
             items.append(item)
         self.bucket = []
         self.bucket_bytes = 0
-        engine = runtime.require_engine("DistributedOptimizer")
-        engine.submit_many(entries + list(extra))
-        for item, entry in zip(items, entries):
-            item.handle = TensorHandle([entry.handle], _nothing)
+        handles = submit_together(entries + list(extra))
+        for item, handle in zip(items, handles):
+            item.handle = handle
+        return handles[len(items):]
 
     # ---- synchronize ----------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -257,9 +254,8 @@ class _GradientSync:
         """Flush the last gradients together with an all-reduce (logical or) of which
         parameters have a gradient on some rank; returns (usage, its handle)."""
         usage = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
-        entry = _allreduce_entry(usage, usage, f"{self.prefix}.used", ReduceOp.MAX, 1.0, 1.0)
-        self._flush(extra=(entry,))
-        return usage, TensorHandle([entry.handle], _nothing)
+        entry = allreduce_request_(usage, f"{self.prefix}.used", ReduceOp.MAX)
+        return usage, self._flush(extra=(entry,))[0]
 
     def wait_all(self) -> None:
         """Complete reductions still in flight (the whole matched protocol, so the other
