@@ -53,6 +53,30 @@ def launcher_tasks(environ) -> tuple[int, str, str] | None:
     return None
 
 
+def _slurm_tasks_per_node(value: str) -> list[int]:
+    """Expand Slurm's compressed per-node task counts: '4(x2),3' -> [4, 4, 3]."""
+    counts = []
+    for part in value.split(","):
+        count, _, repeat = part.partition("(x")
+        if not count.isdigit() or (repeat and not repeat.rstrip(")").isdigit()):
+            return []
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    return counts
+
+
+def ranks_on_this_node(environ) -> int | None:
+    """How many ranks the launcher started on this node (None when it does not say):
+    hydra's MPI_LOCALNRANKS, Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE, or, in an srun step,
+    SLURM_STEP_TASKS_PER_NODE at this node's index SLURM_NODEID."""
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        count = _count(environ, name)
+        if count is not None:
+            return count
+    counts = _slurm_tasks_per_node(environ.get("SLURM_STEP_TASKS_PER_NODE", ""))
+    node = _count(environ, "SLURM_NODEID") or 0
+    return counts[node] if node < len(counts) else None
+
+
 def check_launch(mpi_size: int, environ) -> None:
     """Raise ``LaunchError`` when the launcher started several tasks but MPI sees one."""
     if mpi_size != 1 or not _parse_bool("MPIDDP_LAUNCH_CHECK",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .config import Settings, read_settings, unknown_settings
 from .errors import EngineShutdownError, NotInitializedError
-from .launch_check import check_launch
+from .launch_check import check_launch, ranks_on_this_node
 
 log = logging.getLogger("mpiddp")
 
@@ -25,8 +25,8 @@ def _prefer_yielding_waits() -> None:
     # MPICH's waiting ranks busy-poll; with more ranks than cores they steal the cores that
     # compute needs. Must be set before MPI_Init (the first import of mpi4py.MPI), so it only
     # helps when mpiddp is imported first; users of other MPIs are unaffected.
-    ranks_here = os.environ.get("MPI_LOCALNRANKS") or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    if ranks_here and ranks_here.isdigit() and int(ranks_here) > (os.cpu_count() or 1):
+    ranks_here = ranks_on_this_node(os.environ)
+    if ranks_here is not None and ranks_here > (os.cpu_count() or 1):
         os.environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
 
 

@@ -78,7 +78,9 @@ SlurmdUser=root
 # munged of this cluster, with its own key and socket (nothing in /etc/munge is used).
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$DIR/munge/munge.socket
+# cred_expire also holds a requeued job back (cred_expire + 1 s; default 120): keep it short
+# so that a preempted-and-requeued test job starts again within seconds.
+AuthInfo=socket=$DIR/munge/munge.socket,cred_expire=10
 # No cgroups: plain process tracking and no task binding work in containers and VMs.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -101,6 +103,8 @@ MailProg=/bin/true
 # No accounting database: keep finished jobs in 'scontrol show job' for an hour instead.
 MinJobAge=3600
 KillWait=5
+# Schedule pending jobs every few seconds (default 60), e.g. a requeued job once eligible.
+SchedulerParameters=sched_interval=2
 $overrides
 $node NodeAddr=127.0.0.1 State=UNKNOWN
 # More tasks than CPUs: submit with --overcommit (-O), or start with LOCAL_SLURM_CPUS=N.

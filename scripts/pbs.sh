@@ -33,6 +33,18 @@ python -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[
 # (and -x for any MPIDDP_* setting) to forward variables.
 # Unlike the Slurm script (tests/test_slurm.py), this one is untested: no PBS server can run on
 # the development machine.
+# Preemption: PBS sends SIGTERM before it kills a job; train.py stops every rank at the same
+# step, writes an exact checkpoint and exits 75 (the same protocol as the Slurm script), and
+# this script submits the job again, to resume from the checkpoint. Forward SIGTERM to the
+# ranks if your mpiexec does not (hydra and Open MPI do).
+status=0
 # shellcheck disable=SC2086
 mpiexec -n "$NP" python scripts/train.py \
-    --checkpoint "checkpoints/${PBS_JOBNAME:-mpiddp-train}.pt" --resume ${TRAIN_ARGS:-}
+    --checkpoint "checkpoints/${PBS_JOBNAME:-mpiddp-train}.pt" --resume ${TRAIN_ARGS:-} \
+    || status=$?
+if [ "$status" -eq 75 ]; then
+    echo "job ${PBS_JOBID:-?}: checkpoint written after a stop signal; submitting it again"
+    qsub -v TRAIN_ARGS="${TRAIN_ARGS:-}" "${PBS_O_WORKDIR:-.}/scripts/pbs.sh"   # $0 is a spool copy
+    exit 0
+fi
+exit "$status"

@@ -129,3 +129,49 @@ def test_srun_without_pmi_fails_on_every_task(slurm_env):
     assert result.returncode != 0, result.stdout
     assert result.stdout.count(SINGLETON_ERROR) == 2, result.stdout
     assert "srun --mpi=pmi2" in result.stdout and "TRAINING ALONE" not in result.stdout
+
+
+def test_warning_signal_checkpoints_requeues_and_resumes(slurm_env, tmp_path):
+    """The scheduler's warning signal (here sent at once with ``scancel --signal=USR1``, as
+    ``#SBATCH --signal=USR1@120`` sends it before the time limit): every rank stops at the same
+    step, the checkpoint is written, train.py exits 75, the job script requeues the job
+    (``scontrol requeue``), and the requeued job resumes from the checkpoint and completes."""
+    env = dict(slurm_env)
+    if sys.prefix != sys.base_prefix:
+        env["MPIDDP_VENV"] = sys.prefix
+    out, checkpoint = tmp_path / "job.out", tmp_path / "digits.pt"
+    with job(env) as name:
+        submit = subprocess.run(
+            ["sbatch", "--parsable", f"--job-name={name}", "--nodes=1", "--ntasks=2",
+             "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10", f"--output={out}",
+             "scripts/slurm.sbatch", "--epochs", "40", "--batch-size", "8",
+             "--min-accuracy", "0.95", "--no-progress", "--checkpoint", str(checkpoint)],
+            env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+        assert submit.returncode == 0, submit.stderr
+        job_id = submit.stdout.strip().split(";")[0]
+        deadline = time.monotonic() + 120
+        while "epoch   1/40" not in (out.read_text() if out.exists() else ""):
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        subprocess.run(["scancel", "--signal=USR1", job_id], env=env, check=True, timeout=60)
+        fields = wait_for_requeued_job(env, job_id, timeout=300)
+    text = out.read_text()
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert fields["Restarts"] == "1", fields
+    assert "SIGUSR1 received: stopped at step" in text, text
+    assert "checkpoint written after a stop signal; requeueing" in text, text
+    resumed = re.search(r"resuming from .*: (\d+) epoch\(s\) and (\d+) step\(s\) done on 2", text)
+    assert resumed, text
+    assert "target accuracy 0.95: reached" in text, text
+
+
+def wait_for_requeued_job(env, job_id: str, timeout: float) -> dict:
+    """Like ``wait_for_job``, past the requeue (the job is PENDING again in between)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        fields = wait_for_job(env, job_id, max(1.0, deadline - time.monotonic()))
+        if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
+                                      "NODE_FAIL", "OUT_OF_MEMORY"):
+            return fields
+        assert time.monotonic() < deadline, f"job {job_id} still {fields.get('JobState')}"
+        time.sleep(1)

@@ -5,7 +5,7 @@ import pytest
 from mpiddp.collectives.ring import chunk_bounds
 from mpiddp.config import Settings, read_settings, unknown_settings
 from mpiddp.errors import LaunchError
-from mpiddp.launch_check import check_launch
+from mpiddp.launch_check import check_launch, ranks_on_this_node
 from mpiddp.engine.fusion import plan_batches
 from mpiddp.engine.negotiation import RequestTable, ResponseCache, agree
 from mpiddp.engine.request import ALLGATHER, ALLREDUCE, BROADCAST, Request, Response
@@ -99,6 +99,20 @@ def test_launch_check_refuses_singletons(env, needles):
         check_launch(1, env)
     for needle in needles:
         assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"MPI_LOCALNRANKS": "8"}, 8),                                     # hydra
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, 3),                          # Open MPI
+    ({"SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}, 3),  # srun, 3rd node
+    ({"SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "1"}, 4),
+    ({"SLURM_STEP_TASKS_PER_NODE": "6"}, 6),
+    ({"SLURM_STEP_TASKS_PER_NODE": "garbage"}, None),
+    ({}, None),
+])
+def test_ranks_on_this_node_from_the_launcher(env, expected):
+    # Decides whether waiting MPICH ranks must yield their core (more ranks than cores).
+    assert ranks_on_this_node(env) == expected
 
 
 @pytest.mark.parametrize("count,parts", [(0, 1), (0, 4), (1, 4), (7, 3), (10, 4), (97, 8)])
