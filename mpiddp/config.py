@@ -9,15 +9,64 @@ from __future__ import annotations
 
 import difflib
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 ALGORITHMS = ("auto", "ring", "native")
 TRI_STATE = ("auto", "0", "1")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 # MPIDDP_* variables that belong to the project's scripts and tests, not to the engine:
 # MPIDDP_VENV picks the virtual environment (scripts/ensure_env.sh, the job scripts) and
 # MPIDDP_SYSTEM_TESTS runs the tests that change the machine (tests/conftest.py). Job
 # environments carry them into every rank, so they pass without a warning.
 SCRIPT_VARIABLES = ("MPIDDP_VENV", "MPIDDP_SYSTEM_TESTS")
+
+
+# ---- parsers: each setting names its own (no guessing from type annotations) ------------
+@dataclass(frozen=True)
+class Boolean:
+    def __call__(self, name: str, raw: str) -> bool:
+        value = raw.strip().lower()
+        if value in ("1", "true", "yes", "on"):
+            return True
+        if value in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{name}={raw!r} is not a boolean: use 1/0, true/false, yes/no or "
+                         "on/off")
+
+
+@dataclass(frozen=True)
+class Number:
+    kind: type                      # int or float
+    minimum: float = 0              # smallest allowed value
+    positive: bool = False          # the minimum itself is not allowed
+
+    def __call__(self, name: str, raw: str):
+        try:
+            value = self.kind(raw.strip())
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not a valid {self.kind.__name__}") from None
+        if self.positive and value <= self.minimum:
+            raise ValueError(f"{name}={raw!r} must be greater than {self.minimum}")
+        if value < self.minimum:
+            raise ValueError(f"{name}={raw!r} must be at least {self.minimum}")
+        return value
+
+
+@dataclass(frozen=True)
+class Choice:
+    choices: tuple
+    upper: bool = False             # the value is kept in upper case (log levels)
+
+    def __call__(self, name: str, raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in self.choices:
+            raise ValueError(f"{name}={raw!r} is not one of: {', '.join(self.choices)}")
+        return value.upper() if self.upper else value
+
+
+def setting(default, parser):
+    """A field of ``Settings`` read from its environment variable with ``parser``."""
+    return field(default=default, metadata={"parser": parser})
 
 
 @dataclass(frozen=True)
@@ -26,61 +75,43 @@ class Settings:
 
     # Longest time (ms) an idle coordinator waits before it joins a heartbeat cycle.
     # Work starts a cycle at once; this only bounds how late an idle rank notices others.
-    cycle_time: float = 50.0
+    cycle_time: float = setting(50.0, Number(float, 0, positive=True))
     # Fusion buffer size in bytes: ready tensors are packed together up to this size.
-    fusion_threshold: int = 1024 * 1024
+    fusion_threshold: int = setting(1024 * 1024, Number(int))
     # Number of tensor names the response cache remembers (bit-vector negotiation).
-    cache_capacity: int = 1024
+    cache_capacity: int = setting(1024, Number(int, 1))
     # Seconds before rank 0 warns about tensors submitted by some ranks but not others.
-    stall_check_time: float = 60.0
+    stall_check_time: float = setting(60.0, Number(float, 0, positive=True))
     # Seconds after which a stall shuts the engine down on every rank (0 = never). Finite by
     # default, like NCCL's 10-minute watchdog, so that a hung job does not burn its allocation.
-    stall_shutdown_time: float = 600.0
+    stall_shutdown_time: float = setting(600.0, Number(float))
     # Reduction algorithm for fused buffers: auto (by size), ring or native MPI_Allreduce.
-    allreduce_algorithm: str = "auto"
+    allreduce_algorithm: str = setting("auto", Choice(ALGORITHMS))
     # auto: messages of at most this many bytes use native MPI_Allreduce, larger ones the ring.
-    ring_threshold: int = 2 * 1024 * 1024
+    ring_threshold: int = setting(2 * 1024 * 1024, Number(int))
     # Abort the whole MPI job when a rank dies of an uncaught exception.
-    abort_on_exception: bool = True
+    abort_on_exception: bool = setting(True, Boolean())
     # Record a timeline of engine events (negotiation and execution times) in memory.
-    timeline: bool = False
+    timeline: bool = setting(False, Boolean())
     # Log level of the 'mpiddp' logger (DEBUG, INFO, WARNING, ERROR).
-    log_level: str = "WARNING"
+    log_level: str = setting("WARNING", Choice(LOG_LEVELS, upper=True))
     # Whether MPI can read device memory directly: auto (probe), 0 or 1.
-    cuda_aware: str = "auto"
+    cuda_aware: str = setting("auto", Choice(TRI_STATE))
     # Refuse to start when the launcher started N > 1 tasks but MPI sees one process in each
     # (srun without PMI, or another MPI's mpiexec): see mpiddp/launch_check.py.
-    launch_check: bool = True
-
-
-def _parse_bool(name: str, raw: str) -> bool:
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{name}={raw!r} is not a boolean: use 1/0, true/false, yes/no or on/off")
-
-
-def _parse_number(name: str, raw: str, kind: type, minimum: float):
-    try:
-        value = kind(raw.strip())
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
-    if value < minimum:
-        raise ValueError(f"{name}={raw!r} must be at least {minimum}")
-    return value
-
-
-def _parse_choice(name: str, raw: str, choices: tuple[str, ...]) -> str:
-    value = raw.strip().lower()
-    if value not in choices:
-        raise ValueError(f"{name}={raw!r} is not one of: {', '.join(choices)}")
-    return value
+    launch_check: bool = setting(True, Boolean())
 
 
 def env_name(field_name: str) -> str:
     return "MPIDDP_" + field_name.upper()
+
+
+def read_setting(field_name: str, environ=None):
+    """One setting from ``environ`` (default ``os.environ``), parsed, or its default."""
+    environ = os.environ if environ is None else environ
+    f = next(f for f in fields(Settings) if f.name == field_name)
+    name = env_name(field_name)
+    return f.metadata["parser"](name, environ[name]) if name in environ else f.default
 
 
 def unknown_settings(environ=None) -> list[str]:
@@ -103,29 +134,4 @@ def read_settings(environ=None) -> Settings:
     """Read and validate every ``MPIDDP_*`` setting from ``environ`` (default ``os.environ``).
     Unknown ``MPIDDP_*`` names are ignored here (see ``unknown_settings``)."""
     environ = os.environ if environ is None else environ
-    values = {}
-    for f in fields(Settings):
-        name = env_name(f.name)
-        if name not in environ:
-            continue
-        raw = environ[name]
-        if f.type == "bool":
-            values[f.name] = _parse_bool(name, raw)
-        elif f.type == "int":
-            values[f.name] = _parse_number(name, raw, int, 0)
-        elif f.type == "float":
-            values[f.name] = _parse_number(name, raw, float, 0.0)
-        elif f.name == "allreduce_algorithm":
-            values[f.name] = _parse_choice(name, raw, ALGORITHMS)
-        elif f.name == "cuda_aware":
-            values[f.name] = _parse_choice(name, raw, TRI_STATE)
-        elif f.name == "log_level":
-            values[f.name] = _parse_choice(name, raw, ("debug", "info", "warning", "error")).upper()
-    settings = Settings(**values)
-    if settings.cycle_time <= 0:
-        raise ValueError(f"MPIDDP_CYCLE_TIME={settings.cycle_time} must be greater than 0")
-    if settings.cache_capacity < 1:
-        raise ValueError("MPIDDP_CACHE_CAPACITY must be at least 1")
-    if settings.stall_check_time <= 0:
-        raise ValueError("MPIDDP_STALL_CHECK_TIME must be greater than 0")
-    return settings
+    return Settings(**{f.name: read_setting(f.name, environ) for f in fields(Settings)})

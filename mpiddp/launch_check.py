@@ -11,7 +11,7 @@ MPI's before anything else and refuses, naming the fix.
 """
 from __future__ import annotations
 
-from .config import _parse_bool
+from .config import read_setting
 from .errors import LaunchError
 
 _SRUN_FIX = ("Launch with `srun --mpi=pmi2` (the bundled MPICH wheel works with pmi2), "
@@ -79,8 +79,7 @@ def ranks_on_this_node(environ) -> int | None:
 
 def check_launch(mpi_size: int, environ) -> None:
     """Raise ``LaunchError`` when the launcher started several tasks but MPI sees one."""
-    if mpi_size != 1 or not _parse_bool("MPIDDP_LAUNCH_CHECK",
-                                        environ.get("MPIDDP_LAUNCH_CHECK", "1")):
+    if mpi_size != 1 or not read_setting("launch_check", environ):
         return
     found = launcher_tasks(environ)
     if found is None or found[0] <= 1:
