@@ -10,6 +10,11 @@ import numpy as np
 from ..ops import ReduceOp, combine_function
 from .dtypes import DType
 
+# ops.combine_function's table resolved to NumPy functions once (this runs per reduction).
+_NUMPY = {(op, kind): getattr(np, combine_function(op, kind))
+          for op in ReduceOp for kind in ("float", "int", "bool")
+          if kind != "bool" or op in (ReduceOp.MIN, ReduceOp.MAX)}
+
 
 def _torch_half_view(array: np.ndarray, dtype: DType):
     import torch
@@ -22,14 +27,13 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp, dtype: DType) ->
     """``dst = op(dst, src)`` elementwise, in place."""
     if dst.size == 0:
         return
-    function = combine_function(op, dtype.kind)
     if dtype.name in ("float16", "bfloat16"):
         import torch
 
         d = _torch_half_view(dst, dtype)
-        getattr(torch, function)(d, _torch_half_view(src, dtype), out=d)
+        getattr(torch, combine_function(op, dtype.kind))(d, _torch_half_view(src, dtype), out=d)
         return
-    getattr(np, function)(dst, src, out=dst)
+    _NUMPY[op, dtype.kind](dst, src, out=dst)
 
 
 def scale_(array: np.ndarray, factor: float, dtype: DType) -> None:

@@ -14,6 +14,7 @@ from ..ops import ReduceOp, combine_function
 _MPI_OPS = {"add": MPI.SUM, "minimum": MPI.MIN, "maximum": MPI.MAX, "multiply": MPI.PROD,
             "logical_and": MPI.LAND, "logical_or": MPI.LOR}
 _user_ops: dict = {}
+_resolved: dict = {}     # (op, dtype kind) -> MPI op: this runs for every native all-reduce
 
 
 def _user_op(dtype: DType, op: ReduceOp, reduce_into) -> MPI.Op:
@@ -33,7 +34,11 @@ def _user_op(dtype: DType, op: ReduceOp, reduce_into) -> MPI.Op:
 def mpi_op(dtype: DType, op: ReduceOp, reduce_into: Callable) -> MPI.Op:
     if not dtype.native_reduce:
         return _user_op(dtype, op, reduce_into)
-    return _MPI_OPS[combine_function(op, dtype.kind)]
+    key = (op, dtype.kind)
+    found = _resolved.get(key)
+    if found is None:
+        found = _resolved[key] = _MPI_OPS[combine_function(op, dtype.kind)]
+    return found
 
 
 def native_allreduce(comm: MPI.Comm, buf, dtype: DType, op: ReduceOp, reduce_into) -> None:

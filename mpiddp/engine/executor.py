@@ -249,18 +249,25 @@ class Executor:
         device = batch[0].request.device
         backend = backend_for(device)
         present = [entry for entry in members if entry is not None]
-        record = self.timeline.record
+        timeline = self.timeline if self.timeline.enabled else None   # the hot path skips it
         for entry in present:
             backend.wait_ready(entry)
-            record(entry.request.name, "start")
+            if timeline:
+                timeline.record(entry.request.name, "start")
         job = operation.prepare(self, backend, batch, members)
         backend.before_mpi(device)
         operation.communicate(self, job, transport_for(self.comm, backend), backend)
         operation.unpack(self, job, backend)
         backend.after_unpack(device)
-        end = time.perf_counter()
-        infos = job.infos or [None] * len(present)
-        for entry, info in zip(present, infos):
-            record(entry.request.name, "end", end)
-            self.finish(entry, info=info)
+        if timeline:
+            end = time.perf_counter()
+            for entry in present:
+                timeline.record(entry.request.name, "end", end)
+        finish, infos = self.finish, job.infos
+        if infos is None:
+            for entry in present:
+                finish(entry)
+        else:
+            for entry, info in zip(present, infos):
+                finish(entry, info=info)
         return job

@@ -17,6 +17,8 @@ def plan_batches(responses: list[Response], threshold_bytes: int) -> list[list[R
     scale factors) into batches of at most ``threshold_bytes``; every other response (and
     every error) forms a batch of its own. Batches keep the order of their first member, so
     every rank computes the same plan from the same response list."""
+    if len(responses) == 1:    # the common case of small steps: nothing to group
+        return [responses]
     batches: list[list[Response]] = []
     open_batch: dict = {}      # fusion key -> (batch, bytes so far)
     for response in responses:

@@ -35,9 +35,9 @@ def transport_for(comm, backend) -> Transport:
     """The transport for buffers of ``backend`` on ``comm``: ``comm`` itself for host memory;
     for device memory a direct or staging wrapper, made once per communicator and device
     (decided at ``init()`` from the CUDA-aware probe, ``cuda_aware.mpi_cuda_aware()``)."""
+    if backend.device_type == "cpu":
+        return comm                     # host memory: the communicator as it is
     copier = backend.copier()
-    if copier is None:
-        return comm
     key = (id(comm), copier.device_id)
     transport = _device_transports.get(key)
     if transport is None or transport[0] is not comm:
