@@ -30,29 +30,27 @@ def test_shutdown_on_one_rank_fails_pending_requests_elsewhere():
     assert_ok(result, expect_lines=3)
 
 
-def test_uncaught_exception_on_one_rank_ends_the_job():
-    # Plain python (not -m mpi4py): mpiddp's own excepthook must abort the job.
+def assert_job_aborted(case: str, *messages: str) -> None:
+    """Run ``case`` under plain python (not -m mpi4py: mpiddp's own hooks must abort the
+    job); it must end quickly, unsuccessfully, printing ``messages`` and nothing after."""
     start = time.monotonic()
-    result = run_mpi("errors_worker.py", 3, "uncaught_exception", timeout=60, mpi4py_run=False)
+    result = run_mpi("errors_worker.py", 3, case, timeout=60, mpi4py_run=False)
     assert not result.timed_out, result.output
     assert result.returncode != 0
-    assert "boom on rank 1" in result.output
-    assert "aborting the MPI job" in result.output
+    for message in messages:
+        assert message in result.output, result.output
     assert "UNREACHABLE" not in result.output
     assert time.monotonic() - start < 30
+
+
+def test_uncaught_exception_on_one_rank_ends_the_job():
+    assert_job_aborted("uncaught_exception", "boom on rank 1", "aborting the MPI job")
 
 
 def test_uncaught_exception_in_a_thread_ends_the_job():
     # The dying thread is not the main one: threading.excepthook must abort the job too.
-    start = time.monotonic()
-    result = run_mpi("errors_worker.py", 3, "uncaught_exception_in_thread", timeout=60,
-                     mpi4py_run=False)
-    assert not result.timed_out, result.output
-    assert result.returncode != 0
-    assert "loader thread lost its file on rank 1" in result.output
-    assert "lost its thread 'data-loader' to an uncaught OSError" in result.output
-    assert "UNREACHABLE" not in result.output
-    assert time.monotonic() - start < 30
+    assert_job_aborted("uncaught_exception_in_thread", "loader thread lost its file on rank 1",
+                       "lost its thread 'data-loader' to an uncaught OSError")
 
 
 def test_join_lets_ranks_with_less_data_finish():

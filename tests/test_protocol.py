@@ -50,6 +50,18 @@ def assert_same_order(cluster: FakeCluster) -> list:
     return logs[0]
 
 
+def run_cluster(size: int, work, **overrides) -> tuple:
+    """``work`` on every rank of a fresh fake cluster, which is shut down afterwards; returns
+    the ranks' results and the order every rank executed (checked to be the same)."""
+    cluster = FakeCluster(size, **overrides)
+    try:
+        results = run_ranks(cluster, work)
+        order = assert_same_order(cluster)
+    finally:
+        cluster.shutdown()
+    return results, order
+
+
 def random_schedule(seed: int, size: int, rounds: int, names_per_round: int,
                     new_name_rate: float = 0.3, change_rate: float = 0.05,
                     mismatch_rate: float = 0.05, max_delay: float = 0.0):
@@ -155,7 +167,6 @@ def test_soak_ten_thousand_cycles(soak_cycles):
 
 
 def test_ranks_submitting_in_opposite_orders_agree():
-    cluster = FakeCluster(3)
     names = [f"g{i}" for i in range(30)]
 
     def work(rank, engine):
@@ -163,17 +174,11 @@ def test_ranks_submitting_in_opposite_orders_agree():
         handles = [engine.submit_many([entry(n)])[0] for n in order]
         for h in handles:
             h.wait(timeout=10)
-    try:
-        run_ranks(cluster, work)
-        order = assert_same_order(cluster)
-    finally:
-        cluster.shutdown()
+    _, order = run_cluster(3, work)
     assert sorted(name for name, _ in order) == sorted(names)
 
 
 def test_mismatch_fails_that_name_on_every_rank_and_the_engine_goes_on():
-    cluster = FakeCluster(3)
-
     def work(rank, engine):
         bad = engine.submit_many([entry("w", shape=(4, 3) if rank < 2 else (3, 4))])[0]
         good = engine.submit_many([entry("ok")])[0]
@@ -181,10 +186,7 @@ def test_mismatch_fails_that_name_on_every_rank_and_the_engine_goes_on():
             bad.wait(timeout=10)
         good.wait(timeout=10)
         return str(info.value)
-    try:
-        messages = run_ranks(cluster, work)
-    finally:
-        cluster.shutdown()
+    messages, _ = run_cluster(3, work)
     assert all("Mismatched allreduce shapes for 'w': ranks 0, 1 sent [4, 3], rank 2 sent [3, 4]"
                in m for m in messages)
 
@@ -207,8 +209,6 @@ def test_duplicate_in_flight_name_is_refused_locally():
 def test_join_with_uneven_work():
     """Rank r has 5 + 3r allreduces; ranks out of work join and answer the others; join
     returns the last rank to join on every rank; non-allreduce while joined is an error."""
-    cluster = FakeCluster(4)
-
     def work(rank, engine):
         for i in range(5 + 3 * rank):
             engine.submit_many([entry(f"step{i}")])[0].wait(timeout=10)
@@ -216,19 +216,13 @@ def test_join_with_uneven_work():
             with pytest.raises(Exception, match="have called join"):
                 engine.submit_many([entry("gather", kind=ALLGATHER)])[0].wait(timeout=10)
         return engine.join().wait(timeout=20)
-    try:
-        last = run_ranks(cluster, work)
-        order = assert_same_order(cluster)
-    finally:
-        cluster.shutdown()
+    last, order = run_cluster(4, work)
     assert last == [3, 3, 3, 3]
     assert [name for name, _ in order if name.startswith("step")] == \
         [f"step{i}" for i in range(14)]
 
 
 def test_stall_is_reported_and_shuts_every_rank_down():
-    cluster = FakeCluster(3, stall_check_time=0.05, stall_shutdown_time=0.3)
-
     def work(rank, engine):
         if rank == 2:
             time.sleep(1.0)         # never submits 'lonely'
@@ -237,10 +231,7 @@ def test_stall_is_reported_and_shuts_every_rank_down():
         with pytest.raises(EngineShutdownError) as info:
             handle.wait(timeout=10)
         return str(info.value)
-    try:
-        messages = run_ranks(cluster, work)
-    finally:
-        cluster.shutdown()
+    messages, _ = run_cluster(3, work, stall_check_time=0.05, stall_shutdown_time=0.3)
     for text in messages[:2]:
         assert "stalled for more than 0.3 s" in text
         assert "rank 2 has not submitted: 'lonely'" in text
