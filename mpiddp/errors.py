@@ -3,24 +3,69 @@ from __future__ import annotations
 
 
 class MpiddpError(RuntimeError):
-    """Base class of every error mpiddp raises on its own account."""
+    """Base class of every error mpiddp raises on its own account.
+
+    Raised as such (not as a subclass) for: ``join()`` while this rank still has collectives
+    in flight; a collective other than allreduce submitted while some ranks have called
+    ``join()`` (on every rank that submitted it). Catch ``MpiddpError`` to catch all of
+    mpiddp's own errors; bad arguments raise the built-in ``TypeError``/``ValueError``.
+    """
 
 
 class NotInitializedError(MpiddpError):
-    """A call that needs ``mpiddp.init()`` came before it (or after ``shutdown()``)."""
+    """A call that needs ``mpiddp.init()`` came before it.
+
+    The message names the call (e.g. ``mpiddp.rank() needs mpiddp.init() to be called
+    first``). A call after ``mpiddp.shutdown()`` raises ``EngineShutdownError`` instead.
+    """
 
 
 class TensorMismatchError(MpiddpError, ValueError):
-    """Ranks submitted the same tensor name with different dtype, shape, op, root or device."""
+    """Ranks submitted the same tensor name with different dtype, shape, op, scale factors,
+    root, device or collective kind.
+
+    Raised on every rank by ``synchronize()`` of that tensor (the engine keeps serving other
+    tensors); the message names the tensor and what each rank sent, e.g. ``Mismatched
+    allreduce shapes for 'layer1.weight': rank 0 sent [4, 3], rank 2 sent [3, 4]``. Also
+    raised by ``DistributedOptimizer()`` when the ranks' models or settings differ.
+    """
 
 
 class DuplicateNameError(MpiddpError, ValueError):
-    """A tensor name was submitted while a request of the same name was still in flight."""
+    """A tensor name was submitted while a request of the same name was still in flight on
+    this rank (or twice in one grouped submission).
+
+    Raised at submission, on the submitting rank only. Synchronize the earlier request first
+    or use another name.
+    """
 
 
 class EngineShutdownError(MpiddpError):
-    """The engine stopped (shutdown, stall timeout or a failure) before the request finished."""
+    """The engine stopped before the request finished, or the call came after it stopped.
+
+    Causes: ``shutdown()`` on some rank (agreed by all ranks in the next cycle), a stall
+    longer than ``MPIDDP_STALL_SHUTDOWN_TIME``, or a failure of the coordinator thread. The
+    message gives the first real cause. Also raised by calls made after ``mpiddp.shutdown()``
+    on this rank, and by ``init()`` while an engine that stopped on its own has not been shut
+    down yet.
+    """
 
 
 class LaunchError(MpiddpError):
-    """The launcher started several tasks, but MPI sees each of them as a job of its own."""
+    """The launcher started several tasks, but MPI sees each of them as a job of its own.
+
+    Raised by ``init()`` (e.g. ``srun`` without ``--mpi=pmi2``/``pmix``); the message names
+    the fix. ``MPIDDP_LAUNCH_CHECK=0`` disables the check.
+    """
+
+
+class InvalidInputError(MpiddpError, ValueError):
+    """Some rank rejected its own input to a collective (a dtype the op does not support, a
+    bad root rank, splits that do not add up...).
+
+    The rejecting rank does not simply raise on its own, which would leave the other ranks
+    waiting forever for a collective it never submits: the rejection is negotiated like a
+    mismatch, and every rank raises this error for that call, naming each rejecting rank and
+    its reason (e.g. ``Invalid input for allreduce 'grad' on 1 of 2 ranks: rank 0: op=Average
+    is not defined for integer tensor ...``). A ``ValueError`` and a ``RuntimeError``.
+    """

@@ -12,8 +12,8 @@ from dataclasses import replace
 from mpiddp.config import Settings
 from mpiddp.engine.coordinator import Engine
 from mpiddp.engine.handle import Handle
-from mpiddp.engine.request import ALLREDUCE, Entry, Request
-from mpiddp.errors import MpiddpError, TensorMismatchError
+from mpiddp.engine.request import ALLREDUCE, Entry, Request, error_for
+from mpiddp.errors import MpiddpError
 
 TEST_SETTINGS = Settings(cycle_time=2.0, cache_capacity=8, stall_check_time=30.0)
 
@@ -86,8 +86,7 @@ class RecordingExecutor:
             entry = entries.get(response.name)
             if response.error is not None:
                 if entry is not None:
-                    kind = TensorMismatchError if response.error_is_mismatch else MpiddpError
-                    self.finish(entry, error=kind(response.error))
+                    self.finish(entry, error=error_for(response))
             elif entry is not None:
                 self.finish(entry)
             elif response.request.kind != ALLREDUCE:

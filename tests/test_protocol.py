@@ -15,7 +15,8 @@ import pytest
 
 from mpiddp.engine.protocol import CycleProtocol
 from mpiddp.engine.request import ALLGATHER, ALLREDUCE, BROADCAST
-from mpiddp.errors import DuplicateNameError, EngineShutdownError, TensorMismatchError
+from mpiddp.errors import (DuplicateNameError, EngineShutdownError, InvalidInputError,
+                           MpiddpError, TensorMismatchError)
 from protocol_fakes import TEST_SETTINGS, FakeCluster, entry
 
 
@@ -276,3 +277,34 @@ def test_protocol_alone_encodes_and_agrees_without_threads():
     results, bits = cycle()
     assert not bits.slow and {r.name for r in results[0].ready} == {"a", "b"}
     assert [r.name for r in results[0].ready] == [r.name for r in results[1].ready]
+
+
+def test_input_rejected_on_one_rank_fails_on_every_rank():
+    """Rank 0 rejects its input (it submits the request marked invalid instead of raising
+    alone); every rank gets the agreed error naming rank 0 and its reason, nobody waits."""
+    def work(rank, engine):
+        why = "op=Average is not defined for integer tensor 'x' (int32)" if rank == 0 else None
+        handle = engine.submit_many([entry("x", invalid=why)])[0]
+        with pytest.raises(InvalidInputError) as info:
+            handle.wait(timeout=10)
+        engine.submit_many([entry("after")])[0].wait(timeout=10)   # the engine goes on
+        return str(info.value)
+    messages, order = run_cluster(3, work)
+    for text in messages:
+        assert text == ("Invalid input for allreduce 'x' on 1 of 3 ranks: rank 0: op=Average "
+                        "is not defined for integer tensor 'x' (int32)")
+    assert [name for name, _ in order] == ["x", "after"]
+
+
+def test_non_allreduce_while_joined_fails_at_once_even_under_drifted_names():
+    """Rank 2 joins; ranks 0 and 1 call an unnamed allgather after different numbers of
+    earlier calls, so their generated names differ: each still gets its error at once."""
+    def work(rank, engine):
+        if rank == 2:
+            return engine.join().wait(timeout=20)
+        with pytest.raises(MpiddpError, match="have called join"):
+            engine.submit_many([entry(f"allgather.noname.{rank}", kind=ALLGATHER)])[0] \
+                .wait(timeout=10)
+        return engine.join().wait(timeout=20)
+    last, _ = run_cluster(3, work)
+    assert len(set(last)) == 1 and last[0] in (0, 1)

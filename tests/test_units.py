@@ -11,7 +11,7 @@ from mpiddp.errors import LaunchError
 from mpiddp.launch_check import check_launch, ranks_on_this_node
 from mpiddp.engine.fusion import plan_batches
 from mpiddp.engine.negotiation import RequestTable, ResponseCache, agree
-from mpiddp.engine.request import ALLGATHER, ALLREDUCE, BROADCAST, Request, Response
+from mpiddp.engine.request import ALLGATHER, ALLREDUCE, BROADCAST, REFUSED, Request, Response
 from mpiddp.engine.stall import describe_stalls, find_stalls
 
 ROOT = Path(__file__).parent.parent
@@ -179,7 +179,7 @@ def test_request_table_waits_for_every_rank_and_joined_ranks():
     table.add(0, Request("b", BROADCAST, "float32", (2,), root=0))
     table.add(2, Request("b", BROADCAST, "float32", (2,), root=0))
     (resp,) = table.take_complete(joined={1})
-    assert "join()" in resp.error and not resp.error_is_mismatch
+    assert "join()" in resp.error and resp.error_kind == REFUSED
 
 
 def test_response_cache_slots_and_lru_eviction():

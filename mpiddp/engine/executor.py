@@ -24,12 +24,12 @@ from ..collectives.allreduce import allreduce_buffer, choose_algorithm
 from ..collectives.native import allgatherv, alltoallv, broadcast
 from ..collectives.ring import chunk_bounds, ring_reduce_scatter
 from ..config import Settings
-from ..errors import MpiddpError, TensorMismatchError
+from ..errors import MpiddpError
 from ..ops import ReduceOp
 from ..transport import transport_for
 from .fusion import BufferPool, plan_batches
 from .request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER,
-                      Response)
+                      Response, error_for)
 from .stats import EngineStats
 from .timeline import Timeline
 
@@ -230,8 +230,7 @@ class Executor:
             if first.error is not None:
                 entry = entries.get(first.name)
                 if entry is not None:
-                    kind = TensorMismatchError if first.error_is_mismatch else MpiddpError
-                    self.finish(entry, error=kind(first.error))
+                    self.finish(entry, error=error_for(first))
                 self.stats.record_error()
                 continue
             members = [entries.get(r.name) for r in batch]

@@ -6,8 +6,8 @@ from collections import OrderedDict
 from typing import Iterable
 
 from ..ops import ReduceOp
-from .request import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, CACHEABLE, REDUCESCATTER,
-                      Request, Response)
+from .request import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, CACHEABLE, INVALID,
+                      REDUCESCATTER, REFUSED, Request, Response)
 
 
 class ResponseCache:
@@ -85,6 +85,12 @@ def agree(requests: dict[int, Request], size: int) -> Response:
     (with per-rank sizes for gathers) or one whose ``error`` says what differs and where."""
     first = requests[min(requests)]
     name = first.name
+    rejected = {rank: req.invalid for rank, req in requests.items() if req.invalid}
+    if rejected:
+        reasons = "; ".join(f"rank {rank}: {why}" for rank, why in sorted(rejected.items()))
+        return Response(first, error=f"Invalid input for {first.kind} '{name}' on "
+                                     f"{len(rejected)} of {len(requests)} ranks: {reasons}",
+                        error_kind=INVALID)
 
     def field_values(getter):
         return {rank: getter(req) for rank, req in requests.items()}
@@ -136,21 +142,27 @@ class RequestTable:
         self._table.setdefault(request.name, {})[rank] = request
 
     def take_complete(self, joined: Iterable[int]) -> list[Response]:
+        """Responses for the names every rank that has not joined has submitted, in table
+        order. While some rank has joined, a collective other than allreduce fails at once on
+        the ranks that submitted it, without waiting for the others: ranks whose generated
+        names drifted apart (different numbers of calls before the join) still get the error
+        instead of waiting for each other under different names."""
         joined = set(joined)
         needed = [r for r in range(self.size) if r not in joined]
         done = []
         for name, by_rank in list(self._table.items()):
-            if any(r not in by_rank for r in needed):
-                continue
-            del self._table[name]
             first = by_rank[min(by_rank)]
             if joined and first.kind != ALLREDUCE:
+                del self._table[name]
                 done.append(Response(first, error=(
                     f"Cannot run {first.kind} '{name}': rank(s) "
                     f"{', '.join(map(str, sorted(joined)))} have called join(); only allreduce "
-                    "runs until every rank has joined"), error_is_mismatch=False))
-            else:
-                done.append(agree(by_rank, self.size))
+                    "runs until every rank has joined"), error_kind=REFUSED))
+                continue
+            if any(r not in by_rank for r in needed):
+                continue
+            del self._table[name]
+            done.append(agree(by_rank, self.size))
         return done
 
 

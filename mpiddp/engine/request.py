@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, NamedTuple, Optional
 
+from ..errors import InvalidInputError, MpiddpError, TensorMismatchError
 from .handle import Handle
 
 ALLREDUCE = "allreduce"
@@ -17,6 +18,10 @@ KINDS = (ALLREDUCE, ALLGATHER, BROADCAST, REDUCESCATTER, ALLTOALL, BARRIER)
 
 # Kinds whose agreed response depends only on the request, so it can live in the cache.
 CACHEABLE = (ALLREDUCE, BROADCAST, REDUCESCATTER, BARRIER)
+
+# Why a response is an error (Response.error_kind): the ranks sent different requests; some
+# rank rejected its own input; the request cannot run now (join in progress).
+MISMATCH, INVALID, REFUSED = "mismatch", "invalid", "refused"
 
 
 class Request(NamedTuple):
@@ -34,6 +39,9 @@ class Request(NamedTuple):
     prescale: float = 1.0
     postscale: float = 1.0
     splits: Optional[tuple] = None   # alltoall: rows sent to each rank
+    # This rank rejected its own input (the reason): the request only tells the other ranks,
+    # so that the collective fails on every rank instead of leaving them waiting.
+    invalid: Optional[str] = None
 
     @property
     def device_type(self) -> str:
@@ -47,6 +55,13 @@ class Request(NamedTuple):
         return n
 
 
+def error_for(response: "Response") -> Exception:
+    """The exception every rank raises for an agreed error ``response``."""
+    kind = {MISMATCH: TensorMismatchError, INVALID: InvalidInputError}.get(
+        response.error_kind, MpiddpError)
+    return kind(response.error)
+
+
 class Response(NamedTuple):
     """The ranks' agreement on one name: the request every rank executes, or an error.
     ``sizes`` carries per-rank data: gathered first dimensions (allgather) or the full
@@ -55,7 +70,7 @@ class Response(NamedTuple):
     request: Request
     error: Optional[str] = None
     sizes: Optional[tuple] = None
-    error_is_mismatch: bool = True
+    error_kind: str = MISMATCH          # with ``error``: MISMATCH, INVALID or REFUSED
 
     @property
     def name(self) -> str:
