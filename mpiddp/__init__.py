@@ -26,3 +26,26 @@ from .torch.compression import Compression  # noqa: F401,E402
 from .torch.functions import (allgather_object, broadcast_object,  # noqa: F401,E402
                               broadcast_optimizer_state, broadcast_parameters)
 from .torch.optimizer import DistributedOptimizer  # noqa: F401,E402
+
+__all__ = [
+    # runtime: start-up, topology, engine controls
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "mpi_threads_supported", "mpi_cuda_aware",
+    "engine_stats", "reset_engine_stats", "set_allreduce_algorithm",
+    "start_timeline", "stop_timeline", "timeline_events",
+    # reduction operations
+    "ReduceOp", "Average", "Sum", "Min", "Max", "Product",
+    # exceptions
+    "MpiddpError", "NotInitializedError", "TensorMismatchError", "DuplicateNameError",
+    "EngineShutdownError", "LaunchError",
+    # tensor collectives
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "allgather", "allgather_async",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+    "reducescatter", "reducescatter_async", "alltoall", "alltoall_async",
+    "barrier", "join", "synchronize", "poll",
+    # framework glue
+    "DistributedOptimizer", "Compression", "broadcast_parameters",
+    "broadcast_optimizer_state", "broadcast_object", "allgather_object",
+]

@@ -5,7 +5,17 @@ import enum
 
 
 class ReduceOp(enum.IntEnum):
-    """How ``allreduce`` and ``reducescatter`` combine the ranks' tensors."""
+    """How ``allreduce`` and ``reducescatter`` combine the ranks' tensors, elementwise.
+
+    Re-exported as ``mpiddp.Average``, ``Sum``, ``Min``, ``Max`` and ``Product``; any of these
+    (or its integer value) is accepted wherever an ``op`` is.
+
+    * ``AVERAGE``: sum, then one multiplication by ``1 / size()`` (ranks that called
+      ``join()`` count in ``size()`` and contribute zeros). Floating-point dtypes only:
+      integer tensors raise ``ValueError`` (use ``Sum`` and divide).
+    * ``SUM``, ``PRODUCT``: numeric dtypes (not bool).
+    * ``MIN``, ``MAX``: every dtype; on bool they are logical and / logical or.
+    """
 
     AVERAGE = 0
     SUM = 1

@@ -18,6 +18,11 @@ from .config import Settings, read_settings, unknown_settings
 from .errors import EngineShutdownError, NotInitializedError
 from .launch_check import check_launch, ranks_on_this_node
 
+__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+           "cross_rank", "cross_size", "mpi_threads_supported", "engine_stats",
+           "reset_engine_stats", "set_allreduce_algorithm", "start_timeline", "stop_timeline",
+           "timeline_events"]
+
 log = logging.getLogger("mpiddp")
 
 
@@ -53,8 +58,30 @@ _previous_excepthook = None
 _previous_thread_excepthook = None
 
 
-def init(comm=None) -> None:
-    """Start mpiddp on ``comm`` (default ``MPI.COMM_WORLD``). Calling it again is a no-op."""
+def init(comm: MPI.Comm | None = None) -> None:
+    """Start mpiddp on this rank: check the launch, read and agree on the ``MPIDDP_*``
+    settings, build the node-local and cross-node communicators, pick this rank's GPU (if
+    any) and start the engine's coordinator thread.
+
+    A collective: every rank of ``comm`` must call it. Calling it again while the engine runs
+    is a no-op; after ``shutdown()`` it starts a new engine. Unless
+    ``MPIDDP_ABORT_ON_EXCEPTION=0``, an uncaught exception on any thread of this rank from
+    now on aborts the whole MPI job (the other ranks would otherwise wait forever).
+
+    Args:
+        comm: the communicator whose ranks train together. Default None:
+            ``MPI.COMM_WORLD``. The engine works on a private duplicate of it.
+
+    Raises:
+        LaunchError: the launcher started several tasks but MPI sees one process per task
+            (e.g. ``srun`` without ``--mpi=pmi2``/``pmix``).
+        RuntimeError: MPI was initialised with less than ``MPI_THREAD_SERIALIZED``.
+        ValueError: an ``MPIDDP_*`` setting is invalid on some rank, or a setting that must
+            agree (fusion threshold, cache capacity, all-reduce algorithm, ring threshold)
+            differs between ranks. Raised on every rank, naming the ranks and values.
+        EngineShutdownError: the engine of an earlier ``init()`` stopped on its own (stall,
+            failure) and ``shutdown()`` has not been called since.
+    """
     global _runtime, _atexit_registered
     if _runtime is not None:
         if not _runtime.engine.running:
@@ -127,8 +154,14 @@ def _agreed_settings(comm) -> Settings:
 
 
 def shutdown() -> None:
-    """Stop the engine on every rank (agreed through the next cycle). Idempotent; also runs
-    at exit. Requests still in flight on any rank fail with an error that says why."""
+    """Stop the engine, on every rank: a shutdown on one rank is agreed by all ranks in the
+    next engine cycle, so the other ranks' engines stop too.
+
+    Blocks until this rank's coordinator thread has ended. Requests still in flight on any
+    rank fail with ``EngineShutdownError`` naming the cause. Idempotent, and a no-op before
+    ``init()``; it also runs at interpreter exit. Later calls that need the engine raise
+    ``EngineShutdownError`` until ``init()`` is called again.
+    """
     global _runtime, _was_shut_down
     runtime = _runtime
     if runtime is None:
@@ -194,6 +227,14 @@ def _remove_abort_hook() -> None:
 
 
 def is_initialized() -> bool:
+    """Whether ``init()`` has been called and ``shutdown()`` has not been called since.
+
+    Stays True when the engine stopped on its own (stall timeout, a shutdown agreed from
+    another rank); collectives then raise ``EngineShutdownError``.
+
+    Returns:
+        True between ``init()`` and ``shutdown()`` on this rank.
+    """
     return _runtime is not None
 
 
@@ -212,47 +253,145 @@ def require_engine(what: str) -> Engine:
 
 
 def rank() -> int:
+    """This process's rank in the communicator given to ``init()``.
+
+    Returns:
+        The rank, ``0 <= rank() < size()``.
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``.
+    """
     return require("rank()").comm.Get_rank()
 
 
 def size() -> int:
+    """The number of ranks in the communicator given to ``init()``.
+
+    Returns:
+        The number of ranks (``>= 1``).
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``.
+    """
     return require("size()").comm.Get_size()
 
 
 def local_rank() -> int:
+    """This process's rank among the ranks on its node (those sharing memory with it:
+    ``MPI_COMM_TYPE_SHARED``), ordered by global rank. Selects the GPU: see docs/gpu.md.
+
+    Returns:
+        The node-local rank, ``0 <= local_rank() < local_size()``.
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``.
+    """
     return require("local_rank()").local_comm.Get_rank()
 
 
 def local_size() -> int:
+    """The number of ranks on this process's node.
+
+    Returns:
+        The number of ranks sharing this node (``>= 1``).
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``.
+    """
     return require("local_size()").local_comm.Get_size()
 
 
 def cross_rank() -> int:
+    """This process's rank among the ranks with the same ``local_rank()`` on all nodes; with
+    the same number of ranks on every node, the index of this node.
+
+    Returns:
+        The cross-node rank, ``0 <= cross_rank() < cross_size()``.
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``.
+    """
     return require("cross_rank()").cross_comm.Get_rank()
 
 
 def cross_size() -> int:
+    """The number of ranks with the same ``local_rank()`` as this process; with the same
+    number of ranks on every node, the number of nodes.
+
+    Returns:
+        The size of this rank's cross-node group (``>= 1``).
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``.
+    """
     return require("cross_size()").cross_comm.Get_size()
 
 
 def mpi_threads_supported() -> bool:
+    """Whether MPI provides ``MPI_THREAD_MULTIPLE``, i.e. whether your own MPI calls may run
+    while mpiddp collectives are in flight. Does not need ``init()``.
+
+    Returns:
+        True with ``MPI_THREAD_MULTIPLE``; False otherwise (mpiddp itself needs only
+        ``MPI_THREAD_SERIALIZED``).
+    """
     return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
 
 
-def engine_stats() -> dict:
-    """Counters of what the engine did on this rank (cycles, fused batches, bytes...)."""
+def engine_stats() -> dict[str, int]:
+    """Counters of what the engine did on this rank since ``init()`` or the last
+    ``reset_engine_stats()``.
+
+    Returns:
+        A new dict of counters: ``cycles``, ``cached_cycles`` (cycles that needed only the
+        bit-vector all-reduce), ``slow_cycles`` (cycles that went through rank 0),
+        ``tensors`` (requests completed, errors included), ``errors``, ``cache_hits``,
+        ``allreduce_batches``, ``fused_batches``, ``fused_tensors``, ``max_batch_tensors``,
+        ``allreduce_bytes``, ``ring_batches``, ``native_batches``, ``reducescatter_bytes``.
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``.
+    """
     return require("engine_stats()").engine.stats.snapshot()
 
 
 def reset_engine_stats() -> None:
+    """Set every counter of ``engine_stats()`` to zero (this rank only).
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``.
+    """
     require("reset_engine_stats()").engine.stats.reset()
 
 
 def set_allreduce_algorithm(algorithm: str, ring_threshold: int | None = None) -> None:
-    """Switch the algorithm for fused all-reduces at run time ('auto', 'ring' or 'native'),
-    as MPIDDP_ALLREDUCE_ALGORITHM / MPIDDP_RING_THRESHOLD do at start-up. A collective call:
-    every rank must make it; the switch happens at the same point of the agreed execution
-    order on every rank, so ranks never pick different algorithms for the same buffer."""
+    """Switch the algorithm for fused all-reduces at run time, as
+    ``MPIDDP_ALLREDUCE_ALGORITHM`` / ``MPIDDP_RING_THRESHOLD`` do at start-up.
+
+    A collective, ordered like a barrier: every rank must call it with the same arguments
+    (different arguments are different barrier names: the ranks stall). The switch happens
+    at the same point of the agreed execution order on every rank, so ranks never pick
+    different algorithms for the same buffer. Blocks until every rank has called it.
+
+    Args:
+        algorithm: ``'auto'`` (native ``MPI_Allreduce`` up to ``ring_threshold`` bytes, the
+            ring above), ``'ring'`` or ``'native'``. Case-sensitive.
+        ring_threshold: the new threshold in bytes for ``'auto'``. Default None: keep the
+            current one.
+
+    Raises:
+        ValueError: ``algorithm`` is not one of the three (checked before ``init()`` is).
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before the switch.
+    """
     from .config import ALGORITHMS
 
     if algorithm not in ALGORITHMS:
@@ -263,12 +402,32 @@ def set_allreduce_algorithm(algorithm: str, ring_threshold: int | None = None) -
 
 
 def start_timeline() -> None:
-    """Record when each tensor is submitted, agreed and reduced (see ``timeline_events``)."""
+    """Start recording, on this rank, when each tensor is submitted, agreed and reduced;
+    discards the events recorded so far (see ``timeline_events``).
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``.
+    """
     require("start_timeline()").engine.timeline.start()
 
 
-def stop_timeline(path: str | None = None) -> list:
-    """Stop recording; return the events and optionally write them as a Chrome trace."""
+def stop_timeline(path: str | None = None) -> list[tuple[str, str, float]]:
+    """Stop recording; return the events and optionally write them as a Chrome trace.
+
+    Args:
+        path: where to write the events as a Chrome trace (chrome://tracing, Perfetto): one
+            row per tensor, NEGOTIATE spans (submission to agreement) and REDUCE spans.
+            Written atomically (temporary file, then rename). Default None: write nothing.
+
+    Returns:
+        The recorded events, as ``timeline_events()`` returns them.
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``.
+        OSError: ``path`` cannot be written.
+    """
     runtime = require("stop_timeline()")
     events = runtime.engine.timeline.stop()
     if path:
@@ -276,5 +435,17 @@ def stop_timeline(path: str | None = None) -> list:
     return events
 
 
-def timeline_events() -> list:
+def timeline_events() -> list[tuple[str, str, float]]:
+    """The events recorded on this rank since ``start_timeline()`` (or since ``init()`` with
+    ``MPIDDP_TIMELINE=1``), without stopping the recording.
+
+    Returns:
+        A new list of ``(tensor name, phase, time)`` in recording order; phase is one of
+        ``'submit'``, ``'agreed'``, ``'start'``, ``'end'``; time is ``time.perf_counter()``
+        seconds.
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``.
+    """
     return require("timeline_events()").engine.timeline.events()

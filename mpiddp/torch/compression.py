@@ -16,33 +16,75 @@ A custom compressor is any object with the two static methods below (Horovod's i
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
+__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor"]
+
 
 class Compressor(ABC):
-    """Interface of a gradient compressor (used as a class: its methods are static)."""
+    """Interface of a gradient compressor (used as a class: its methods are static).
+
+    Subclass it, or pass any object with the same two methods, as
+    ``DistributedOptimizer(compression=...)``. The compressed tensor is all-reduced in place,
+    so it must have a dtype mpiddp reduces and the same shape on every rank.
+    """
 
     @staticmethod
     @abstractmethod
-    def compress(tensor: torch.Tensor):
-        """Return ``(compressed tensor, context)``; the context goes to ``decompress``."""
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Prepare a gradient for the all-reduce.
+
+        Args:
+            tensor: the gradient (dense).
+
+        Returns:
+            ``(compressed tensor, context)``; the context goes to ``decompress``. The
+            compressed tensor may be ``tensor`` itself, in which case the gradient is
+            reduced in place.
+        """
 
     @staticmethod
     @abstractmethod
-    def decompress(tensor: torch.Tensor, ctx) -> torch.Tensor:
-        """Return the tensor in its original form, given the reduced compressed tensor."""
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """Restore a reduced tensor to the gradient's form.
+
+        Args:
+            tensor: the compressed tensor, after the all-reduce.
+            ctx: what ``compress`` returned with it.
+
+        Returns:
+            The reduced gradient, in the gradient's original form.
+        """
 
 
 class NoneCompressor(Compressor):
     """No compression: the gradient is reduced as it is (in place)."""
 
     @staticmethod
-    def compress(tensor):
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """Return the gradient unchanged.
+
+        Args:
+            tensor: the gradient.
+
+        Returns:
+            ``(tensor, None)``.
+        """
         return tensor, None
 
     @staticmethod
-    def decompress(tensor, ctx):
+    def decompress(tensor: torch.Tensor, ctx: None) -> torch.Tensor:
+        """Return the reduced gradient unchanged.
+
+        Args:
+            tensor: the reduced gradient.
+            ctx: None (from ``compress``).
+
+        Returns:
+            ``tensor``.
+        """
         return tensor
 
 
@@ -50,13 +92,31 @@ class _CastCompressor(Compressor):
     wire_dtype: torch.dtype = torch.float16
 
     @classmethod
-    def compress(cls, tensor):
+    def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.dtype | None]:
+        """Cast a floating-point gradient of another dtype to the wire dtype (a new
+        tensor); other tensors pass through unchanged.
+
+        Args:
+            tensor: the gradient.
+
+        Returns:
+            ``(cast tensor, original dtype)``, or ``(tensor, None)`` when nothing was cast.
+        """
         if tensor.dtype.is_floating_point and tensor.dtype != cls.wire_dtype:
             return tensor.to(cls.wire_dtype), tensor.dtype
         return tensor, None
 
     @staticmethod
-    def decompress(tensor, ctx):
+    def decompress(tensor: torch.Tensor, ctx: torch.dtype | None) -> torch.Tensor:
+        """Cast the reduced tensor back to the gradient's dtype.
+
+        Args:
+            tensor: the reduced tensor.
+            ctx: the original dtype from ``compress``, or None (nothing to undo).
+
+        Returns:
+            The tensor in the original dtype (``tensor`` itself when ``ctx`` is None).
+        """
         return tensor if ctx is None else tensor.to(ctx)
 
 
@@ -73,7 +133,15 @@ class BF16Compressor(_CastCompressor):
 
 
 class Compression:
-    """The built-in compressors: ``Compression.none``, ``.fp16`` and ``.bf16``."""
+    """The built-in compressors, for ``DistributedOptimizer(compression=...)``.
+
+    Attributes:
+        none: ``NoneCompressor``: gradients are reduced as they are (the default).
+        fp16: ``FP16Compressor``: floating-point gradients are reduced as float16 (half the
+            bytes of float32; range up to 65504, see ``gradient_predivide_factor``).
+        bf16: ``BF16Compressor``: floating-point gradients are reduced as bfloat16
+            (float32's range, 8 bits of mantissa).
+    """
 
     none = NoneCompressor
     fp16 = FP16Compressor

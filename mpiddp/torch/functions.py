@@ -17,6 +17,9 @@ from .. import runtime
 from .naming import collective_name, root_rank as root_rank_of
 from .ops import allgather, broadcast_, broadcast_async_, synchronize
 
+__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
+           "allgather_object"]
+
 # ---- Python objects ----------------------------------------------------------------------
 def _dumps(obj) -> torch.Tensor:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -28,8 +31,31 @@ def _loads(tensor: torch.Tensor):
 
 
 def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
-    """Return ``root_rank``'s ``obj`` on every rank (any picklable object; other ranks may pass
-    anything, e.g. None). The length travels first, then the pickled bytes."""
+    """Return ``root_rank``'s ``obj`` on every rank. The length travels first, then the
+    pickled bytes (two tensor broadcasts). A collective: every rank must call it.
+
+    Args:
+        obj: on ``root_rank``, any picklable object; ignored on the other ranks (pass
+            anything, e.g. None). Default None.
+        root_rank: the rank whose object everyone receives, the same on every rank.
+            Default 0.
+        name: identifies the call across ranks (collectives ``broadcast_object.<name>.len``
+            and ``.data``). Default None: generated, numbered in call order.
+
+    Returns:
+        ``obj`` itself on ``root_rank``; an unpickled copy of it on the other ranks.
+
+    Raises:
+        TypeError: ``root_rank`` is not an integer.
+        ValueError: ``root_rank`` is not a rank; ``name`` is not a non-empty string.
+        pickle.PicklingError, TypeError: ``obj`` cannot be pickled (raised on
+            ``root_rank``; the other ranks then wait for it).
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before the
+            collectives finished.
+        DuplicateNameError: a collective of the same name is in flight on this rank.
+        TensorMismatchError: the ranks disagree on ``root_rank``; raised on every rank.
+    """
     runtime.require("broadcast_object()")
     root_rank = root_rank_of(root_rank, runtime.size(), "broadcast_object")
     base = collective_name("broadcast_object", name, prefixed=True)
@@ -43,11 +69,31 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = Non
     return obj if is_root else _loads(payload)
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list:
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     """Return the list of every rank's ``obj``, in rank order, on every rank.
 
     One all-gather: each rank contributes an 8-byte length followed by its pickled bytes, so
-    the concatenation is read back without a second round."""
+    the concatenation is read back without a second round. A collective: every rank must
+    call it.
+
+    Args:
+        obj: this rank's picklable object.
+        name: identifies the call across ranks (collective ``allgather_object.<name>.data``).
+            Default None: generated, numbered in call order.
+
+    Returns:
+        A new list of ``size()`` unpickled objects, rank 0's first (this rank's entry is a
+        copy too).
+
+    Raises:
+        ValueError: ``name`` is not a non-empty string.
+        pickle.PicklingError, TypeError: ``obj`` cannot be pickled (raised on that rank;
+            the other ranks then wait for it).
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before the
+            collectives finished.
+        DuplicateNameError: a collective of the same name is in flight on this rank.
+    """
     runtime.require("allgather_object()")
     base = collective_name("allgather_object", name, prefixed=True)
     payload = _dumps(obj)
@@ -89,14 +135,36 @@ def _named_tensors(params, what: str) -> list[tuple[str, torch.Tensor]]:
     return items
 
 
-def broadcast_parameters(params: Mapping | Iterable, root_rank: int = 0,
-                         prefix: str = "broadcast_parameters") -> None:
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable,
+                         root_rank: int = 0, prefix: str = "broadcast_parameters") -> None:
     """Overwrite every tensor in ``params`` with ``root_rank``'s values, in place.
 
-    ``params`` is a ``state_dict()`` (parameters and buffers), ``named_parameters()`` or a list
-    of ``(name, tensor)`` pairs. All broadcasts are submitted at once and waited for together.
-    Run it after building the model (and after loading a checkpoint on the root) so that every
-    rank starts from the same weights."""
+    All broadcasts are submitted at once and waited for together. Run it after building the
+    model (and after loading a checkpoint on the root) so that every rank starts from the
+    same weights. A collective: every rank must call it with the same names and shapes.
+
+    Args:
+        params: a ``state_dict()`` (parameters and buffers), ``named_parameters()``, a list
+            of ``(name, tensor)`` pairs, or a list of tensors (named by position). Names must
+            be unique; every value must be a tensor.
+        root_rank: the rank whose values everyone receives, the same on every rank.
+            Default 0.
+        prefix: tensor ``n`` is broadcast as ``<prefix>.<n>``; use different prefixes for
+            calls that may be in flight at the same time. Default ``"broadcast_parameters"``.
+
+    Raises:
+        TypeError: ``params`` is a single tensor, an item is neither a tensor nor a
+            ``(name, tensor)`` pair, a value is not a tensor (e.g. a module's extra state),
+            or ``root_rank`` is not an integer.
+        ValueError: a name appears twice; ``root_rank`` is not a rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before the
+            collectives finished.
+        DuplicateNameError: a collective of the same name is in flight on this rank.
+        TensorMismatchError: the ranks disagree on a tensor's shape, dtype or device type,
+            or on ``root_rank``; raised on every rank. (Names that exist on some ranks only
+            are not an error but a stall, reported after ``MPIDDP_STALL_CHECK_TIME``.)
+    """
     runtime.require("broadcast_parameters()")
     root_rank = root_rank_of(root_rank, runtime.size(), "broadcast_parameters")
     items = _named_tensors(params, "broadcast_parameters")
@@ -163,7 +231,29 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     The structure and every non-tensor value (Python scalars, hyperparameters) travel as one
     pickled object; the tensors travel as tensor broadcasts, so large states are not pickled.
     An optimizer whose state is still empty on the root (no step taken yet) leaves every rank
-    with an empty state. Typical use: after loading a checkpoint on rank 0."""
+    with an empty state. Typical use: after loading a checkpoint on rank 0. A collective:
+    every rank must call it, with optimizers over the same parameters. The other ranks load
+    the state with ``optimizer.load_state_dict``, which moves tensors to the parameters'
+    devices.
+
+    Args:
+        optimizer: the optimizer (a ``DistributedOptimizer`` or a plain one).
+        root_rank: the rank whose state everyone receives, the same on every rank. Default 0.
+        prefix: base of the collectives' names (``<prefix>.noname.<n>``, numbered in call
+            order). Default ``"broadcast_optimizer_state"``.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; ``root_rank`` is not an
+            integer.
+        ValueError: ``root_rank`` is not a rank; or this rank's param groups hold different
+            numbers of parameters than the root's (raised, after the broadcasts, on the ranks
+            that differ; the state is then not loaded).
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before the
+            collectives finished.
+        DuplicateNameError: a collective of the same name is in flight on this rank.
+        TensorMismatchError: the ranks disagree on ``root_rank``; raised on every rank.
+    """
     runtime.require("broadcast_optimizer_state()")
     root_rank = root_rank_of(root_rank, runtime.size(), "broadcast_optimizer_state")
     if not isinstance(optimizer, torch.optim.Optimizer):

@@ -4,10 +4,25 @@ Each call checks its input on the calling thread (clear errors at once), wraps t
 memory without copying when it is contiguous, and submits a named request to the engine.
 Names default to ``<op>.noname.<n>``: ranks that call the same collectives in the same
 order get the same names.
+
+Rules shared by every call here:
+
+* Collectives: every rank must make the call, under the same name, with the same dtype,
+  device type, op, scale factors and root, and the same shape (for ``allgather`` and
+  ``alltoall``: the same shape beyond dimension 0). Ranks may submit in different orders;
+  the engine matches requests by name. A disagreement fails that request on every rank with
+  ``TensorMismatchError`` (raised by ``synchronize``); the engine goes on serving.
+* Tensors: cpu, or cuda on this rank's GPU (CuPy needed); dtypes float16, bfloat16,
+  float32, float64, int8, uint8, int32, int64, bool. The engine reads (and, in place,
+  writes) the tensor's memory directly: leave it alone until ``synchronize`` returns. For a
+  cuda tensor the engine first waits for the work queued on the current stream at the call.
+* ``*_async`` calls return a ``TensorHandle`` at once; ``synchronize(handle)`` waits and
+  returns the result, ``poll(handle)`` tells whether it is ready. A blocking call with an
+  ``_async`` twin is ``synchronize`` of that twin.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -20,8 +35,21 @@ from ..ops import ReduceOp, check_op_for_dtype
 from .naming import collective_name, root_rank as check_root
 from .views import device_name, dtype_name, flat_array
 
+__all__ = ["TensorHandle", "synchronize", "poll",
+           "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+           "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+           "grouped_allreduce_async_", "allgather", "allgather_async",
+           "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+           "reducescatter", "reducescatter_async", "alltoall", "alltoall_async",
+           "barrier", "join", "allreduce_request_", "submit_together"]
+
+
 class TensorHandle:
-    """What the ``*_async`` calls return; pass it to ``synchronize`` or ``poll``."""
+    """What the ``*_async`` calls return; pass it to ``synchronize`` or ``poll``.
+
+    Made by mpiddp, not by users. One handle may cover several engine requests (a grouped
+    all-reduce); it is done when all of them are.
+    """
 
     __slots__ = ("_handles", "_finalize", "_value", "_finished")
 
@@ -32,9 +60,25 @@ class TensorHandle:
         self._value = None
 
     def done(self) -> bool:
+        """Whether every request of this handle has finished (successfully or not).
+
+        Returns:
+            True when ``wait()`` would return or raise without blocking.
+        """
         return all(h.done() for h in self._handles)
 
-    def wait(self):
+    def wait(self) -> Any:
+        """Block until every request has finished, then return the result (``synchronize``
+        is the public spelling). Later calls return the same result (or raise the same
+        error).
+
+        Returns:
+            The result of the collective (see the ``*_async`` call that made the handle).
+
+        Raises:
+            MpiddpError: the first error of this handle's requests (``TensorMismatchError``,
+                ``EngineShutdownError``, ...), raised once all of them have finished.
+        """
         if not self._finished:
             error = None
             for handle in self._handles:    # wait for all: none may still write afterwards
@@ -50,14 +94,37 @@ class TensorHandle:
 
     @property
     def names(self) -> list[str]:
+        """The engine names of this handle's requests, in submission order."""
         return [h.name for h in self._handles]
 
     def __repr__(self) -> str:
         return f"<mpiddp.TensorHandle {self.names} {'done' if self.done() else 'pending'}>"
 
 
-def synchronize(handle: TensorHandle):
-    """Wait for an asynchronous collective; return its output (or raise its error)."""
+def synchronize(handle: TensorHandle) -> Any:
+    """Wait for an asynchronous collective and return its output.
+
+    Waits for every request of the handle, also after one failed, so that no reduction
+    still writes into a tensor afterwards. Calling it again on the same handle returns the
+    same output (or raises the same error).
+
+    Args:
+        handle: what an ``*_async`` call (or ``submit_together``) returned.
+
+    Returns:
+        The collective's output: a tensor (in-place calls: the input tensor itself), a list
+        of tensors for grouped all-reduces, ``(output, received_splits)`` for ``alltoall``
+        with ``splits``, None for handles of ``submit_together``.
+
+    Raises:
+        TypeError: ``handle`` is not a ``TensorHandle``.
+        TensorMismatchError: the ranks disagreed on the request (shape, dtype, op, root,
+            scale factors, device type or collective kind); raised on every rank.
+        MpiddpError: a collective other than allreduce while some ranks have called
+            ``join()``.
+        EngineShutdownError: the engine stopped before the request finished (``shutdown()``
+            on some rank, a stall timeout or a failure); the message gives the cause.
+    """
     if not isinstance(handle, TensorHandle):
         raise TypeError(f"synchronize() takes a handle returned by an *_async call, "
                         f"not {type(handle).__name__}")
@@ -65,7 +132,17 @@ def synchronize(handle: TensorHandle):
 
 
 def poll(handle: TensorHandle) -> bool:
-    """True when ``synchronize(handle)`` would return without waiting."""
+    """Whether an asynchronous collective has finished, without waiting.
+
+    Args:
+        handle: what an ``*_async`` call (or ``submit_together``) returned.
+
+    Returns:
+        True when ``synchronize(handle)`` would return (or raise) without waiting.
+
+    Raises:
+        TypeError: ``handle`` is not a ``TensorHandle``.
+    """
     if not isinstance(handle, TensorHandle):
         raise TypeError(f"poll() takes a handle returned by an *_async call, "
                         f"not {type(handle).__name__}")
@@ -136,21 +213,53 @@ def _allreduce_entry(tensor, output, name, op, prescale, postscale) -> Entry:
     return _entry(request, _contiguous(tensor), flat_array(output))
 
 
-def allreduce_request_(tensor: torch.Tensor, name: str, op=ReduceOp.AVERAGE,
+def allreduce_request_(tensor: torch.Tensor, name: str, op: ReduceOp | int = ReduceOp.AVERAGE,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Entry:
-    """Check ``tensor`` (contiguous) and describe an in-place all-reduce of it named ``name``,
-    without submitting it: a building block for framework glue (``DistributedOptimizer``)
-    that submits many at once with ``submit_together``."""
+    """Check ``tensor`` and describe an in-place all-reduce of it named ``name``, without
+    submitting it: a building block for framework glue (``DistributedOptimizer``) that
+    submits many at once with ``submit_together``. Does not need ``init()``.
+
+    Args:
+        tensor: a contiguous tensor, reduced in place once submitted.
+        name: the request's name; the same on every rank, not in flight when submitted.
+        op: the reduction (default ``Average``), as for ``allreduce``.
+        prescale_factor: multiply by this before the reduction (floating-point only).
+            Default 1.0.
+        postscale_factor: multiply the result by this (floating-point only). Default 1.0.
+
+    Returns:
+        The request, to pass to ``submit_together``.
+
+    Raises:
+        ValueError: ``tensor`` is not contiguous; ``op`` is not a ``ReduceOp`` value or
+            does not apply to the dtype (Average on integers, anything but Min/Max on bool);
+            scale factors other than 1.0 on a non-floating-point tensor; a cuda tensor not
+            on this rank's GPU.
+        TypeError: unsupported dtype or device.
+    """
     if not tensor.is_contiguous():
         raise ValueError(f"allreduce_request_ of '{name}' needs a contiguous tensor")
     return _allreduce_entry(tensor, tensor, name, ReduceOp(op), prescale_factor,
                             postscale_factor)
 
 
-def submit_together(entries: list) -> list:
+def submit_together(entries: list[Entry]) -> list[TensorHandle]:
     """Submit requests made by ``allreduce_request_`` in one go: the engine takes them in the
-    same cycle, so one negotiation covers them all and they fuse together. Returns one
-    ``TensorHandle`` per entry, in order."""
+    same cycle, so one negotiation covers them all and they fuse together.
+
+    Args:
+        entries: requests from ``allreduce_request_``, with distinct names.
+
+    Returns:
+        One ``TensorHandle`` per entry, in order; ``synchronize`` on it returns None (the
+        result is in the entry's tensor).
+
+    Raises:
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
+        DuplicateNameError: a name is already in flight on this rank, or appears twice in
+            ``entries``; nothing is submitted then.
+    """
     engine = runtime.require_engine("submit_together()")
     return [TensorHandle([handle], _nothing) for handle in engine.submit_many(entries)]
 
@@ -178,28 +287,153 @@ def _allreduce_async(tensor, in_place, average, name, op, prescale_factor, posts
     return _submit([entry], finalize)
 
 
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                    postscale_factor=1.0) -> TensorHandle:
-    """Start reducing ``tensor`` across ranks (default op: Average) into a new tensor."""
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
+                    postscale_factor: float = 1.0) -> TensorHandle:
+    """Start reducing ``tensor`` across ranks (default op: Average) into a new tensor.
+
+    A non-contiguous ``tensor`` is copied at the call; a contiguous one is read in place
+    until the handle completes.
+
+    Args:
+        tensor: the tensor to reduce.
+        average: the older Horovod spelling of ``op``: True for Average, False for Sum.
+            Default None: use ``op``.
+        name: identifies the collective across ranks: the same on every rank, not in flight
+            on this rank. Default None: the next generated ``allreduce.noname.<n>``.
+        op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: multiply every rank's input by this before the reduction
+            (floating-point dtypes only). Default 1.0.
+        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            divides by ``size()`` on top. Default 1.0.
+
+    Returns:
+        A ``TensorHandle``; ``synchronize`` returns a new contiguous tensor of the same
+        shape, dtype and device holding the reduction.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
+            device.
+        ValueError: both ``op`` and ``average`` given; unknown ``op``; ``op`` not defined
+            for the dtype (Average on integers, anything but Min/Max on bool); scale factors
+            other than 1.0 on a non-floating-point tensor; ``name`` not a non-empty string;
+            a cuda tensor not on this rank's GPU.
+        DuplicateNameError: ``name`` is already in flight on this rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
+    """
     return _allreduce_async(tensor, False, average, name, op, prescale_factor, postscale_factor)
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-                     postscale_factor=1.0) -> TensorHandle:
-    """Start reducing ``tensor`` across ranks in place."""
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0) -> TensorHandle:
+    """Start reducing ``tensor`` across ranks in place (default op: Average).
+
+    A non-contiguous ``tensor`` is reduced in a contiguous copy, written back into it by
+    ``synchronize``.
+
+    Args:
+        tensor: the tensor to reduce.
+        average: the older Horovod spelling of ``op``: True for Average, False for Sum.
+            Default None: use ``op``.
+        name: identifies the collective across ranks: the same on every rank, not in flight
+            on this rank. Default None: the next generated ``allreduce.noname.<n>``.
+        op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: multiply every rank's input by this before the reduction
+            (floating-point dtypes only). Default 1.0.
+        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            divides by ``size()`` on top. Default 1.0.
+
+    Returns:
+        A ``TensorHandle``; ``synchronize`` returns ``tensor`` holding the reduction.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
+            device.
+        ValueError: both ``op`` and ``average`` given; unknown ``op``; ``op`` not defined
+            for the dtype (Average on integers, anything but Min/Max on bool); scale factors
+            other than 1.0 on a non-floating-point tensor; ``name`` not a non-empty string;
+            a cuda tensor not on this rank's GPU.
+        DuplicateNameError: ``name`` is already in flight on this rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
+    """
     return _allreduce_async(tensor, True, average, name, op, prescale_factor, postscale_factor)
 
 
-def allreduce(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-              postscale_factor=1.0) -> torch.Tensor:
-    """Reduce ``tensor`` across ranks and return the result as a new tensor."""
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks (default op: Average) and return the result as a new
+    tensor; ``tensor`` is unchanged. Blocks until done.
+
+    Args:
+        tensor: the tensor to reduce.
+        average: the older Horovod spelling of ``op``: True for Average, False for Sum.
+            Default None: use ``op``.
+        name: identifies the collective across ranks: the same on every rank, not in flight
+            on this rank. Default None: the next generated ``allreduce.noname.<n>``.
+        op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: multiply every rank's input by this before the reduction
+            (floating-point dtypes only). Default 1.0.
+        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            divides by ``size()`` on top. Default 1.0.
+
+    Returns:
+        A new contiguous tensor of the same shape, dtype and device.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
+            device.
+        ValueError: both ``op`` and ``average`` given; unknown ``op``; ``op`` not defined
+            for the dtype (Average on integers, anything but Min/Max on bool); scale factors
+            other than 1.0 on a non-floating-point tensor; ``name`` not a non-empty string;
+            a cuda tensor not on this rank's GPU.
+        DuplicateNameError: ``name`` is already in flight on this rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before the
+            collective finished.
+        TensorMismatchError: the ranks disagree on this collective (raised on every rank).
+    """
     return synchronize(allreduce_async(tensor, average, name, op, prescale_factor,
                                        postscale_factor))
 
 
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
-               postscale_factor=1.0) -> torch.Tensor:
-    """Reduce ``tensor`` across ranks in place and return it."""
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks in place (default op: Average) and return it.
+    Blocks until done.
+
+    Args:
+        tensor: the tensor to reduce.
+        average: the older Horovod spelling of ``op``: True for Average, False for Sum.
+            Default None: use ``op``.
+        name: identifies the collective across ranks: the same on every rank, not in flight
+            on this rank. Default None: the next generated ``allreduce.noname.<n>``.
+        op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: multiply every rank's input by this before the reduction
+            (floating-point dtypes only). Default 1.0.
+        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            divides by ``size()`` on top. Default 1.0.
+
+    Returns:
+        ``tensor``, holding the reduction.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
+            device.
+        ValueError: both ``op`` and ``average`` given; unknown ``op``; ``op`` not defined
+            for the dtype (Average on integers, anything but Min/Max on bool); scale factors
+            other than 1.0 on a non-floating-point tensor; ``name`` not a non-empty string;
+            a cuda tensor not on this rank's GPU.
+        DuplicateNameError: ``name`` is already in flight on this rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before the
+            collective finished.
+        TensorMismatchError: the ranks disagree on this collective (raised on every rank).
+    """
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
                                         postscale_factor))
 
@@ -228,25 +462,162 @@ def _grouped_async(tensors, in_place, average, name, op, prescale_factor, postsc
     return _submit(entries, finalize)
 
 
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                            postscale_factor=1.0) -> TensorHandle:
-    """Start reducing a list of tensors, submitted together so they fuse together."""
+def grouped_allreduce_async(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                            average: bool | None = None, name: str | None = None,
+                            op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0) -> TensorHandle:
+    """Start reducing a list of tensors across ranks (default op: Average) into new tensors.
+
+    The tensors are submitted together, so one negotiation covers them and they fuse
+    together where dtype and device agree (up to ``MPIDDP_FUSION_THRESHOLD`` bytes).
+
+    Args:
+        tensors: a non-empty list or tuple of tensors (dtypes and devices may differ).
+        average: the older Horovod spelling of ``op``: True for Average, False for Sum.
+            Default None: use ``op``.
+        name: base name; tensor i is named ``<name>.<i>``, the same on every rank, none in
+            flight on this rank. Default None: the next generated ``allreduce.noname.<n>``.
+        op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: multiply every rank's inputs by this before the reduction
+            (floating-point dtypes only). Default 1.0.
+        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            divides by ``size()`` on top. Default 1.0.
+
+    Returns:
+        A ``TensorHandle``; ``synchronize`` returns a list of new contiguous tensors, in
+        the order of ``tensors``.
+
+    Raises:
+        TypeError: an item is not a ``torch.Tensor``, or has an unsupported dtype or device.
+        ValueError: ``tensors`` is not a non-empty list or tuple; both ``op`` and
+            ``average`` given; unknown ``op``; ``op`` not defined for a dtype (Average on
+            integers, anything but Min/Max on bool); scale factors other than 1.0 on a
+            non-floating-point tensor; ``name`` not a non-empty string; a cuda tensor not on
+            this rank's GPU.
+        DuplicateNameError: a name ``<name>.<i>`` is already in flight on this rank;
+            nothing is submitted then.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
+    """
     return _grouped_async(tensors, False, average, name, op, prescale_factor, postscale_factor)
 
 
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                             postscale_factor=1.0) -> TensorHandle:
+def grouped_allreduce_async_(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                             average: bool | None = None, name: str | None = None,
+                             op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0) -> TensorHandle:
+    """Start reducing a list of tensors across ranks in place (default op: Average).
+
+    The tensors are submitted together, so one negotiation covers them and they fuse
+    together where dtype and device agree (up to ``MPIDDP_FUSION_THRESHOLD`` bytes).
+
+    Args:
+        tensors: a non-empty list or tuple of tensors (dtypes and devices may differ).
+        average: the older Horovod spelling of ``op``: True for Average, False for Sum.
+            Default None: use ``op``.
+        name: base name; tensor i is named ``<name>.<i>``, the same on every rank, none in
+            flight on this rank. Default None: the next generated ``allreduce.noname.<n>``.
+        op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: multiply every rank's inputs by this before the reduction
+            (floating-point dtypes only). Default 1.0.
+        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            divides by ``size()`` on top. Default 1.0.
+
+    Returns:
+        A ``TensorHandle``; ``synchronize`` returns a list of the input tensors, holding
+        the reductions.
+
+    Raises:
+        TypeError: an item is not a ``torch.Tensor``, or has an unsupported dtype or device.
+        ValueError: ``tensors`` is not a non-empty list or tuple; both ``op`` and
+            ``average`` given; unknown ``op``; ``op`` not defined for a dtype (Average on
+            integers, anything but Min/Max on bool); scale factors other than 1.0 on a
+            non-floating-point tensor; ``name`` not a non-empty string; a cuda tensor not on
+            this rank's GPU.
+        DuplicateNameError: a name ``<name>.<i>`` is already in flight on this rank;
+            nothing is submitted then.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
+    """
     return _grouped_async(tensors, True, average, name, op, prescale_factor, postscale_factor)
 
 
-def grouped_allreduce(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                      postscale_factor=1.0) -> list:
+def grouped_allreduce(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                      average: bool | None = None, name: str | None = None,
+                      op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Reduce a list of tensors across ranks (default op: Average), fused where possible;
+    return the results as new tensors. Blocks until done.
+
+    Args:
+        tensors: a non-empty list or tuple of tensors (dtypes and devices may differ).
+        average: the older Horovod spelling of ``op``: True for Average, False for Sum.
+            Default None: use ``op``.
+        name: base name; tensor i is named ``<name>.<i>``, the same on every rank, none in
+            flight on this rank. Default None: the next generated ``allreduce.noname.<n>``.
+        op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: multiply every rank's inputs by this before the reduction
+            (floating-point dtypes only). Default 1.0.
+        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            divides by ``size()`` on top. Default 1.0.
+
+    Returns:
+        A list of new contiguous tensors, in the order of ``tensors``.
+
+    Raises:
+        TypeError: an item is not a ``torch.Tensor``, or has an unsupported dtype or device.
+        ValueError: ``tensors`` is not a non-empty list or tuple; both ``op`` and
+            ``average`` given; unknown ``op``; ``op`` not defined for a dtype (Average on
+            integers, anything but Min/Max on bool); scale factors other than 1.0 on a
+            non-floating-point tensor; ``name`` not a non-empty string; a cuda tensor not on
+            this rank's GPU.
+        DuplicateNameError: a name ``<name>.<i>`` is already in flight on this rank;
+            nothing is submitted then.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before the
+            collective finished.
+        TensorMismatchError: the ranks disagree on this collective (raised on every rank).
+    """
     return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor,
                                                postscale_factor))
 
 
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
-                       postscale_factor=1.0) -> list:
+def grouped_allreduce_(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                       average: bool | None = None, name: str | None = None,
+                       op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Reduce a list of tensors across ranks in place (default op: Average), fused where
+    possible. Blocks until done.
+
+    Args:
+        tensors: a non-empty list or tuple of tensors (dtypes and devices may differ).
+        average: the older Horovod spelling of ``op``: True for Average, False for Sum.
+            Default None: use ``op``.
+        name: base name; tensor i is named ``<name>.<i>``, the same on every rank, none in
+            flight on this rank. Default None: the next generated ``allreduce.noname.<n>``.
+        op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: multiply every rank's inputs by this before the reduction
+            (floating-point dtypes only). Default 1.0.
+        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            divides by ``size()`` on top. Default 1.0.
+
+    Returns:
+        A list of the input tensors, holding the reductions.
+
+    Raises:
+        TypeError: an item is not a ``torch.Tensor``, or has an unsupported dtype or device.
+        ValueError: ``tensors`` is not a non-empty list or tuple; both ``op`` and
+            ``average`` given; unknown ``op``; ``op`` not defined for a dtype (Average on
+            integers, anything but Min/Max on bool); scale factors other than 1.0 on a
+            non-floating-point tensor; ``name`` not a non-empty string; a cuda tensor not on
+            this rank's GPU.
+        DuplicateNameError: a name ``<name>.<i>`` is already in flight on this rank;
+            nothing is submitted then.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before the
+            collective finished.
+        TensorMismatchError: the ranks disagree on this collective (raised on every rank).
+    """
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
                                                 postscale_factor))
 
@@ -265,8 +636,28 @@ def _needs_dim(tensor: torch.Tensor, name: str, what: str) -> None:
                          f"'{name}' is a scalar (use tensor.reshape(1))")
 
 
-def allgather_async(tensor, name=None) -> TensorHandle:
-    """Start concatenating every rank's ``tensor`` along dimension 0 (sizes may differ)."""
+def allgather_async(tensor: torch.Tensor, name: str | None = None) -> TensorHandle:
+    """Start concatenating every rank's ``tensor`` along dimension 0 (sizes may differ).
+
+    Args:
+        tensor: this rank's part, at least one dimension; dimension 0 may differ between
+            ranks, the other dimensions, dtype and device type may not.
+        name: identifies the collective across ranks: the same on every rank, not in flight
+            on this rank. Default None: the next generated ``allgather.noname.<n>``.
+
+    Returns:
+        A ``TensorHandle``; ``synchronize`` returns a new tensor of shape
+        ``(sum of every rank's dimension 0, *tensor.shape[1:])``, rank 0's rows first.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
+            device.
+        ValueError: ``tensor`` is a scalar (0-d); ``name`` not a non-empty string; a cuda
+            tensor not on this rank's GPU.
+        DuplicateNameError: ``name`` is already in flight on this rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
+    """
     runtime.require_engine("allgather()")
     name = collective_name(ALLGATHER, name)
     dtype = _check_tensor(tensor, name)
@@ -277,7 +668,32 @@ def allgather_async(tensor, name=None) -> TensorHandle:
     return _submit([entry], lambda: holder["output"])
 
 
-def allgather(tensor, name=None) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dimension 0 (sizes may differ) and return
+    the result on every rank. Blocks until done.
+
+    Args:
+        tensor: this rank's part, at least one dimension; dimension 0 may differ between
+            ranks, the other dimensions, dtype and device type may not.
+        name: identifies the collective across ranks: the same on every rank, not in flight
+            on this rank. Default None: the next generated ``allgather.noname.<n>``.
+
+    Returns:
+        A new tensor of shape ``(sum of every rank's dimension 0, *tensor.shape[1:])``,
+        rank 0's rows first.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
+            device.
+        ValueError: ``tensor`` is a scalar (0-d); ``name`` not a non-empty string; a cuda
+            tensor not on this rank's GPU.
+        DuplicateNameError: ``name`` is already in flight on this rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before the
+            collective finished.
+        TensorMismatchError: the ranks disagree on this collective (raised on every rank).
+        MpiddpError: some ranks have called ``join()`` (only allreduce runs then).
+    """
     return synchronize(allgather_async(tensor, name))
 
 
@@ -299,28 +715,154 @@ def _broadcast_async(tensor, root_rank, name, in_place):
     return _submit([entry], finalize)
 
 
-def broadcast_async(tensor, root_rank, name=None) -> TensorHandle:
+def broadcast_async(tensor: torch.Tensor, root_rank: int,
+                    name: str | None = None) -> TensorHandle:
+    """Start sending ``root_rank``'s ``tensor`` to every rank, into a new tensor.
+
+    Args:
+        tensor: the values to send on ``root_rank``; on the other ranks, a tensor of the
+            same shape, dtype and device type whose values are ignored.
+        root_rank: the rank whose values everyone receives, the same on every rank. Any
+            integer (also a NumPy integer or a 0-d integer tensor), not a bool.
+        name: identifies the collective across ranks: the same on every rank, not in flight
+            on this rank. Default None: the next generated ``broadcast.noname.<n>``.
+
+    Returns:
+        A ``TensorHandle``; ``synchronize`` returns a new contiguous tensor holding
+        ``root_rank``'s values (on ``root_rank`` too); ``tensor`` is unchanged.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor`` or has an unsupported dtype or
+            device; ``root_rank`` is not an integer.
+        ValueError: ``root_rank`` is not in ``0..size()-1``; ``name`` not a non-empty
+            string; a cuda tensor not on this rank's GPU.
+        DuplicateNameError: ``name`` is already in flight on this rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
+    """
     return _broadcast_async(tensor, root_rank, name, in_place=False)
 
 
-def broadcast_async_(tensor, root_rank, name=None) -> TensorHandle:
+def broadcast_async_(tensor: torch.Tensor, root_rank: int,
+                     name: str | None = None) -> TensorHandle:
+    """Start overwriting ``tensor`` with ``root_rank``'s values, in place.
+
+    Args:
+        tensor: the values to send on ``root_rank``; on the other ranks, a tensor of the
+            same shape, dtype and device type whose values are ignored.
+        root_rank: the rank whose values everyone receives, the same on every rank. Any
+            integer (also a NumPy integer or a 0-d integer tensor), not a bool.
+        name: identifies the collective across ranks: the same on every rank, not in flight
+            on this rank. Default None: the next generated ``broadcast.noname.<n>``.
+
+    Returns:
+        A ``TensorHandle``; ``synchronize`` returns ``tensor`` holding ``root_rank``'s
+        values (a non-contiguous ``tensor`` is written back at ``synchronize``).
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor`` or has an unsupported dtype or
+            device; ``root_rank`` is not an integer.
+        ValueError: ``root_rank`` is not in ``0..size()-1``; ``name`` not a non-empty
+            string; a cuda tensor not on this rank's GPU.
+        DuplicateNameError: ``name`` is already in flight on this rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
+    """
     return _broadcast_async(tensor, root_rank, name, in_place=True)
 
 
-def broadcast(tensor, root_rank, name=None) -> torch.Tensor:
-    """Return a new tensor holding ``root_rank``'s ``tensor`` on every rank."""
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """Return a new tensor holding ``root_rank``'s ``tensor`` on every rank; ``tensor`` is
+    unchanged. Blocks until done.
+
+    Args:
+        tensor: the values to send on ``root_rank``; on the other ranks, a tensor of the
+            same shape, dtype and device type whose values are ignored.
+        root_rank: the rank whose values everyone receives, the same on every rank. Any
+            integer (also a NumPy integer or a 0-d integer tensor), not a bool.
+        name: identifies the collective across ranks: the same on every rank, not in flight
+            on this rank. Default None: the next generated ``broadcast.noname.<n>``.
+
+    Returns:
+        A new contiguous tensor holding ``root_rank``'s values.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor`` or has an unsupported dtype or
+            device; ``root_rank`` is not an integer.
+        ValueError: ``root_rank`` is not in ``0..size()-1``; ``name`` not a non-empty
+            string; a cuda tensor not on this rank's GPU.
+        DuplicateNameError: ``name`` is already in flight on this rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before the
+            collective finished.
+        TensorMismatchError: the ranks disagree on this collective (raised on every rank).
+        MpiddpError: some ranks have called ``join()`` (only allreduce runs then).
+    """
     return synchronize(broadcast_async(tensor, root_rank, name))
 
 
-def broadcast_(tensor, root_rank, name=None) -> torch.Tensor:
-    """Overwrite ``tensor`` with ``root_rank``'s values, in place."""
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+    """Overwrite ``tensor`` with ``root_rank``'s values, in place, and return it. Blocks
+    until done.
+
+    Args:
+        tensor: the values to send on ``root_rank``; on the other ranks, a tensor of the
+            same shape, dtype and device type whose values are ignored.
+        root_rank: the rank whose values everyone receives, the same on every rank. Any
+            integer (also a NumPy integer or a 0-d integer tensor), not a bool.
+        name: identifies the collective across ranks: the same on every rank, not in flight
+            on this rank. Default None: the next generated ``broadcast.noname.<n>``.
+
+    Returns:
+        ``tensor``, holding ``root_rank``'s values.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor`` or has an unsupported dtype or
+            device; ``root_rank`` is not an integer.
+        ValueError: ``root_rank`` is not in ``0..size()-1``; ``name`` not a non-empty
+            string; a cuda tensor not on this rank's GPU.
+        DuplicateNameError: ``name`` is already in flight on this rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before the
+            collective finished.
+        TensorMismatchError: the ranks disagree on this collective (raised on every rank).
+        MpiddpError: some ranks have called ``join()`` (only allreduce runs then).
+    """
     return synchronize(broadcast_async_(tensor, root_rank, name))
 
 
-def reducescatter_async(tensor, name=None, op=None, prescale_factor=1.0,
-                        postscale_factor=1.0) -> TensorHandle:
-    """Start reducing ``tensor`` across ranks and keep rank r's share of dimension 0
-    (rows split as evenly as possible, the first ranks taking one extra)."""
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
+                        op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> TensorHandle:
+    """Start reducing ``tensor`` across ranks (default op: Average) and keep rank r's share
+    of dimension 0 (rows split as evenly as possible, the first ranks taking one extra).
+
+    Args:
+        tensor: at least one dimension, the same shape on every rank.
+        name: identifies the collective across ranks: the same on every rank, not in flight
+            on this rank. Default None: the next generated ``reducescatter.noname.<n>``.
+        op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: multiply every rank's input by this before the reduction
+            (floating-point dtypes only). Default 1.0.
+        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            divides by ``size()`` on top. Default 1.0.
+
+    Returns:
+        A ``TensorHandle``; ``synchronize`` returns a new tensor holding this rank's rows
+        of the reduction: dimension 0 split as evenly as possible, the first
+        ``tensor.shape[0] % size()`` ranks taking one row more (a rank may get 0 rows).
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
+            device.
+        ValueError: ``tensor`` is a scalar (0-d); unknown ``op``; ``op`` not defined for
+            the dtype (Average on integers, anything but Min/Max on bool); scale factors
+            other than 1.0 on a non-floating-point tensor; ``name`` not a non-empty
+            string; a cuda tensor not on this rank's GPU.
+        DuplicateNameError: ``name`` is already in flight on this rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
+    """
     runtime.require_engine("reducescatter()")
     name = collective_name(REDUCESCATTER, name)
     op = _resolve_op(op, None)
@@ -336,14 +878,77 @@ def reducescatter_async(tensor, name=None, op=None, prescale_factor=1.0,
     return _submit([entry], lambda: holder["output"])
 
 
-def reducescatter(tensor, name=None, op=None, prescale_factor=1.0,
-                  postscale_factor=1.0) -> torch.Tensor:
+def reducescatter(tensor: torch.Tensor, name: str | None = None,
+                  op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks (default op: Average) and return this rank's share of
+    dimension 0. Blocks until done.
+
+    Args:
+        tensor: at least one dimension, the same shape on every rank.
+        name: identifies the collective across ranks: the same on every rank, not in flight
+            on this rank. Default None: the next generated ``reducescatter.noname.<n>``.
+        op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: multiply every rank's input by this before the reduction
+            (floating-point dtypes only). Default 1.0.
+        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            divides by ``size()`` on top. Default 1.0.
+
+    Returns:
+        A new tensor holding this rank's rows of the reduction: dimension 0 split as
+        evenly as possible, the first ``tensor.shape[0] % size()`` ranks taking one row more
+        (a rank may get 0 rows).
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
+            device.
+        ValueError: ``tensor`` is a scalar (0-d); unknown ``op``; ``op`` not defined for
+            the dtype (Average on integers, anything but Min/Max on bool); scale factors
+            other than 1.0 on a non-floating-point tensor; ``name`` not a non-empty
+            string; a cuda tensor not on this rank's GPU.
+        DuplicateNameError: ``name`` is already in flight on this rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before the
+            collective finished.
+        TensorMismatchError: the ranks disagree on this collective (raised on every rank).
+        MpiddpError: some ranks have called ``join()`` (only allreduce runs then).
+    """
     return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor))
 
 
-def alltoall_async(tensor, splits: Optional[Sequence[int]] = None, name=None) -> TensorHandle:
+def alltoall_async(tensor: torch.Tensor,
+                   splits: Optional[Sequence[int] | torch.Tensor] = None,
+                   name: str | None = None) -> TensorHandle:
     """Start sending ``splits[d]`` rows of ``tensor`` to each rank ``d`` (default: equal
-    shares) and receiving what every rank sends here, concatenated in rank order."""
+    shares) and receiving what every rank sends here, concatenated in rank order.
+
+    Args:
+        tensor: the rows to send, at least one dimension; dimension 0 may differ between
+            ranks, the other dimensions, dtype and device type may not.
+        splits: how many rows of ``tensor`` go to each rank, in rank order: ``size()``
+            non-negative integers adding up to ``tensor.shape[0]`` (a sequence or a 1-d
+            integer tensor). Default None: equal shares, which needs ``tensor.shape[0]``
+            divisible by ``size()``.
+        name: identifies the collective across ranks: the same on every rank, not in flight
+            on this rank. Default None: the next generated ``alltoall.noname.<n>``.
+
+    Returns:
+        A ``TensorHandle``; ``synchronize`` returns a new tensor holding the rows every
+        rank sent to this one, concatenated in rank order; with ``splits`` given,
+        ``(output, received_splits)`` where ``received_splits`` is an int32 tensor of the
+        row counts received from each rank.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
+            device.
+        ValueError: ``tensor`` is a scalar (0-d); ``splits`` is not ``size()``
+            non-negative counts adding up to ``tensor.shape[0]``; no ``splits`` and rows not
+            divisible by ``size()``; ``name`` not a non-empty string; a cuda tensor not on
+            this rank's GPU.
+        DuplicateNameError: ``name`` is already in flight on this rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
+    """
     rt = runtime.require("alltoall()")
     name = collective_name(ALLTOALL, name)
     dtype = _check_tensor(tensor, name)
@@ -371,20 +976,82 @@ def alltoall_async(tensor, splits: Optional[Sequence[int]] = None, name=None) ->
     return _submit([entry], finalize)
 
 
-def alltoall(tensor, splits=None, name=None):
-    """All-to-all exchange; returns the output, or (output, received splits) when ``splits``
-    is given."""
+def alltoall(tensor: torch.Tensor, splits: Optional[Sequence[int] | torch.Tensor] = None,
+             name: str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """All-to-all exchange: send ``splits[d]`` rows of ``tensor`` to each rank ``d`` and
+    return what every rank sent here. Blocks until done.
+
+    Args:
+        tensor: the rows to send, at least one dimension; dimension 0 may differ between
+            ranks, the other dimensions, dtype and device type may not.
+        splits: how many rows of ``tensor`` go to each rank, in rank order: ``size()``
+            non-negative integers adding up to ``tensor.shape[0]`` (a sequence or a 1-d
+            integer tensor). Default None: equal shares, which needs ``tensor.shape[0]``
+            divisible by ``size()``.
+        name: identifies the collective across ranks: the same on every rank, not in flight
+            on this rank. Default None: the next generated ``alltoall.noname.<n>``.
+
+    Returns:
+        A new tensor holding the rows every rank sent to this one, concatenated in rank
+        order; with ``splits`` given, ``(output, received_splits)`` where
+        ``received_splits`` is an int32 tensor of the row counts received from each rank.
+
+    Raises:
+        TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
+            device.
+        ValueError: ``tensor`` is a scalar (0-d); ``splits`` is not ``size()``
+            non-negative counts adding up to ``tensor.shape[0]``; no ``splits`` and rows not
+            divisible by ``size()``; ``name`` not a non-empty string; a cuda tensor not on
+            this rank's GPU.
+        DuplicateNameError: ``name`` is already in flight on this rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before the
+            collective finished.
+        TensorMismatchError: the ranks disagree on this collective (raised on every rank).
+        MpiddpError: some ranks have called ``join()`` (only allreduce runs then).
+    """
     return synchronize(alltoall_async(tensor, splits, name))
 
 
-def barrier(name=None) -> None:
-    """Return once every rank has called barrier (ordered with the other collectives)."""
+def barrier(name: str | None = None) -> None:
+    """Return once every rank has called ``barrier`` with this name.
+
+    Agreed like any other collective: it completes when every rank has submitted it, whatever
+    other collectives are still in flight (synchronize those first if they must be done).
+
+    Args:
+        name: identifies the barrier across ranks: the same on every rank, not in flight on
+            this rank. Default None: the next generated ``barrier.noname.<n>``.
+
+    Raises:
+        ValueError: ``name`` is not a non-empty string.
+        DuplicateNameError: ``name`` is already in flight on this rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before every rank
+            arrived.
+        MpiddpError: some ranks have called ``join()``.
+    """
     engine = runtime.require_engine("barrier()")
     engine.barrier(collective_name(BARRIER, name)).wait()
 
 
 def join() -> int:
-    """Declare this rank out of data: it keeps taking part in the other ranks' allreduces with
-    zeros until every rank has joined. Returns the rank that joined last."""
+    """Declare this rank out of data (uneven inputs) and block until every rank has joined.
+
+    Meanwhile this rank takes part in the other ranks' allreduces, contributing values that
+    change nothing (zeros to sums; Average still divides by ``size()``, joined ranks
+    included); any other collective submitted by the remaining ranks fails with
+    ``MpiddpError``. Synchronize this rank's own collectives before calling it.
+
+    Returns:
+        The rank that joined last (the highest of those that joined in the same cycle).
+
+    Raises:
+        MpiddpError: this rank still has collectives in flight.
+        RuntimeError: another thread of this rank is already in ``join()``.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before every rank
+            joined.
+    """
     handle = runtime.require_engine("join()").join()
     return handle.wait()

@@ -39,7 +39,7 @@ import contextlib
 import itertools
 import threading
 import weakref
-from typing import Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -49,6 +49,8 @@ from ..ops import ReduceOp
 from .compression import Compression
 from .functions import allgather_object
 from .ops import allreduce, allreduce_request_, submit_together, synchronize as _wait
+
+__all__ = ["DistributedOptimizer"]
 
 # The autograd engine: queue_callback() runs a function once the current backward pass
 # has finished (every gradient accumulated), on the thread that ran it.
@@ -279,14 +281,38 @@ class _DistributedOptimizer:
 
     def synchronize(self) -> None:
         """Wait until every gradient is averaged across ranks and written to ``param.grad``.
+
         ``backward()`` already does this at its end; call it for gradients that did not come
         from ``backward()`` (set by hand, or fewer than ``backward_passes_per_step`` passes),
-        then call ``step()`` inside ``skip_synchronize()``."""
+        then call ``step()`` inside ``skip_synchronize()``. A collective when there is
+        something to reduce: every rank must call it. Submits zeros for trainable parameters
+        without a gradient on this rank; a parameter no rank has a gradient for keeps
+        ``grad=None``. Returns at once when nothing happened since the last synchronize.
+
+        Raises:
+            TensorMismatchError: the ranks' gradients differ in shape or dtype.
+            EngineShutdownError: the engine stopped (or was shut down) before the
+                reductions finished.
+            MpiddpError: a gradient's reduction could not be submitted because of an
+                earlier error.
+            RuntimeError: a sparse gradient without ``sparse_as_dense=True``.
+        """
         self._mpiddp.synchronize()
 
     @contextlib.contextmanager
-    def skip_synchronize(self):
-        """``step()`` inside this block does not synchronize (you called ``synchronize()``)."""
+    def skip_synchronize(self) -> Iterator[None]:
+        """Context manager: ``step()`` inside this block does not synchronize (you called
+        ``synchronize()`` yourself)::
+
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+
+        Raises:
+            RuntimeError: from ``step()`` inside the block, when reductions are still in
+                flight (``synchronize()`` was not called first).
+        """
         sync = self._mpiddp
         previous, sync.skip_synchronize = sync.skip_synchronize, True
         try:
@@ -295,15 +321,45 @@ class _DistributedOptimizer:
             sync.skip_synchronize = previous
 
     def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated locally before a reduction.
+
+        Completes the reductions in flight first (a collective if there are any). Every
+        rank must make the same change at the same point: it is not checked across ranks.
+
+        Args:
+            passes: the new number of backward passes per step, ``>= 1``.
+
+        Raises:
+            ValueError: ``passes`` is not a positive integer.
+            MpiddpError: the reductions in flight failed (see ``synchronize``).
+        """
         _check_passes(passes)
         self._mpiddp.wait_all()
         self._mpiddp.passes_per_step = passes
 
     @property
     def backward_passes_per_step(self) -> int:
+        """Backward passes accumulated locally before one reduction (read-only; see
+        ``set_backward_passes_per_step``)."""
         return self._mpiddp.passes_per_step
 
-    def step(self, closure=None):
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Synchronize the gradients (unless inside ``skip_synchronize()``), then run the
+        wrapped optimizer's ``step``.
+
+        Args:
+            closure: as for the wrapped optimizer (e.g. LBFGS). Gradients are averaged after
+                every evaluation; the loss it returns, when a one-element floating-point
+                tensor, is averaged across ranks so that every rank takes the same
+                decisions. Default None.
+
+        Returns:
+            What the wrapped optimizer's ``step`` returns.
+
+        Raises:
+            RuntimeError: inside ``skip_synchronize()`` while reductions are in flight.
+            MpiddpError: a reduction failed (see ``synchronize``).
+        """
         sync = self._mpiddp
         if sync.skip_synchronize:
             if sync.pending:
@@ -319,10 +375,32 @@ class _DistributedOptimizer:
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Complete the reductions still in flight (a collective if there are any), then
+        clear the gradients as the wrapped optimizer does.
+
+        Args:
+            set_to_none: set ``param.grad`` to None instead of zeroing it. Default True.
+
+        Raises:
+            MpiddpError: a reduction in flight failed (see ``synchronize``).
+        """
         self._mpiddp.wait_all()
         super().zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
+        """Add a param group, as the wrapped optimizer does, and reduce its gradients too.
+
+        A collective: every rank must add the same parameters in the same order. New
+        parameters keep the names given in ``named_parameters`` (else
+        ``group<index>.<position>``).
+
+        Args:
+            param_group: as for ``torch.optim.Optimizer.add_param_group``.
+
+        Raises:
+            TensorMismatchError: the ranks added different parameters (names, shapes,
+                dtypes); raised on every rank.
+        """
         before = {id(p) for g in self.param_groups for p in g["params"]}
         super().add_param_group(param_group)
         sync = self._mpiddp
@@ -445,12 +523,12 @@ def _check_same_everywhere(sync: _GradientSync, named, what: str) -> None:
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable] = None,
-                         compression=Compression.none,
+                         compression: Any = Compression.none,
                          backward_passes_per_step: int = 1,
-                         op=ReduceOp.AVERAGE,
+                         op: ReduceOp | int = ReduceOp.AVERAGE,
                          gradient_predivide_factor: float = 1.0,
                          sparse_as_dense: bool = False,
-                         bucket_cap_mb: float = 4.0):
+                         bucket_cap_mb: float = 4.0) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged across all ranks.
 
     Args:
@@ -475,6 +553,29 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     Construction is collective: every rank must build its DistributedOptimizers in the same
     order, for the same parameters. Different models on different ranks raise
     ``mpiddp.TensorMismatchError`` on every rank, naming the first difference.
+
+    Returns:
+        The distributed optimizer: an instance of ``type(optimizer)`` sharing its state, with
+        ``step``, ``zero_grad`` and ``add_param_group`` changed and ``synchronize()``,
+        ``skip_synchronize()``, ``set_backward_passes_per_step()`` and the read-only
+        ``backward_passes_per_step`` added.
+
+    Raises:
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer`` instance (e.g. its
+            class); ``named_parameters`` yields something other than ``(str, tensor)``
+            pairs; ``compression`` lacks ``compress``/``decompress``.
+        ValueError: ``optimizer`` is already a DistributedOptimizer; a parameter already
+            belongs to another live DistributedOptimizer; ``backward_passes_per_step`` is
+            not a positive integer; ``op`` is not Average or Sum;
+            ``gradient_predivide_factor`` is not positive, or not 1.0 with Sum;
+            ``bucket_cap_mb`` is negative; ``named_parameters`` repeats a name for different
+            parameters or misses parameters of ``optimizer``.
+        TensorMismatchError: the ranks' trainable parameters (names, shapes, dtypes) or
+            settings (``backward_passes_per_step``, ``op``, ``compression``,
+            ``gradient_predivide_factor``) differ; raised on every rank.
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped during
+            construction.
     """
     runtime.require("DistributedOptimizer()")
     if not isinstance(optimizer, torch.optim.Optimizer):

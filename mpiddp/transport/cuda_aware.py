@@ -166,8 +166,19 @@ def reset() -> None:
 
 
 def mpi_cuda_aware() -> bool:
-    """True when mpiddp hands CUDA device buffers to MPI directly; False when it stages them
-    through pinned host memory. Decided at ``init()`` from ``MPIDDP_CUDA_AWARE`` (default
-    ``auto``: ask the MPI library through ``MPIX_GPU_query_support`` or
-    ``MPIX_Query_cuda_support``)."""
+    """Whether mpiddp hands CUDA device buffers to MPI directly.
+
+    Decided at ``init()`` from ``MPIDDP_CUDA_AWARE`` (default ``auto``: ask the loaded MPI
+    library through ``MPIX_GPU_query_support`` or ``MPIX_Query_cuda_support``; a library
+    with neither counts as not CUDA-aware). Before ``init()`` the answer is worked out now,
+    from the environment and a fresh probe.
+
+    Returns:
+        True when device buffers go to MPI as they are; False when they are staged through
+        pinned host memory.
+
+    Raises:
+        ValueError: before ``init()`` only: an ``MPIDDP_*`` environment variable has an
+            invalid value.
+    """
     return current_decision().cuda_aware

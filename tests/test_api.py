@@ -1,0 +1,133 @@
+"""The public API is readable: ``mpiddp.__all__`` lists exactly what the package re-exports,
+and every public function, class and method has type hints and a Google-style docstring
+(Args / Returns / Raises), so that an IDE shows a user what a call takes, returns and raises.
+The package ships its type hints (PEP 561 ``py.typed``). No MPI launch: import only."""
+import inspect
+import types
+from pathlib import Path
+
+import pytest
+
+import mpiddp
+from mpiddp import runtime
+from mpiddp.torch import compression, functions, optimizer, ops
+
+ROOT = Path(__file__).parent.parent
+PUBLIC_MODULES = [mpiddp, runtime, ops, functions, optimizer, compression]
+
+# Functions that raise nothing of their own (no "Raises:" section needed).
+RAISES_NOTHING = {"is_initialized", "mpi_threads_supported", "shutdown"}
+
+
+def public_functions():
+    """(qualified name, function) for every public function and public method."""
+    seen = {}
+    for module in PUBLIC_MODULES:
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if inspect.isfunction(obj):
+                seen.setdefault(f"{obj.__module__}.{obj.__qualname__}", obj)
+            elif inspect.isclass(obj):
+                for qualified, method in public_methods(obj):
+                    seen.setdefault(qualified, method)
+    # The methods DistributedOptimizer puts in front of the wrapped optimizer's class.
+    for qualified, method in public_methods(optimizer._DistributedOptimizer):
+        seen.setdefault(qualified, method)
+    return sorted(seen.items())
+
+
+def public_methods(cls):
+    """Public methods and properties of ``cls`` defined in mpiddp, inherited ones included
+    (e.g. ``FP16Compressor.compress`` comes from a private base)."""
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("mpiddp"):
+            continue
+        for name, member in vars(klass).items():
+            if name.startswith("_"):
+                continue
+            where = f"{klass.__module__}.{klass.__qualname__}.{name}"
+            if isinstance(member, property):
+                yield where, member.fget
+            elif isinstance(member, (staticmethod, classmethod)) or inspect.isfunction(member):
+                yield where, getattr(klass, name)
+
+
+def takes_arguments(fn) -> bool:
+    return bool(list(inspect.signature(fn).parameters))
+
+
+FUNCTIONS = public_functions()
+
+
+def test_all_lists_exactly_the_reexported_names():
+    exported = {name for name, value in vars(mpiddp).items()
+                if not name.startswith("_") and not isinstance(value, types.ModuleType)}
+    assert len(mpiddp.__all__) == len(set(mpiddp.__all__)), "duplicates in mpiddp.__all__"
+    assert set(mpiddp.__all__) == exported, (
+        f"missing from __all__: {sorted(exported - set(mpiddp.__all__))}; "
+        f"in __all__ but not exported: {sorted(set(mpiddp.__all__) - exported)}")
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES, ids=lambda m: m.__name__)
+def test_public_modules_declare_existing_documented_names(module):
+    assert module.__doc__ and module.__doc__.strip(), f"{module.__name__} has no docstring"
+    for name in module.__all__:
+        assert hasattr(module, name), f"{module.__name__}.__all__ names missing {name!r}"
+        doc = inspect.getdoc(getattr(module, name))
+        assert doc and doc.strip(), f"{module.__name__}.{name} has no docstring"
+
+
+def test_reexports_come_from_the_public_modules():
+    # Every top-level name is declared public where it is defined (or is an exception/op).
+    declared = set().union(*(set(m.__all__) for m in PUBLIC_MODULES[1:]))
+    from mpiddp import errors, ops as reduce_ops
+    from mpiddp.transport import cuda_aware
+    for name in mpiddp.__all__:
+        home = getattr(mpiddp, name)
+        if isinstance(home, reduce_ops.ReduceOp) or name == "ReduceOp":
+            continue
+        if inspect.isclass(home) and issubclass(home, errors.MpiddpError):
+            continue
+        if home is cuda_aware.mpi_cuda_aware:
+            continue
+        assert name in declared, f"mpiddp.{name} is not in its module's __all__"
+
+
+@pytest.mark.parametrize("qualified,fn", FUNCTIONS, ids=[q for q, _ in FUNCTIONS])
+def test_public_function_is_documented_and_annotated(qualified, fn):
+    doc = inspect.getdoc(fn)
+    assert doc and doc.strip(), f"{qualified} has no docstring"
+    signature = inspect.signature(fn)
+    for name, parameter in signature.parameters.items():
+        if name in ("self", "cls"):
+            continue
+        assert parameter.annotation is not inspect.Parameter.empty, \
+            f"{qualified}: parameter {name!r} has no type hint"
+        assert f"{name}:" in doc, f"{qualified}: parameter {name!r} is not described"
+    assert signature.return_annotation is not inspect.Signature.empty, \
+        f"{qualified} has no return type hint"
+    if takes_arguments(fn) and list(signature.parameters) not in (["self"], ["cls"]):
+        assert "Args:" in doc, f"{qualified} has no Args: section"
+    returns_something = signature.return_annotation not in (None, "None")
+    is_property_or_cm = qualified.endswith((".names", ".backward_passes_per_step",
+                                            ".skip_synchronize"))
+    if returns_something and not is_property_or_cm:
+        assert "Returns:" in doc, f"{qualified} has no Returns: section"
+    is_module_function = fn.__qualname__ == fn.__name__
+    if is_module_function and fn.__name__ not in RAISES_NOTHING:
+        assert "Raises:" in doc, f"{qualified} has no Raises: section"
+
+
+def test_classes_and_constants_are_documented():
+    for name in mpiddp.__all__:
+        obj = getattr(mpiddp, name)
+        if inspect.isclass(obj):
+            assert obj.__doc__ and obj.__doc__.strip(), f"mpiddp.{name} has no docstring"
+    for member in mpiddp.ReduceOp:
+        assert member.name.upper() in mpiddp.ReduceOp.__doc__, f"{member.name} undocumented"
+
+
+def test_package_ships_py_typed():
+    assert (ROOT / "mpiddp" / "py.typed").is_file()
+    setup_cfg = (ROOT / "setup.cfg").read_text()
+    assert "[options.package_data]" in setup_cfg and "py.typed" in setup_cfg
