@@ -12,8 +12,9 @@ from .runtime import (cross_rank, cross_size, engine_stats, init, is_initialized
                       stop_timeline, timeline_events)
 from .ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from .transport.cuda_aware import mpi_cuda_aware  # noqa: F401
-from .errors import (DuplicateNameError, EngineShutdownError, LaunchError,  # noqa: F401
-                     MpiddpError, NotInitializedError, TensorMismatchError)
+from .errors import (DuplicateNameError, EngineShutdownError, InvalidInputError,  # noqa: F401
+                     InvalidInputTypeError, LaunchError, MpiddpError, NotInitializedError,
+                     TensorMismatchError)
 from .torch.ops import (allgather, allgather_async, allreduce, allreduce_,  # noqa: F401
                         allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier,
                         broadcast, broadcast_, broadcast_async, broadcast_async_,
@@ -37,7 +38,7 @@ __all__ = [
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product",
     # exceptions
     "MpiddpError", "NotInitializedError", "TensorMismatchError", "DuplicateNameError",
-    "EngineShutdownError", "LaunchError",
+    "EngineShutdownError", "LaunchError", "InvalidInputError", "InvalidInputTypeError",
     # tensor collectives
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",

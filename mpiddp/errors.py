@@ -69,3 +69,8 @@ class InvalidInputError(MpiddpError, ValueError):
     its reason (e.g. ``Invalid input for allreduce 'grad' on 1 of 2 ranks: rank 0: op=Average
     is not defined for integer tensor ...``). A ``ValueError`` and a ``RuntimeError``.
     """
+
+
+class InvalidInputTypeError(InvalidInputError, TypeError):
+    """``InvalidInputError`` as raised on a rank whose own input had the wrong type (e.g. a
+    ``root_rank`` that is not an integer): also a ``TypeError``, as the local check was."""

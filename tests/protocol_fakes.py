@@ -86,7 +86,7 @@ class RecordingExecutor:
             entry = entries.get(response.name)
             if response.error is not None:
                 if entry is not None:
-                    self.finish(entry, error=error_for(response))
+                    self.finish(entry, error=error_for(response, entry.rejected))
             elif entry is not None:
                 self.finish(entry)
             elif response.request.kind != ALLREDUCE:

@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from mpi_launch import ROOT, assert_ok, run_mpi
 
 
@@ -13,6 +15,16 @@ def test_mismatches_and_bad_input_fail_on_every_rank():
     assert_ok(result, expect_lines=3 * 11)
     assert "Mismatched allreduce shapes for 'layer1.weight': ranks 0, 1 sent [4, 3], " \
            "rank 2 sent [3, 4]" in result.output
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_input_rejected_on_some_ranks_fails_on_every_rank(ranks):
+    # Horovod's type-error tests hung here: the rejecting rank raised alone, without
+    # submitting, and the others waited forever.
+    start = time.monotonic()
+    result = run_mpi("errors_worker.py", ranks, "rejected_on_some_ranks", timeout=60)
+    assert_ok(result, expect_lines=5 * ranks)
+    assert time.monotonic() - start < 40
 
 
 def test_stall_warns_then_shuts_down_with_reason():

@@ -230,7 +230,7 @@ class Executor:
             if first.error is not None:
                 entry = entries.get(first.name)
                 if entry is not None:
-                    self.finish(entry, error=error_for(first))
+                    self.finish(entry, error=error_for(first, entry.rejected))
                 self.stats.record_error()
                 continue
             members = [entries.get(r.name) for r in batch]

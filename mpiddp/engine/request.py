@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, NamedTuple, Optional
 
-from ..errors import InvalidInputError, MpiddpError, TensorMismatchError
+from ..errors import (InvalidInputError, InvalidInputTypeError, MpiddpError,
+                      TensorMismatchError)
 from .handle import Handle
 
 ALLREDUCE = "allreduce"
@@ -55,8 +56,11 @@ class Request(NamedTuple):
         return n
 
 
-def error_for(response: "Response") -> Exception:
-    """The exception every rank raises for an agreed error ``response``."""
+def error_for(response: "Response", rejected: Optional[BaseException] = None) -> Exception:
+    """The exception a rank raises for an agreed error ``response``; ``rejected`` is this
+    rank's own reason to reject its input, if it had one (a TypeError stays a TypeError)."""
+    if isinstance(rejected, TypeError):
+        return InvalidInputTypeError(response.error)
     kind = {MISMATCH: TensorMismatchError, INVALID: InvalidInputError}.get(
         response.error_kind, MpiddpError)
     return kind(response.error)
@@ -86,7 +90,7 @@ class Entry:
     """
 
     __slots__ = ("request", "input", "output", "handle", "allocate", "ready_event",
-                 "submitted", "sent", "action")
+                 "submitted", "sent", "action", "rejected")
 
     def __init__(self, request: Request, input: Any, output: Any, handle: Handle,
                  allocate: Optional[Callable[[tuple], Any]] = None, ready_event: Any = None,
@@ -102,3 +106,4 @@ class Entry:
         # A barrier's action runs on the coordinator at the barrier's agreed place in the
         # execution order, i.e. at the same point on every rank (engine reconfiguration).
         self.action = action
+        self.rejected: Optional[BaseException] = None   # this rank's reason (request.invalid)

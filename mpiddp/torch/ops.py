@@ -1,7 +1,7 @@
 """The tensor API: collectives on torch tensors, synchronous and asynchronous.
 
-Each call checks its input on the calling thread (clear errors at once), wraps the tensor's
-memory without copying when it is contiguous, and submits a named request to the engine.
+Each call checks its input on the calling thread, wraps the tensor's memory without copying
+when it is contiguous, and submits a named request to the engine.
 Names default to ``<op>.noname.<n>``: ranks that call the same collectives in the same
 order get the same names.
 
@@ -16,6 +16,12 @@ Rules shared by every call here:
   float32, float64, int8, uint8, int32, int64, bool. The engine reads (and, in place,
   writes) the tensor's memory directly: leave it alone until ``synchronize`` returns. For a
   cuda tensor the engine first waits for the work queued on the current stream at the call.
+* Bad input never leaves the other ranks waiting: a rank that rejects its own input (the
+  ``TypeError``/``ValueError`` causes each call lists) submits the request marked invalid
+  instead of raising alone, and every rank's ``synchronize`` raises ``InvalidInputError`` (a
+  ``ValueError`` and ``RuntimeError``) naming each rejecting rank and its reason; on a rank
+  whose own check was a type check it is ``InvalidInputTypeError``, also a ``TypeError``.
+  Only a bad ``name`` (or a non-list for the grouped calls) is raised locally at once.
 * ``*_async`` calls return a ``TensorHandle`` at once; ``synchronize(handle)`` waits and
   returns the result, ``poll(handle)`` tells whether it is ready. A blocking call with an
   ``_async`` twin is ``synchronize`` of that twin.
@@ -195,6 +201,27 @@ def _submit(entries: list[Entry], finalize: Callable[[], object]) -> TensorHandl
     return TensorHandle(engine.submit_many(entries), finalize)
 
 
+def _submit_checked(kind: str, names: list[str],
+                    build: Callable[[], tuple[list[Entry], Callable[[], object]]]) -> TensorHandle:
+    """Run ``build()``, which checks this rank's input and returns (entries, finalize), and
+    submit the entries. When this rank rejects its input (``build`` raises TypeError or
+    ValueError), raising here alone would leave the other ranks waiting forever for a
+    collective this rank never submits: it submits ``names`` marked invalid instead, and every
+    rank's handle raises the agreed ``InvalidInputError`` naming this rank and its reason."""
+    try:
+        entries, finalize = build()
+    except (TypeError, ValueError) as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        entries = []
+        for name in names:
+            entry = Entry(Request(name, kind, "invalid", (), invalid=reason), None, None,
+                          Handle(name))
+            entry.rejected = exc
+            entries.append(entry)
+        finalize = _nothing
+    return _submit(entries, finalize)
+
+
 def _entry(request: Request, tensor: torch.Tensor, output=None, allocate=None) -> Entry:
     return Entry(request, flat_array(tensor), output, Handle(request.name),
                  allocate=allocate, ready_event=_ready_event(tensor))
@@ -271,20 +298,23 @@ def _nothing():
 def _allreduce_async(tensor, in_place, average, name, op, prescale_factor, postscale_factor):
     runtime.require_engine("allreduce()")
     name = collective_name(ALLREDUCE, name)
-    op = _resolve_op(op, average)
-    _check_tensor(tensor, name)
-    if in_place and tensor.is_contiguous():
-        output = tensor
-        finalize = lambda: tensor  # noqa: E731
-    elif in_place:
-        # Reduce into a contiguous copy, then write it back: never silently wrong data.
-        output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        finalize = lambda: tensor.copy_(output)  # noqa: E731
-    else:
-        output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        finalize = lambda: output  # noqa: E731
-    entry = _allreduce_entry(tensor, output, name, op, prescale_factor, postscale_factor)
-    return _submit([entry], finalize)
+
+    def build():
+        _check_tensor(tensor, name)
+        if in_place and tensor.is_contiguous():
+            output = tensor
+            finalize = lambda: tensor  # noqa: E731
+        elif in_place:
+            # Reduce into a contiguous copy, then write it back: never silently wrong data.
+            output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+            finalize = lambda: tensor.copy_(output)  # noqa: E731
+        else:
+            output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+            finalize = lambda: output  # noqa: E731
+        return [_allreduce_entry(tensor, output, name, _resolve_op(op, average),
+                                 prescale_factor, postscale_factor)], finalize
+
+    return _submit_checked(ALLREDUCE, [name], build)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -443,23 +473,27 @@ def _grouped_async(tensors, in_place, average, name, op, prescale_factor, postsc
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ValueError("grouped_allreduce takes a non-empty list of tensors")
     base = collective_name(ALLREDUCE, name)
-    op = _resolve_op(op, average)
-    entries, outputs = [], []
-    for i, tensor in enumerate(tensors):
-        item = f"{base}.{i}"
-        _check_tensor(tensor, item)
-        output = tensor if in_place and tensor.is_contiguous() else torch.empty_like(
-            tensor, memory_format=torch.contiguous_format)
-        entries.append(_allreduce_entry(tensor, output, item, op, prescale_factor,
-                                        postscale_factor))
-        outputs.append(output)
+    names = [f"{base}.{i}" for i in range(len(tensors))]
 
-    def finalize():
-        if in_place:
-            return [t if t is o else t.copy_(o) for t, o in zip(tensors, outputs)]
-        return outputs
+    def build():
+        reduce_op = _resolve_op(op, average)
+        entries, outputs = [], []
+        for item, tensor in zip(names, tensors):
+            _check_tensor(tensor, item)
+            output = tensor if in_place and tensor.is_contiguous() else torch.empty_like(
+                tensor, memory_format=torch.contiguous_format)
+            entries.append(_allreduce_entry(tensor, output, item, reduce_op, prescale_factor,
+                                            postscale_factor))
+            outputs.append(output)
 
-    return _submit(entries, finalize)
+        def finalize():
+            if in_place:
+                return [t if t is o else t.copy_(o) for t, o in zip(tensors, outputs)]
+            return outputs
+
+        return entries, finalize
+
+    return _submit_checked(ALLREDUCE, names, build)
 
 
 def grouped_allreduce_async(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
@@ -660,12 +694,16 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None) -> TensorHand
     """
     runtime.require_engine("allgather()")
     name = collective_name(ALLGATHER, name)
-    dtype = _check_tensor(tensor, name)
-    _needs_dim(tensor, name, "allgather")
-    holder: dict = {}
-    request = Request(name, ALLGATHER, dtype, tuple(tensor.shape), device_name(tensor))
-    entry = _entry(request, _contiguous(tensor), allocate=_output_allocator(tensor, holder))
-    return _submit([entry], lambda: holder["output"])
+
+    def build():
+        dtype = _check_tensor(tensor, name)
+        _needs_dim(tensor, name, "allgather")
+        holder: dict = {}
+        request = Request(name, ALLGATHER, dtype, tuple(tensor.shape), device_name(tensor))
+        entry = _entry(request, _contiguous(tensor), allocate=_output_allocator(tensor, holder))
+        return [entry], lambda: holder["output"]
+
+    return _submit_checked(ALLGATHER, [name], build)
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
@@ -700,19 +738,23 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
 def _broadcast_async(tensor, root_rank, name, in_place):
     rt = runtime.require("broadcast()")
     name = collective_name(BROADCAST, name)
-    dtype = _check_tensor(tensor, name)
-    root_rank = check_root(root_rank, rt.comm.Get_size(), f"broadcast of '{name}'")
-    request = Request(name, BROADCAST, dtype, tuple(tensor.shape), device_name(tensor),
-                      root=root_rank)
-    if in_place and tensor.is_contiguous():
-        output, finalize = tensor, (lambda: tensor)
-    else:
-        output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-        finalize = (lambda: tensor.copy_(output)) if in_place else (lambda: output)
-    entry = _entry(request, _contiguous(tensor), flat_array(output))
-    if output is tensor:
-        entry.input = entry.output
-    return _submit([entry], finalize)
+
+    def build():
+        dtype = _check_tensor(tensor, name)
+        root = check_root(root_rank, rt.comm.Get_size(), f"broadcast of '{name}'")
+        request = Request(name, BROADCAST, dtype, tuple(tensor.shape), device_name(tensor),
+                          root=root)
+        if in_place and tensor.is_contiguous():
+            output, finalize = tensor, (lambda: tensor)
+        else:
+            output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+            finalize = (lambda: tensor.copy_(output)) if in_place else (lambda: output)
+        entry = _entry(request, _contiguous(tensor), flat_array(output))
+        if output is tensor:
+            entry.input = entry.output
+        return [entry], finalize
+
+    return _submit_checked(BROADCAST, [name], build)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int,
@@ -865,17 +907,21 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
     """
     runtime.require_engine("reducescatter()")
     name = collective_name(REDUCESCATTER, name)
-    op = _resolve_op(op, None)
-    dtype = _check_tensor(tensor, name)
-    _needs_dim(tensor, name, "reducescatter")
-    check_op_for_dtype(op, dtype_named(dtype).kind, dtype, name)
-    _check_scaling(dtype, prescale_factor, postscale_factor, name)
-    holder: dict = {}
-    request = Request(name, REDUCESCATTER, dtype, tuple(tensor.shape), device_name(tensor),
-                      op=int(op), prescale=float(prescale_factor),
-                      postscale=float(postscale_factor))
-    entry = _entry(request, _contiguous(tensor), allocate=_output_allocator(tensor, holder))
-    return _submit([entry], lambda: holder["output"])
+
+    def build():
+        reduce_op = _resolve_op(op, None)
+        dtype = _check_tensor(tensor, name)
+        _needs_dim(tensor, name, "reducescatter")
+        check_op_for_dtype(reduce_op, dtype_named(dtype).kind, dtype, name)
+        _check_scaling(dtype, prescale_factor, postscale_factor, name)
+        holder: dict = {}
+        request = Request(name, REDUCESCATTER, dtype, tuple(tensor.shape), device_name(tensor),
+                          op=int(reduce_op), prescale=float(prescale_factor),
+                          postscale=float(postscale_factor))
+        entry = _entry(request, _contiguous(tensor), allocate=_output_allocator(tensor, holder))
+        return [entry], lambda: holder["output"]
+
+    return _submit_checked(REDUCESCATTER, [name], build)
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
@@ -951,29 +997,34 @@ def alltoall_async(tensor: torch.Tensor,
     """
     rt = runtime.require("alltoall()")
     name = collective_name(ALLTOALL, name)
-    dtype = _check_tensor(tensor, name)
-    _needs_dim(tensor, name, "alltoall")
-    size, rows = rt.comm.Get_size(), tensor.shape[0]
-    explicit = splits is not None
-    if splits is None:
-        if rows % size:
-            raise ValueError(f"alltoall of '{name}': {rows} rows do not split evenly over "
-                             f"{size} ranks; pass splits=")
-        splits = [rows // size] * size
-    splits = [int(s) for s in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
-    if len(splits) != size or any(s < 0 for s in splits) or sum(splits) != rows:
-        raise ValueError(f"alltoall of '{name}': splits {splits} must be {size} non-negative "
-                         f"row counts adding up to the tensor's {rows} rows")
-    holder: dict = {}
-    request = Request(name, ALLTOALL, dtype, tuple(tensor.shape), device_name(tensor),
-                      splits=tuple(splits))
-    entry = _entry(request, _contiguous(tensor), allocate=_output_allocator(tensor, holder))
 
-    def finalize():
-        received = torch.tensor(entry.handle.info, dtype=torch.int32)
-        return (holder["output"], received) if explicit else holder["output"]
+    def build():
+        dtype = _check_tensor(tensor, name)
+        _needs_dim(tensor, name, "alltoall")
+        size, rows = rt.comm.Get_size(), tensor.shape[0]
+        counts = splits
+        if counts is None:
+            if rows % size:
+                raise ValueError(f"alltoall of '{name}': {rows} rows do not split evenly over "
+                                 f"{size} ranks; pass splits=")
+            counts = [rows // size] * size
+        counts = [int(s) for s in
+                  (counts.tolist() if isinstance(counts, torch.Tensor) else counts)]
+        if len(counts) != size or any(s < 0 for s in counts) or sum(counts) != rows:
+            raise ValueError(f"alltoall of '{name}': splits {counts} must be {size} "
+                             f"non-negative row counts adding up to the tensor's {rows} rows")
+        holder: dict = {}
+        request = Request(name, ALLTOALL, dtype, tuple(tensor.shape), device_name(tensor),
+                          splits=tuple(counts))
+        entry = _entry(request, _contiguous(tensor), allocate=_output_allocator(tensor, holder))
 
-    return _submit([entry], finalize)
+        def finalize():
+            received = torch.tensor(entry.handle.info, dtype=torch.int32)
+            return (holder["output"], received) if splits is not None else holder["output"]
+
+        return [entry], finalize
+
+    return _submit_checked(ALLTOALL, [name], build)
 
 
 def alltoall(tensor: torch.Tensor, splits: Optional[Sequence[int] | torch.Tensor] = None,

@@ -132,6 +132,43 @@ def shutdown_with_pending():
         ok("pending request failed with the reason")
 
 
+def rejected_on_some_ranks():
+    """Input that only some ranks reject (Horovod's type-error tests): every rank gets the
+    agreed error at once, naming the rejecting ranks and why; nobody waits; the engine goes
+    on."""
+    mpiddp.init()
+    rank, size = mpiddp.rank(), mpiddp.size()
+    odd = rank % 2 == 1
+    # Rank 0, 2..: int32 with op=Average (rejected: integer Average); odd ranks: float32.
+    tensor = torch.ones(17, 3, dtype=torch.float32 if odd else torch.int32)
+    text = expect(mpiddp.InvalidInputError, lambda: mpiddp.allreduce(tensor, name="typed"),
+                  "Invalid input for allreduce 'typed'", "rank 0: ValueError: op=Average")
+    ok("allreduce rejected on some ranks fails on every rank: " + text[:60])
+    expect(RuntimeError, lambda: mpiddp.reducescatter(tensor, op=mpiddp.Average),
+           "Invalid input for reducescatter")      # Horovod expects RuntimeError; unnamed
+    ok("reducescatter rejected on some ranks fails on every rank")
+    # A root that is no rank on the last rank only: a TypeError there, InvalidInputError on all.
+    root = "0" if rank == size - 1 else 0
+    kind = TypeError if rank == size - 1 else mpiddp.InvalidInputError
+    expect(kind, lambda: mpiddp.broadcast(torch.ones(3), root_rank=root, name="rooted"),
+           f"rank {size - 1}: TypeError: broadcast of 'rooted': root_rank must be an integer")
+    ok("broadcast with a bad root on one rank fails on every rank")
+    handles = [mpiddp.allreduce_async(torch.ones(2), name=f"async.{i}",
+                                      op=mpiddp.Sum if (i != 1 or odd) else "nonsense")
+               for i in range(3)]
+    results = []
+    for i, handle in enumerate(handles):
+        try:
+            results.append(float(mpiddp.synchronize(handle)[0]))
+        except mpiddp.InvalidInputError as exc:
+            assert i == 1 and "unknown reduction op 'nonsense'" in str(exc), (i, exc)
+            results.append(None)
+    assert results == [size, None, size], results
+    ok("async: only the rejected call fails, the others complete")
+    assert float(mpiddp.allreduce(torch.ones(1), name="after", op=mpiddp.Sum)) == size
+    ok("the engine goes on")
+
+
 def uncaught_exception():
     """Rank 1 dies of an uncaught exception while the others wait: the job must end."""
     mpiddp.init()
