@@ -10,11 +10,13 @@ from .runtime import (cross_rank, cross_size, engine_stats, init, is_initialized
                       local_rank, local_size, mpi_threads_supported, rank, reset_engine_stats,
                       set_allreduce_algorithm, shutdown, size, start_timeline,
                       stop_timeline, timeline_events)
-from .ops import Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
+from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
+from .build_info import (ccl_built, cuda_built, ddl_built, gloo_built,  # noqa: F401
+                         gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from .transport.cuda_aware import mpi_cuda_aware  # noqa: F401
-from .errors import (DuplicateNameError, EngineShutdownError, InvalidInputError,  # noqa: F401
-                     InvalidInputTypeError, LaunchError, MpiddpError, NotInitializedError,
-                     TensorMismatchError)
+from .errors import (DuplicateNameError, EngineShutdownError, HorovodInternalError,  # noqa: F401
+                     InvalidInputError, InvalidInputTypeError, LaunchError, MpiddpError,
+                     NotInitializedError, TensorMismatchError)
 from .torch.ops import (allgather, allgather_async, allreduce, allreduce_,  # noqa: F401
                         allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier,
                         broadcast, broadcast_, broadcast_async, broadcast_async_,
@@ -35,10 +37,13 @@ __all__ = [
     "engine_stats", "reset_engine_stats", "set_allreduce_algorithm",
     "start_timeline", "stop_timeline", "timeline_events",
     # reduction operations
-    "ReduceOp", "Average", "Sum", "Min", "Max", "Product",
+    "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum",
+    "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ccl_built",
+    "ddl_built", "cuda_built", "rocm_built",
     # exceptions
     "MpiddpError", "NotInitializedError", "TensorMismatchError", "DuplicateNameError",
     "EngineShutdownError", "LaunchError", "InvalidInputError", "InvalidInputTypeError",
+    "HorovodInternalError",
     # tensor collectives
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",

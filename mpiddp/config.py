@@ -64,6 +64,21 @@ class Choice:
         return value.upper() if self.upper else value
 
 
+@dataclass(frozen=True)
+class SwitchOrPath:
+    """A boolean switch, or a file path meaning "on, and write the result there"
+    (``MPIDDP_TIMELINE=1`` or ``MPIDDP_TIMELINE=/tmp/timeline.json``, as Horovod's
+    ``HOROVOD_TIMELINE``): '' when off, '1' when on, else the path."""
+
+    def __call__(self, name: str, raw: str) -> str:
+        value = raw.strip()
+        if value.lower() in ("", "0", "false", "no", "off"):
+            return ""
+        if value.lower() in ("1", "true", "yes", "on"):
+            return "1"
+        return value
+
+
 def setting(default, parser):
     """A field of ``Settings`` read from its environment variable with ``parser``."""
     return field(default=default, metadata={"parser": parser})
@@ -91,8 +106,9 @@ class Settings:
     ring_threshold: int = setting(2 * 1024 * 1024, Number(int))
     # Abort the whole MPI job when a rank dies of an uncaught exception.
     abort_on_exception: bool = setting(True, Boolean())
-    # Record a timeline of engine events (negotiation and execution times) in memory.
-    timeline: bool = setting(False, Boolean())
+    # Record a timeline of engine events (negotiation and execution times) from init() on:
+    # '' off, '1' in memory, or a path: written as a Chrome trace at shutdown().
+    timeline: str = setting("", SwitchOrPath())
     # Log level of the 'mpiddp' logger (DEBUG, INFO, WARNING, ERROR).
     log_level: str = setting("WARNING", Choice(LOG_LEVELS, upper=True))
     # Whether MPI can read device memory directly: auto (probe), 0 or 1.

@@ -40,7 +40,13 @@ class DuplicateNameError(MpiddpError, ValueError):
     """
 
 
-class EngineShutdownError(MpiddpError):
+class HorovodInternalError(MpiddpError):
+    """A collective could not complete because the job's communication broke down (Horovod's
+    name, kept so that Horovod scripts catching it keep working); see ``EngineShutdownError``,
+    the only kind mpiddp raises."""
+
+
+class EngineShutdownError(HorovodInternalError):
     """The engine stopped before the request finished, or the call came after it stopped.
 
     Causes: ``shutdown()`` on some rank (agreed by all ranks in the next cycle), a stall

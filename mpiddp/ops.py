@@ -11,10 +11,13 @@ class ReduceOp(enum.IntEnum):
     (or its integer value) is accepted wherever an ``op`` is.
 
     * ``AVERAGE``: sum, then one multiplication by ``1 / size()`` (ranks that called
-      ``join()`` count in ``size()`` and contribute zeros). Floating-point dtypes only:
-      integer tensors raise ``ValueError`` (use ``Sum`` and divide).
+      ``join()`` count in ``size()`` and contribute zeros). On integer tensors the scaled
+      sum is computed in float64 and truncated toward zero, as Horovod does.
     * ``SUM``, ``PRODUCT``: numeric dtypes (not bool).
     * ``MIN``, ``MAX``: every dtype; on bool they are logical and / logical or.
+    * ``ADASUM`` (``mpiddp.Adasum``): Horovod's name, accepted so that scripts import; any
+      collective or ``DistributedOptimizer`` given it raises ``ValueError`` naming the
+      alternative (Average with a learning rate scaled by ``size()``).
     """
 
     AVERAGE = 0
@@ -22,6 +25,7 @@ class ReduceOp(enum.IntEnum):
     MIN = 2
     MAX = 3
     PRODUCT = 4
+    ADASUM = 5      # Horovod's Adasum: accepted as a name, refused with the alternative
 
 
 Average = ReduceOp.AVERAGE
@@ -29,6 +33,12 @@ Sum = ReduceOp.SUM
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
+Adasum = ReduceOp.ADASUM
+
+ADASUM_UNSUPPORTED = (
+    "op=Adasum is not supported by mpiddp: its scale-invariant combination needs a reduction "
+    "tree of its own. Use op=Average (the default) and scale the learning rate with "
+    "mpiddp.size(), as Horovod's scripts do without Adasum")
 
 
 # The one reduction table: the elementwise function that combines two ranks' values, by its
@@ -46,10 +56,8 @@ def combine_function(op: ReduceOp, dtype_kind: str) -> str:
 
 def check_op_for_dtype(op: ReduceOp, dtype_kind: str, dtype_name: str, tensor_name: str) -> None:
     """Raise ``ValueError`` for an (op, dtype) pair that has no sensible meaning."""
-    if dtype_kind == "int" and op == ReduceOp.AVERAGE:
-        raise ValueError(
-            f"op=Average is not defined for integer tensor '{tensor_name}' ({dtype_name}): "
-            "use op=Sum and divide, or reduce a floating-point tensor")
+    if op == ReduceOp.ADASUM:
+        raise ValueError(f"'{tensor_name}': {ADASUM_UNSUPPORTED}")
     if dtype_kind == "bool" and op not in (ReduceOp.MIN, ReduceOp.MAX):
         raise ValueError(
             f"op={op.name.title()} is not defined for bool tensor '{tensor_name}': "

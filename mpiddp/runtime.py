@@ -167,10 +167,25 @@ def shutdown() -> None:
     if runtime is None:
         return
     runtime.engine.shutdown("shutdown() was called")
+    _write_timeline_file(runtime)
     _runtime = None
     _was_shut_down = True
     runtime.local_comm.Free()
     runtime.cross_comm.Free()
+
+
+def _write_timeline_file(runtime: Runtime) -> None:
+    """MPIDDP_TIMELINE=path: every rank writes its events as a Chrome trace at shutdown,
+    rank r to ``<path stem>.rank<r><suffix>`` (one file when there is one rank)."""
+    path = runtime.settings.timeline
+    if path in ("", "1"):
+        return
+    rank, size = runtime.comm.Get_rank(), runtime.comm.Get_size()
+    if size > 1:
+        stem, dot, suffix = path.rpartition(".")
+        path = f"{stem}.rank{rank}.{suffix}" if dot and "/" not in suffix else \
+            f"{path}.rank{rank}"
+    runtime.engine.timeline.write_chrome_trace(path, rank)
 
 
 def _shutdown_at_exit() -> None:

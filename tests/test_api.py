@@ -9,14 +9,17 @@ from pathlib import Path
 import pytest
 
 import mpiddp
-from mpiddp import runtime
+from mpiddp import build_info, runtime
 from mpiddp.torch import compression, functions, optimizer, ops
 
 ROOT = Path(__file__).parent.parent
-PUBLIC_MODULES = [mpiddp, runtime, ops, functions, optimizer, compression]
+PUBLIC_MODULES = [mpiddp, runtime, ops, functions, optimizer, compression, build_info]
 
 # Functions that raise nothing of their own (no "Raises:" section needed).
-RAISES_NOTHING = {"is_initialized", "mpi_threads_supported", "shutdown"}
+RAISES_NOTHING = {"is_initialized", "mpi_threads_supported", "shutdown",
+                  # the build/backend probes answer constants
+                  "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built",
+                  "ccl_built", "ddl_built", "cuda_built", "rocm_built"}
 
 
 def public_functions():

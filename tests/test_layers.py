@@ -13,7 +13,7 @@ LAYERS = [
     {"transport"},
     {"collectives"},
     {"engine"},
-    {"gpu", "launch_check", "runtime"},
+    {"gpu", "launch_check", "runtime", "build_info"},
     {"torch"},
     {"__init__"},
 ]

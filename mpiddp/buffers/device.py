@@ -213,11 +213,13 @@ class DeviceBackend:
 
             host_scale_(array, factor, dtype)
             return
-        if dtype.kind != "float":
+        if dtype.kind not in ("float", "int"):
             raise TypeError(f"cannot scale a {dtype.name} buffer by {factor}")
         state = self._array_state(array)
         with cupy.cuda.Device(state.id), state.stream:
-            if dtype.name in _HALF_SCALE:
+            if dtype.kind == "int":     # as on the host: float64, truncated toward zero
+                array[...] = (array.astype(cupy.float64) * factor).astype(array.dtype)
+            elif dtype.name in _HALF_SCALE:
                 kernel = state.kernel(_HALF_SCALE[dtype.name])
                 n = array.size
                 kernel((launch_blocks(n),), (THREADS_PER_BLOCK,),

@@ -32,6 +32,7 @@ DTYPES = {
         DType("float64", np.dtype(np.float64), MPI.DOUBLE, "float", True),
         DType("int8", np.dtype(np.int8), MPI.INT8_T, "int", True),
         DType("uint8", np.dtype(np.uint8), MPI.UINT8_T, "int", True),
+        DType("int16", np.dtype(np.int16), MPI.INT16_T, "int", True),
         DType("int32", np.dtype(np.int32), MPI.INT32_T, "int", True),
         DType("int64", np.dtype(np.int64), MPI.INT64_T, "int", True),
         DType("bool", np.dtype(np.bool_), MPI.C_BOOL, "bool", True),

@@ -12,7 +12,7 @@ from .dtypes import DType
 
 # ops.combine_function's table resolved to NumPy functions once (this runs per reduction).
 _NUMPY = {(op, kind): getattr(np, combine_function(op, kind))
-          for op in ReduceOp for kind in ("float", "int", "bool")
+          for op in ReduceOp if op != ReduceOp.ADASUM for kind in ("float", "int", "bool")
           if kind != "bool" or op in (ReduceOp.MIN, ReduceOp.MAX)}
 
 
@@ -39,6 +39,11 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp, dtype: DType) ->
 def scale_(array: np.ndarray, factor: float, dtype: DType) -> None:
     """Multiply a floating-point buffer by ``factor`` in place (no-op for factor 1)."""
     if factor == 1.0 or array.size == 0:
+        return
+    if dtype.kind == "int":
+        # Horovod's rule for integers (Average, pre/post scale factors): scale in float64,
+        # truncate toward zero.
+        array[...] = (array.astype(np.float64) * factor).astype(array.dtype)
         return
     if dtype.kind != "float":
         raise TypeError(f"cannot scale a {dtype.name} buffer by {factor}")

@@ -52,7 +52,7 @@ class Engine:
         self.rank, self.size = channel.rank, channel.size
         self.settings = settings
         self.stats = EngineStats()
-        self.timeline = Timeline(settings.timeline)
+        self.timeline = Timeline(bool(settings.timeline))
         self.protocol = CycleProtocol(self.rank, self.size, settings)
         self.policy = WaitPolicy(settings.cycle_time / 1000)
         self.executor = make_executor(self.stats, self.timeline, self._finish)

@@ -178,9 +178,15 @@ def _resolve_op(op, average) -> ReduceOp:
 
 
 def _check_scaling(dtype: str, prescale: float, postscale: float, name: str) -> None:
-    if (prescale != 1.0 or postscale != 1.0) and dtype_named(dtype).kind != "float":
-        raise ValueError(f"prescale/postscale factors need a floating-point tensor, but "
+    if (prescale != 1.0 or postscale != 1.0) and dtype_named(dtype).kind == "bool":
+        raise ValueError(f"prescale/postscale factors need a numeric tensor, but "
                          f"'{name}' is {dtype}")
+
+
+def _needs_grad(*tensors) -> bool:
+    """The call must be recorded for autograd (see ``torch/autograd.py``)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                           for t in tensors)
 
 
 def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -426,6 +432,11 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
             collective finished.
         TensorMismatchError: the ranks disagree on this collective (raised on every rank).
     """
+    if _needs_grad(tensor):
+        from . import autograd
+
+        return autograd.Allreduce.apply(tensor, _resolve_op(op, average), name,
+                                        prescale_factor, postscale_factor)
     return synchronize(allreduce_async(tensor, average, name, op, prescale_factor,
                                        postscale_factor))
 
@@ -612,6 +623,12 @@ def grouped_allreduce(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
             collective finished.
         TensorMismatchError: the ranks disagree on this collective (raised on every rank).
     """
+    if isinstance(tensors, (list, tuple)) and _needs_grad(*tensors):
+        from . import autograd
+
+        return list(autograd.GroupedAllreduce.apply(_resolve_op(op, average), name,
+                                                    prescale_factor, postscale_factor,
+                                                    *tensors))
     return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor,
                                                postscale_factor))
 
@@ -732,6 +749,10 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
         TensorMismatchError: the ranks disagree on this collective (raised on every rank).
         MpiddpError: some ranks have called ``join()`` (only allreduce runs then).
     """
+    if _needs_grad(tensor):
+        from . import autograd
+
+        return autograd.Allgather.apply(tensor, name)
     return synchronize(allgather_async(tensor, name))
 
 
@@ -840,6 +861,10 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> 
         TensorMismatchError: the ranks disagree on this collective (raised on every rank).
         MpiddpError: some ranks have called ``join()`` (only allreduce runs then).
     """
+    if _needs_grad(tensor):
+        from . import autograd
+
+        return autograd.Broadcast.apply(tensor, root_rank, name)
     return synchronize(broadcast_async(tensor, root_rank, name))
 
 
@@ -959,6 +984,11 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
         TensorMismatchError: the ranks disagree on this collective (raised on every rank).
         MpiddpError: some ranks have called ``join()`` (only allreduce runs then).
     """
+    if _needs_grad(tensor):
+        from . import autograd
+
+        return autograd.Reducescatter.apply(tensor, _resolve_op(op, None), name,
+                                            prescale_factor, postscale_factor)
     return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor))
 
 
@@ -1061,6 +1091,11 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Sequence[int] | torch.Tensor
         TensorMismatchError: the ranks disagree on this collective (raised on every rank).
         MpiddpError: some ranks have called ``join()`` (only allreduce runs then).
     """
+    if _needs_grad(tensor):
+        from . import autograd
+
+        output, received = autograd.Alltoall.apply(tensor, splits, name)
+        return output if splits is None else (output, received)
     return synchronize(alltoall_async(tensor, splits, name))
 
 
@@ -1086,13 +1121,18 @@ def barrier(name: str | None = None) -> None:
     engine.barrier(collective_name(BARRIER, name)).wait()
 
 
-def join() -> int:
+def join(device: int = -1) -> int:
     """Declare this rank out of data (uneven inputs) and block until every rank has joined.
 
     Meanwhile this rank takes part in the other ranks' allreduces, contributing values that
     change nothing (zeros to sums; Average still divides by ``size()``, joined ranks
     included); any other collective submitted by the remaining ranks fails with
     ``MpiddpError``. Synchronize this rank's own collectives before calling it.
+
+    Args:
+        device: accepted for Horovod compatibility (``hvd.join(hvd.local_rank())``), where it
+            is the GPU for the zero tensors a joined rank contributes; mpiddp makes those in
+            the engine's own buffers, so it is not used.
 
     Returns:
         The rank that joined last (the highest of those that joined in the same cycle).
@@ -1104,5 +1144,7 @@ def join() -> int:
         EngineShutdownError: after ``shutdown()``, or the engine stopped before every rank
             joined.
     """
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"join(device=...) takes a device index, not {type(device).__name__}")
     handle = runtime.require_engine("join()").join()
     return handle.wait()

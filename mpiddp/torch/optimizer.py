@@ -45,7 +45,7 @@ import torch
 
 from .. import runtime
 from ..errors import MpiddpError, TensorMismatchError
-from ..ops import ReduceOp
+from ..ops import ADASUM_UNSUPPORTED, ReduceOp
 from .compression import Compression
 from .functions import allgather_object
 from .ops import allreduce, allreduce_request_, submit_together, synchronize as _wait
@@ -590,6 +590,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         op = ReduceOp(op)
     except ValueError:
         raise ValueError(f"unknown op {op!r}: use mpiddp.Average or mpiddp.Sum") from None
+    if op == ReduceOp.ADASUM:
+        raise ValueError(f"DistributedOptimizer: {ADASUM_UNSUPPORTED}")
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum, not {op.name}")
     factor = float(gradient_predivide_factor)

@@ -17,7 +17,7 @@ mpiddp.init()
 RANK, SIZE = mpiddp.rank(), mpiddp.size()
 SIZES = [0, 1, 2, 3, 7, 13, 97, 1000, 4099, 40_000]   # 40k floats > the 64 KiB test threshold
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
-          torch.int32, torch.int64]
+          torch.int16, torch.int32, torch.int64]
 TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 8e-2, torch.float32: 1e-5,
              torch.float64: 1e-12}
 OPS = [mpiddp.Average, mpiddp.Sum, mpiddp.Min, mpiddp.Max, mpiddp.Product]
@@ -26,6 +26,8 @@ OPS = [mpiddp.Average, mpiddp.Sum, mpiddp.Min, mpiddp.Max, mpiddp.Product]
 def reference(name, shape, dtype, op):
     stacked = np.stack([as64(data(r, name, shape, dtype, op)) for r in range(SIZE)])
     if op == mpiddp.Average:
+        if not dtype.is_floating_point:     # Horovod's rule: scaled in float64, truncated
+            return np.trunc(stacked.sum(axis=0) * (1.0 / SIZE))
         return stacked.mean(axis=0)
     fn = {mpiddp.Sum: np.sum, mpiddp.Min: np.min, mpiddp.Max: np.max, mpiddp.Product: np.prod}
     return fn[op](stacked, axis=0)
@@ -52,8 +54,6 @@ def check_allreduce():
     pending = []
     for dtype in DTYPES:
         for op in OPS:
-            if op == mpiddp.Average and not dtype.is_floating_point:
-                continue
             for n in SIZES:
                 name = f"ar.{dtype}.{op.name}.{n}"
                 tensor = data(RANK, name, (n,), dtype, op)
@@ -140,8 +140,6 @@ def check_reducescatter():
     for dtype in [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32]:
         for rows in (0, 1, SIZE, 2 * SIZE + 1, 37):
             for op in (mpiddp.Sum, mpiddp.Average, mpiddp.Max):
-                if op == mpiddp.Average and not dtype.is_floating_point:
-                    continue
                 name = f"rs.{dtype}.{rows}.{op.name}"
                 got = mpiddp.reducescatter(data(RANK, name, (rows, 2), dtype, op), name=name,
                                            op=op)
@@ -207,6 +205,47 @@ def check_out_of_order():
     ok("ranks submitting in different orders; a cached name with a new shape")
 
 
+def check_autograd():
+    """Differentiable collectives: Horovod's gradients, and gradcheck where it applies (the
+    ranks run it in lockstep, so every rank perturbs the same element at once)."""
+    def grad_of(fn, x, upstream=None):
+        x = x.detach().clone().requires_grad_()
+        y = fn(x)
+        y = y[0] if isinstance(y, tuple) else y
+        y.backward(torch.ones_like(y) if upstream is None else upstream)
+        return x.grad
+
+    x = torch.randn(5, 3, dtype=torch.float64)
+    assert torch.all(grad_of(lambda t: mpiddp.allreduce(t, op=mpiddp.Sum), x) == SIZE)
+    assert torch.allclose(grad_of(lambda t: mpiddp.allreduce(t), x), torch.ones_like(x))
+    assert torch.allclose(grad_of(lambda t: mpiddp.allreduce(t, op=mpiddp.Sum,
+                                                             prescale_factor=2.0), x),
+                          torch.full_like(x, 2.0 * SIZE))
+    for op in (mpiddp.Sum, mpiddp.Average):
+        assert torch.autograd.gradcheck(lambda t: mpiddp.allreduce(t, op=op), (x.clone()
+                                                                              .requires_grad_(),))
+    pair = [x.clone().requires_grad_(), (2 * x).requires_grad_()]
+    outs = mpiddp.grouped_allreduce(pair, op=mpiddp.Sum)
+    (outs[0].sum() + 3 * outs[1].sum()).backward()
+    assert torch.all(pair[0].grad == SIZE) and torch.all(pair[1].grad == 3 * SIZE)
+    ok("autograd: allreduce (gradcheck for Sum and Average), grouped_allreduce")
+
+    rows = torch.randn(RANK + 1, 3, dtype=torch.float64)      # uneven first dimensions
+    assert torch.allclose(grad_of(lambda t: mpiddp.allgather(t), rows), torch.ones_like(rows))
+    root = SIZE - 1
+    want = torch.ones_like(x) if RANK == root else torch.zeros_like(x)
+    assert torch.allclose(grad_of(lambda t: mpiddp.broadcast(t, root), x), want)
+    even = torch.randn(2 * SIZE, 3, dtype=torch.float64)
+    assert torch.allclose(grad_of(lambda t: mpiddp.alltoall(t), even), torch.ones_like(even))
+    assert torch.allclose(grad_of(lambda t: mpiddp.reducescatter(t, op=mpiddp.Sum), even),
+                          torch.full_like(even, float(SIZE)))
+    assert torch.allclose(grad_of(lambda t: mpiddp.reducescatter(t, op=mpiddp.Average), even),
+                          torch.ones_like(even))
+    with torch.no_grad():                       # no graph: the plain path
+        assert not mpiddp.allreduce(x.clone().requires_grad_()).requires_grad
+    ok("autograd: allgather, broadcast, alltoall, reducescatter (Horovod's conventions)")
+
+
 def check_topology():
     # One node: every rank is local; the cross-node communicator has one member per node.
     assert (mpiddp.local_rank(), mpiddp.local_size()) == (RANK, SIZE)
@@ -216,7 +255,8 @@ def check_topology():
 
 
 CHECKS = [check_topology, check_allreduce, check_allreduce_variants, check_allgather, check_broadcast,
-          check_reducescatter, check_alltoall, check_fusion_and_cache, check_out_of_order]
+          check_reducescatter, check_alltoall, check_fusion_and_cache, check_out_of_order,
+          check_autograd]
 
 if __name__ == "__main__":
     selected = sys.argv[1:] or [c.__name__ for c in CHECKS]

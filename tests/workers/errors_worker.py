@@ -77,8 +77,6 @@ def mismatches():
 
     expect(TypeError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.complex64),
                                                name="cplx"), "cplx", "complex64", "supported")
-    expect(ValueError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.int32), name="iavg"),
-           "iavg", "Average", "integer")
     expect(ValueError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.bool), name="bsum",
                                                 op=mpiddp.Sum), "bsum", "bool")
     expect(ValueError, lambda: mpiddp.broadcast(torch.ones(2), root_rank=size, name="badroot"),
@@ -88,9 +86,18 @@ def mismatches():
     expect(ValueError, lambda: mpiddp.allgather(torch.tensor(1.0), name="scalar.gather"),
            "scalar.gather", "scalar")
     expect(TypeError, lambda: mpiddp.allreduce([1, 2], name="notatensor"), "notatensor")
-    expect(ValueError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.int32), name="iscale",
-                                                op=mpiddp.Sum, prescale_factor=2.0), "iscale")
-    ok("bad input rejected on the calling rank")
+    expect(ValueError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.bool), name="bscale",
+                                                op=mpiddp.Max, prescale_factor=2.0), "bscale")
+    expect(ValueError, lambda: mpiddp.allreduce(torch.ones(2), op=mpiddp.Adasum,
+                                                name="adasum"), "Adasum", "op=Average")
+    expect(ValueError, lambda: mpiddp.DistributedOptimizer(
+        torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), op=mpiddp.Adasum),
+        "Adasum is not supported")
+    # Horovod's integer rules: scale factors and Average on integers, truncated toward zero.
+    scaled = mpiddp.allreduce(torch.full((2,), 3, dtype=torch.int32), name="iscale",
+                              op=mpiddp.Sum, prescale_factor=0.5)
+    assert scaled.tolist() == [size, size], scaled      # trunc(3 * 0.5) = 1 on every rank
+    ok("bad input rejected on every rank (negotiated)")
 
     mpiddp.shutdown()
     mpiddp.shutdown()  # idempotent
@@ -139,10 +146,11 @@ def rejected_on_some_ranks():
     mpiddp.init()
     rank, size = mpiddp.rank(), mpiddp.size()
     odd = rank % 2 == 1
-    # Rank 0, 2..: int32 with op=Average (rejected: integer Average); odd ranks: float32.
-    tensor = torch.ones(17, 3, dtype=torch.float32 if odd else torch.int32)
-    text = expect(mpiddp.InvalidInputError, lambda: mpiddp.allreduce(tensor, name="typed"),
-                  "Invalid input for allreduce 'typed'", "rank 0: ValueError: op=Average")
+    # Rank 0, 2..: bool with op=Sum (rejected: Sum of bools); odd ranks: float32.
+    tensor = torch.ones(17, 3, dtype=torch.float32 if odd else torch.bool)
+    text = expect(mpiddp.InvalidInputError,
+                  lambda: mpiddp.allreduce(tensor, name="typed", op=mpiddp.Sum),
+                  "Invalid input for allreduce 'typed'", "rank 0: ValueError: op=Sum")
     ok("allreduce rejected on some ranks fails on every rank: " + text[:60])
     expect(RuntimeError, lambda: mpiddp.reducescatter(tensor, op=mpiddp.Average),
            "Invalid input for reducescatter")      # Horovod expects RuntimeError; unnamed

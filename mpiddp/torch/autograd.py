@@ -1,0 +1,124 @@
+"""Differentiable collectives: ``allreduce``, ``grouped_allreduce``, ``allgather``,
+``broadcast``, ``alltoall`` and ``reducescatter`` take part in autograd when their input
+requires a gradient (the in-place and ``_async`` forms do not, as in Horovod).
+
+The backward passes follow Horovod's conventions, which treat the ranks' losses as one loss
+averaged over the ranks (so a model's gradient does not grow with the rank count):
+
+* allreduce: the gradient is all-reduced with the forward's op and scale factors;
+* allgather: the gradient is averaged over the ranks, then this rank's rows are kept;
+* broadcast: the gradient is averaged over the ranks and kept on the root (zero elsewhere);
+* alltoall: the gradient travels back the way the data came;
+* reducescatter: the gradient is gathered (times ``size()`` for Sum, and times the scale
+  factors).
+
+Each backward pass is itself a collective: every rank must run backward through the same
+collectives in the same order, as every rank ran them forward.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import runtime
+from ..ops import ReduceOp
+from .ops import (allgather_async, allreduce_async, alltoall_async, broadcast_async,
+                  grouped_allreduce_async, reducescatter_async, synchronize)
+
+__all__: list[str] = []      # used through mpiddp.allreduce & co.
+
+
+class Allreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, name, prescale, postscale):
+        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        return synchronize(allreduce_async(tensor, name=name, op=op, prescale_factor=prescale,
+                                           postscale_factor=postscale))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (synchronize(allreduce_async(grad.contiguous(), op=ctx.op,
+                                            prescale_factor=ctx.prescale,
+                                            postscale_factor=ctx.postscale)),
+                None, None, None, None)
+
+
+class GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, name, prescale, postscale, *tensors):
+        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        return tuple(synchronize(grouped_allreduce_async(
+            list(tensors), name=name, op=op, prescale_factor=prescale,
+            postscale_factor=postscale)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reduced = synchronize(grouped_allreduce_async(
+            [g.contiguous() for g in grads], op=ctx.op, prescale_factor=ctx.prescale,
+            postscale_factor=ctx.postscale))
+        return (None, None, None, None, *reduced)
+
+
+class Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name):
+        ctx.rows = tensor.shape[0]
+        return synchronize(allgather_async(tensor, name=name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        averaged = synchronize(allreduce_async(grad.contiguous(), op=ReduceOp.AVERAGE))
+        rows = synchronize(allgather_async(torch.tensor([ctx.rows], dtype=torch.int64)))
+        offset = int(rows[:runtime.rank()].sum())
+        return averaged.narrow(0, offset, ctx.rows), None
+
+
+class Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root, name):
+        ctx.root = root
+        return synchronize(broadcast_async(tensor, root, name=name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        averaged = synchronize(allreduce_async(grad.contiguous(), op=ReduceOp.AVERAGE))
+        if runtime.rank() != ctx.root:
+            averaged.zero_()
+        return averaged, None, None
+
+
+class Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name):
+        output, received = synchronize(alltoall_async(
+            tensor, splits=splits if splits is not None else _even_splits(tensor), name=name))
+        ctx.received = received
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad, _received_grad):
+        back, _ = synchronize(alltoall_async(grad.contiguous(), splits=ctx.received))
+        return back, None, None
+
+
+class Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, op, name, prescale, postscale):
+        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        return synchronize(reducescatter_async(tensor, name=name, op=op,
+                                               prescale_factor=prescale,
+                                               postscale_factor=postscale))
+
+    @staticmethod
+    def backward(ctx, grad):
+        factor = ctx.prescale * ctx.postscale
+        if ctx.op == ReduceOp.SUM:
+            factor *= runtime.size()
+        grad = grad * factor if factor != 1.0 else grad
+        return synchronize(allgather_async(grad.contiguous())), None, None, None, None
+
+
+def _even_splits(tensor: torch.Tensor) -> list[int]:
+    size = runtime.size()
+    rows = tensor.shape[0] if tensor.dim() else 0
+    return [rows // size] * size if rows % size == 0 else None
