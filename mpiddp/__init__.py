@@ -25,6 +25,8 @@ from .torch.ops import (allgather, allgather_async, allreduce, allreduce_,  # no
                         reducescatter_async, synchronize)
 
 __version__ = "0.1.0"
+from .process_sets import (ProcessSet, add_process_set, global_process_set,  # noqa: F401
+                           remove_process_set)
 from .torch.compression import Compression  # noqa: F401,E402
 from .torch.functions import (allgather_object, broadcast_object,  # noqa: F401,E402
                               broadcast_optimizer_state, broadcast_parameters)
@@ -44,6 +46,7 @@ __all__ = [
     "MpiddpError", "NotInitializedError", "TensorMismatchError", "DuplicateNameError",
     "EngineShutdownError", "LaunchError", "InvalidInputError", "InvalidInputTypeError",
     "HorovodInternalError",
+    "ProcessSet", "add_process_set", "remove_process_set", "global_process_set",
     # tensor collectives
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",

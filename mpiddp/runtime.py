@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Sequence
 
 from .config import Settings, read_settings, unknown_settings
 from .errors import EngineShutdownError, NotInitializedError
@@ -58,7 +59,7 @@ _previous_excepthook = None
 _previous_thread_excepthook = None
 
 
-def init(comm: MPI.Comm | None = None) -> None:
+def init(comm: MPI.Comm | None = None, process_sets: Sequence | str | None = None) -> None:
     """Start mpiddp on this rank: check the launch, read and agree on the ``MPIDDP_*``
     settings, build the node-local and cross-node communicators, pick this rank's GPU (if
     any) and start the engine's coordinator thread.
@@ -71,6 +72,9 @@ def init(comm: MPI.Comm | None = None) -> None:
     Args:
         comm: the communicator whose ranks train together. Default None:
             ``MPI.COMM_WORLD``. The engine works on a private duplicate of it.
+        process_sets: ``ProcessSet`` objects (or rank lists) to add right away, as
+            Horovod's static process sets (``add_process_set`` adds more later); None or
+            ``"dynamic"`` adds none.
 
     Raises:
         LaunchError: the launcher started several tasks but MPI sees one process per task
@@ -126,6 +130,11 @@ def init(comm: MPI.Comm | None = None) -> None:
         _remove_abort_hook()
     log.info("mpiddp initialised: rank %d of %d, local rank %d of %d", comm.Get_rank(),
              comm.Get_size(), local_comm.Get_rank(), local_comm.Get_size())
+    if process_sets is not None and process_sets != "dynamic":
+        from .process_sets import add_process_set
+
+        for process_set in process_sets:      # Horovod's static process sets
+            add_process_set(process_set)
 
 
 # Settings every rank must share: they decide message sizes, fusion plans and algorithms.
@@ -166,6 +175,9 @@ def shutdown() -> None:
     runtime = _runtime
     if runtime is None:
         return
+    from . import process_sets
+
+    process_sets.shutdown_all()
     runtime.engine.shutdown("shutdown() was called")
     _write_timeline_file(runtime)
     _runtime = None

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 import mpiddp
-from mpiddp import build_info, runtime
+from mpiddp import build_info, process_sets, runtime
 from mpiddp.torch import compression, functions, optimizer, ops
 
 ROOT = Path(__file__).parent.parent
-PUBLIC_MODULES = [mpiddp, runtime, ops, functions, optimizer, compression, build_info]
+PUBLIC_MODULES = [mpiddp, runtime, ops, functions, optimizer, compression, build_info,
+                  process_sets]
 
 # Functions that raise nothing of their own (no "Raises:" section needed).
 RAISES_NOTHING = {"is_initialized", "mpi_threads_supported", "shutdown",

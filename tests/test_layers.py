@@ -13,7 +13,7 @@ LAYERS = [
     {"transport"},
     {"collectives"},
     {"engine"},
-    {"gpu", "launch_check", "runtime", "build_info"},
+    {"gpu", "launch_check", "runtime", "build_info", "process_sets"},
     {"torch"},
     {"__init__"},
 ]

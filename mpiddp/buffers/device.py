@@ -10,7 +10,7 @@ Ordering, all without timing assumptions:
   (packing, reduce kernels, scaling, unpacking, staging copies to the device) is queued on it.
 * ``wait_ready(entry)`` makes the engine stream wait (on the device, not the host) for the
   ``torch.cuda.Event`` recorded on the stream that produced the tensor.
-* ``before_mpi`` and the staging transport (``mpiddp.transport.staging``) synchronise the engine stream
+* ``before_mpi`` and the staging transport (``transport.staging``) synchronise the engine stream
   before MPI reads or writes a device buffer: MPI does not order itself against streams.
 * ``after_unpack`` synchronises the engine stream before the handles complete, so the
   results are visible to any stream the caller uses next.

@@ -29,96 +29,118 @@ __all__: list[str] = []      # used through mpiddp.allreduce & co.
 
 class Allreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, name, prescale, postscale):
+    def forward(ctx, tensor, op, name, prescale, postscale, process_set):
         ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        ctx.process_set = process_set
         return synchronize(allreduce_async(tensor, name=name, op=op, prescale_factor=prescale,
-                                           postscale_factor=postscale))
+                                           postscale_factor=postscale,
+                                           process_set=process_set))
 
     @staticmethod
     def backward(ctx, grad):
         return (synchronize(allreduce_async(grad.contiguous(), op=ctx.op,
                                             prescale_factor=ctx.prescale,
-                                            postscale_factor=ctx.postscale)),
-                None, None, None, None)
+                                            postscale_factor=ctx.postscale,
+                                            process_set=ctx.process_set)),
+                None, None, None, None, None)
 
 
 class GroupedAllreduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, op, name, prescale, postscale, *tensors):
+    def forward(ctx, op, name, prescale, postscale, process_set, *tensors):
         ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        ctx.process_set = process_set
         return tuple(synchronize(grouped_allreduce_async(
             list(tensors), name=name, op=op, prescale_factor=prescale,
-            postscale_factor=postscale)))
+            postscale_factor=postscale, process_set=process_set)))
 
     @staticmethod
     def backward(ctx, *grads):
         reduced = synchronize(grouped_allreduce_async(
             [g.contiguous() for g in grads], op=ctx.op, prescale_factor=ctx.prescale,
-            postscale_factor=ctx.postscale))
-        return (None, None, None, None, *reduced)
+            postscale_factor=ctx.postscale, process_set=ctx.process_set))
+        return (None, None, None, None, None, *reduced)
 
 
 class Allgather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, name):
-        ctx.rows = tensor.shape[0]
-        return synchronize(allgather_async(tensor, name=name))
+    def forward(ctx, tensor, name, process_set):
+        ctx.rows, ctx.process_set = tensor.shape[0], process_set
+        return synchronize(allgather_async(tensor, name=name, process_set=process_set))
 
     @staticmethod
     def backward(ctx, grad):
-        averaged = synchronize(allreduce_async(grad.contiguous(), op=ReduceOp.AVERAGE))
-        rows = synchronize(allgather_async(torch.tensor([ctx.rows], dtype=torch.int64)))
-        offset = int(rows[:runtime.rank()].sum())
-        return averaged.narrow(0, offset, ctx.rows), None
+        ps = ctx.process_set
+        averaged = synchronize(allreduce_async(grad.contiguous(), op=ReduceOp.AVERAGE,
+                                               process_set=ps))
+        rows = synchronize(allgather_async(torch.tensor([ctx.rows], dtype=torch.int64),
+                                           process_set=ps))
+        offset = int(rows[:_rank_in(ps)].sum())
+        return averaged.narrow(0, offset, ctx.rows), None, None
 
 
 class Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, root, name):
-        ctx.root = root
-        return synchronize(broadcast_async(tensor, root, name=name))
+    def forward(ctx, tensor, root, name, process_set):
+        ctx.root, ctx.process_set = root, process_set
+        return synchronize(broadcast_async(tensor, root, name=name, process_set=process_set))
 
     @staticmethod
     def backward(ctx, grad):
-        averaged = synchronize(allreduce_async(grad.contiguous(), op=ReduceOp.AVERAGE))
-        if runtime.rank() != ctx.root:
+        averaged = synchronize(allreduce_async(grad.contiguous(), op=ReduceOp.AVERAGE,
+                                               process_set=ctx.process_set))
+        if runtime.rank() != ctx.root:          # roots are global ranks, as in Horovod
             averaged.zero_()
-        return averaged, None, None
+        return averaged, None, None, None
 
 
 class Alltoall(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, splits, name):
-        output, received = synchronize(alltoall_async(
-            tensor, splits=splits if splits is not None else _even_splits(tensor), name=name))
-        ctx.received = received
+    def forward(ctx, tensor, splits, name, process_set):
+        if splits is None:
+            splits = _even_splits(tensor, process_set)
+        output, received = synchronize(alltoall_async(tensor, splits=splits, name=name,
+                                                      process_set=process_set))
+        ctx.received, ctx.process_set = received, process_set
         ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
     def backward(ctx, grad, _received_grad):
-        back, _ = synchronize(alltoall_async(grad.contiguous(), splits=ctx.received))
-        return back, None, None
+        back, _ = synchronize(alltoall_async(grad.contiguous(), splits=ctx.received,
+                                             process_set=ctx.process_set))
+        return back, None, None, None
 
 
 class Reducescatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor, op, name, prescale, postscale):
+    def forward(ctx, tensor, op, name, prescale, postscale, process_set):
         ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        ctx.process_set = process_set
         return synchronize(reducescatter_async(tensor, name=name, op=op,
                                                prescale_factor=prescale,
-                                               postscale_factor=postscale))
+                                               postscale_factor=postscale,
+                                               process_set=process_set))
 
     @staticmethod
     def backward(ctx, grad):
         factor = ctx.prescale * ctx.postscale
         if ctx.op == ReduceOp.SUM:
-            factor *= runtime.size()
+            factor *= _size_of(ctx.process_set)
         grad = grad * factor if factor != 1.0 else grad
-        return synchronize(allgather_async(grad.contiguous())), None, None, None, None
+        return (synchronize(allgather_async(grad.contiguous(), process_set=ctx.process_set)),
+                None, None, None, None, None)
 
 
-def _even_splits(tensor: torch.Tensor) -> list[int]:
-    size = runtime.size()
+def _size_of(process_set) -> int:
+    return runtime.size() if process_set is None else process_set.size()
+
+
+def _rank_in(process_set) -> int:
+    return runtime.rank() if process_set is None else process_set.rank()
+
+
+def _even_splits(tensor: torch.Tensor, process_set) -> list[int]:
+    size = _size_of(process_set)
     rows = tensor.shape[0] if tensor.dim() else 0
     return [rows // size] * size if rows % size == 0 else None

@@ -14,6 +14,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from .. import runtime
+from ..process_sets import ProcessSet
 from .naming import collective_name, root_rank as root_rank_of
 from .ops import allgather, broadcast_, broadcast_async_, synchronize
 
@@ -30,7 +31,8 @@ def _loads(tensor: torch.Tensor):
     return pickle.loads(tensor.numpy().tobytes())
 
 
-def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None) -> Any:
+def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet | None = None) -> Any:
     """Return ``root_rank``'s ``obj`` on every rank. The length travels first, then the
     pickled bytes (two tensor broadcasts). A collective: every rank must call it.
 
@@ -41,6 +43,8 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = Non
             Default 0.
         name: identifies the call across ranks (collectives ``broadcast_object.<name>.len``
             and ``.data``). Default None: generated, numbered in call order.
+        process_set: run among this ``ProcessSet``'s ranks only (``root_rank`` is still a
+            global rank); default None: every rank.
 
     Returns:
         ``obj`` itself on ``root_rank``; an unpickled copy of it on the other ranks.
@@ -62,14 +66,15 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = Non
     is_root = runtime.rank() == root_rank
     payload = _dumps(obj) if is_root else None
     length = torch.tensor([payload.numel() if is_root else 0], dtype=torch.int64)
-    broadcast_(length, root_rank, name=f"{base}.len")
+    broadcast_(length, root_rank, name=f"{base}.len", process_set=process_set)
     if not is_root:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    broadcast_(payload, root_rank, name=f"{base}.data")
+    broadcast_(payload, root_rank, name=f"{base}.data", process_set=process_set)
     return obj if is_root else _loads(payload)
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+def allgather_object(obj: Any, name: str | None = None,
+                     process_set: ProcessSet | None = None) -> list[Any]:
     """Return the list of every rank's ``obj``, in rank order, on every rank.
 
     One all-gather: each rank contributes an 8-byte length followed by its pickled bytes, so
@@ -80,6 +85,8 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
         obj: this rank's picklable object.
         name: identifies the call across ranks (collective ``allgather_object.<name>.data``).
             Default None: generated, numbered in call order.
+        process_set: run among this ``ProcessSet``'s ranks only (``root_rank`` is still a
+            global rank); default None: every rank.
 
     Returns:
         A new list of ``size()`` unpickled objects, rank 0's first (this rank's entry is a
@@ -98,9 +105,10 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     base = collective_name("allgather_object", name, prefixed=True)
     payload = _dumps(obj)
     header = torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8)
-    gathered = allgather(torch.cat([header, payload]), name=f"{base}.data").numpy().tobytes()
+    gathered = allgather(torch.cat([header, payload]), name=f"{base}.data",
+                         process_set=process_set).numpy().tobytes()
     result, offset = [], 0
-    for _ in range(runtime.size()):
+    for _ in range(runtime.size() if process_set is None else process_set.size()):
         n = int.from_bytes(gathered[offset:offset + 8], sys.byteorder)
         result.append(pickle.loads(gathered[offset + 8:offset + 8 + n]))
         offset += 8 + n
@@ -136,7 +144,8 @@ def _named_tensors(params, what: str) -> list[tuple[str, torch.Tensor]]:
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable,
-                         root_rank: int = 0, prefix: str = "broadcast_parameters") -> None:
+                         root_rank: int = 0, prefix: str = "broadcast_parameters",
+                         process_set: ProcessSet | None = None) -> None:
     """Overwrite every tensor in ``params`` with ``root_rank``'s values, in place.
 
     All broadcasts are submitted at once and waited for together. Run it after building the
@@ -151,6 +160,8 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable,
             Default 0.
         prefix: tensor ``n`` is broadcast as ``<prefix>.<n>``; use different prefixes for
             calls that may be in flight at the same time. Default ``"broadcast_parameters"``.
+        process_set: run among this ``ProcessSet``'s ranks only (``root_rank`` is still a
+            global rank); default None: every rank.
 
     Raises:
         TypeError: ``params`` is a single tensor, an item is neither a tensor nor a
@@ -171,7 +182,8 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable,
     handles = []
     with torch.no_grad():
         for name, tensor in items:
-            handles.append(broadcast_async_(tensor, root_rank, name=f"{prefix}.{name}"))
+            handles.append(broadcast_async_(tensor, root_rank, name=f"{prefix}.{name}",
+                                            process_set=process_set))
         for handle in handles:
             synchronize(handle)
 
@@ -224,7 +236,8 @@ def _fill(value, tensors: list, make):
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
-                              prefix: str = "broadcast_optimizer_state") -> None:
+                              prefix: str = "broadcast_optimizer_state",
+                              process_set: ProcessSet | None = None) -> None:
     """Make every rank's optimizer state (per-parameter state such as momentum buffers and step
     counts, and the param groups' hyperparameters such as ``lr``) equal to ``root_rank``'s.
 
@@ -241,6 +254,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         root_rank: the rank whose state everyone receives, the same on every rank. Default 0.
         prefix: base of the collectives' names (``<prefix>.noname.<n>``, numbered in call
             order). Default ``"broadcast_optimizer_state"``.
+        process_set: run among this ``ProcessSet``'s ranks only (``root_rank`` is still a
+            global rank); default None: every rank.
 
     Raises:
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``; ``root_rank`` is not an
@@ -270,7 +285,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         state = {key: _skeleton(value, root_tensors)
                  for key, value in state_dict["state"].items()}
         skeleton = {"state": state, "param_groups": state_dict["param_groups"]}
-    skeleton = broadcast_object(skeleton, root_rank, name=f"{base}.skeleton")
+    skeleton = broadcast_object(skeleton, root_rank, name=f"{base}.skeleton",
+                                process_set=process_set)
 
     root_groups = [len(g["params"]) for g in skeleton["param_groups"]]
     if is_root:
@@ -279,7 +295,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         pairs = []
         make = lambda slot: torch.empty(slot.shape, dtype=slot.dtype)  # noqa: E731
         state = {key: _fill(value, pairs, make) for key, value in skeleton["state"].items()}
-    handles = [broadcast_async_(tensor, root_rank, name=f"{base}.t{index}")
+    handles = [broadcast_async_(tensor, root_rank, name=f"{base}.t{index}",
+                                process_set=process_set)
                for index, tensor in sorted(pairs, key=lambda pair: pair[0])]
     for handle in handles:
         synchronize(handle)

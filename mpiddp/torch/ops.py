@@ -38,6 +38,8 @@ from ..engine.handle import Handle
 from ..engine.request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST,
                               REDUCESCATTER, Entry, Request)
 from ..ops import ReduceOp, check_op_for_dtype
+from ..process_sets import ProcessSet, engine_for, set_rank_of
+from .compression import Compression, Compressor
 from .naming import collective_name, root_rank as check_root
 from .views import device_name, dtype_name, flat_array
 
@@ -202,12 +204,11 @@ def _ready_event(tensor: torch.Tensor):
     return event
 
 
-def _submit(entries: list[Entry], finalize: Callable[[], object]) -> TensorHandle:
-    engine = runtime.require_engine(entries[0].request.kind + "()")
+def _submit(engine, entries: list[Entry], finalize: Callable[[], object]) -> TensorHandle:
     return TensorHandle(engine.submit_many(entries), finalize)
 
 
-def _submit_checked(kind: str, names: list[str],
+def _submit_checked(engine, kind: str, names: list[str],
                     build: Callable[[], tuple[list[Entry], Callable[[], object]]]) -> TensorHandle:
     """Run ``build()``, which checks this rank's input and returns (entries, finalize), and
     submit the entries. When this rank rejects its input (``build`` raises TypeError or
@@ -225,7 +226,7 @@ def _submit_checked(kind: str, names: list[str],
             entry.rejected = exc
             entries.append(entry)
         finalize = _nothing
-    return _submit(entries, finalize)
+    return _submit(engine, entries, finalize)
 
 
 def _entry(request: Request, tensor: torch.Tensor, output=None, allocate=None) -> Entry:
@@ -265,8 +266,8 @@ def allreduce_request_(tensor: torch.Tensor, name: str, op: ReduceOp | int = Red
 
     Raises:
         ValueError: ``tensor`` is not contiguous; ``op`` is not a ``ReduceOp`` value or
-            does not apply to the dtype (Average on integers, anything but Min/Max on bool);
-            scale factors other than 1.0 on a non-floating-point tensor; a cuda tensor not
+            does not apply to the dtype (anything but Min/Max on bool);
+            scale factors other than 1.0 on a bool tensor; a cuda tensor not
             on this rank's GPU.
         TypeError: unsupported dtype or device.
     """
@@ -276,12 +277,14 @@ def allreduce_request_(tensor: torch.Tensor, name: str, op: ReduceOp | int = Red
                             postscale_factor)
 
 
-def submit_together(entries: list[Entry]) -> list[TensorHandle]:
+def submit_together(entries: list[Entry],
+                    process_set: ProcessSet | None = None) -> list[TensorHandle]:
     """Submit requests made by ``allreduce_request_`` in one go: the engine takes them in the
     same cycle, so one negotiation covers them all and they fuse together.
 
     Args:
         entries: requests from ``allreduce_request_``, with distinct names.
+        process_set: submit to this ``ProcessSet``'s engine; default None: every rank's.
 
     Returns:
         One ``TensorHandle`` per entry, in order; ``synchronize`` on it returns None (the
@@ -293,7 +296,7 @@ def submit_together(entries: list[Entry]) -> list[TensorHandle]:
         DuplicateNameError: a name is already in flight on this rank, or appears twice in
             ``entries``; nothing is submitted then.
     """
-    engine = runtime.require_engine("submit_together()")
+    engine, _ = engine_for(process_set, "submit_together()")
     return [TensorHandle([handle], _nothing) for handle in engine.submit_many(entries)]
 
 
@@ -301,8 +304,9 @@ def _nothing():
     return None
 
 
-def _allreduce_async(tensor, in_place, average, name, op, prescale_factor, postscale_factor):
-    runtime.require_engine("allreduce()")
+def _allreduce_async(tensor, in_place, average, name, op, prescale_factor, postscale_factor,
+                     process_set):
+    engine, _ = engine_for(process_set, "allreduce()")
     name = collective_name(ALLREDUCE, name)
 
     def build():
@@ -320,12 +324,13 @@ def _allreduce_async(tensor, in_place, average, name, op, prescale_factor, posts
         return [_allreduce_entry(tensor, output, name, _resolve_op(op, average),
                                  prescale_factor, postscale_factor)], finalize
 
-    return _submit_checked(ALLREDUCE, [name], build)
+    return _submit_checked(engine, ALLREDUCE, [name], build)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
-                    postscale_factor: float = 1.0) -> TensorHandle:
+                    postscale_factor: float = 1.0,
+                    process_set: ProcessSet | None = None) -> TensorHandle:
     """Start reducing ``tensor`` across ranks (default op: Average) into a new tensor.
 
     A non-contiguous ``tensor`` is copied at the call; a contiguous one is read in place
@@ -339,9 +344,11 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
             on this rank. Default None: the next generated ``allreduce.noname.<n>``.
         op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
         prescale_factor: multiply every rank's input by this before the reduction
-            (floating-point dtypes only). Default 1.0.
-        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            (integers: in float64, truncated). Default 1.0.
+        postscale_factor: multiply the result by this (integers: in float64, truncated); Average
             divides by ``size()`` on top. Default 1.0.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         A ``TensorHandle``; ``synchronize`` returns a new contiguous tensor of the same
@@ -351,19 +358,21 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
         TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
             device.
         ValueError: both ``op`` and ``average`` given; unknown ``op``; ``op`` not defined
-            for the dtype (Average on integers, anything but Min/Max on bool); scale factors
-            other than 1.0 on a non-floating-point tensor; ``name`` not a non-empty string;
+            for the dtype (anything but Min/Max on bool); scale factors
+            other than 1.0 on a bool tensor; ``name`` not a non-empty string;
             a cuda tensor not on this rank's GPU.
         DuplicateNameError: ``name`` is already in flight on this rank.
         NotInitializedError: before ``init()``.
         EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
     """
-    return _allreduce_async(tensor, False, average, name, op, prescale_factor, postscale_factor)
+    return _allreduce_async(tensor, False, average, name, op, prescale_factor, postscale_factor,
+                            process_set)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
-                     postscale_factor: float = 1.0) -> TensorHandle:
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet | None = None) -> TensorHandle:
     """Start reducing ``tensor`` across ranks in place (default op: Average).
 
     A non-contiguous ``tensor`` is reduced in a contiguous copy, written back into it by
@@ -377,9 +386,11 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
             on this rank. Default None: the next generated ``allreduce.noname.<n>``.
         op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
         prescale_factor: multiply every rank's input by this before the reduction
-            (floating-point dtypes only). Default 1.0.
-        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            (integers: in float64, truncated). Default 1.0.
+        postscale_factor: multiply the result by this (integers: in float64, truncated); Average
             divides by ``size()`` on top. Default 1.0.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         A ``TensorHandle``; ``synchronize`` returns ``tensor`` holding the reduction.
@@ -388,19 +399,21 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
         TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
             device.
         ValueError: both ``op`` and ``average`` given; unknown ``op``; ``op`` not defined
-            for the dtype (Average on integers, anything but Min/Max on bool); scale factors
-            other than 1.0 on a non-floating-point tensor; ``name`` not a non-empty string;
+            for the dtype (anything but Min/Max on bool); scale factors
+            other than 1.0 on a bool tensor; ``name`` not a non-empty string;
             a cuda tensor not on this rank's GPU.
         DuplicateNameError: ``name`` is already in flight on this rank.
         NotInitializedError: before ``init()``.
         EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
     """
-    return _allreduce_async(tensor, True, average, name, op, prescale_factor, postscale_factor)
+    return _allreduce_async(tensor, True, average, name, op, prescale_factor, postscale_factor,
+                            process_set)
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-              op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0) -> torch.Tensor:
+              compression: Compressor = Compression.none, op: ReduceOp | int | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet | None = None) -> torch.Tensor:
     """Reduce ``tensor`` across ranks (default op: Average) and return the result as a new
     tensor; ``tensor`` is unchanged. Blocks until done.
 
@@ -412,9 +425,13 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
             on this rank. Default None: the next generated ``allreduce.noname.<n>``.
         op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
         prescale_factor: multiply every rank's input by this before the reduction
-            (floating-point dtypes only). Default 1.0.
-        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            (integers: in float64, truncated). Default 1.0.
+        postscale_factor: multiply the result by this (integers: in float64, truncated); Average
             divides by ``size()`` on top. Default 1.0.
+        compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``: the dtype the
+            tensor travels in (cast back afterwards), as Horovod's ``compression``.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         A new contiguous tensor of the same shape, dtype and device.
@@ -423,8 +440,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
             device.
         ValueError: both ``op`` and ``average`` given; unknown ``op``; ``op`` not defined
-            for the dtype (Average on integers, anything but Min/Max on bool); scale factors
-            other than 1.0 on a non-floating-point tensor; ``name`` not a non-empty string;
+            for the dtype (anything but Min/Max on bool); scale factors
+            other than 1.0 on a bool tensor; ``name`` not a non-empty string;
             a cuda tensor not on this rank's GPU.
         DuplicateNameError: ``name`` is already in flight on this rank.
         NotInitializedError: before ``init()``.
@@ -432,18 +449,22 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
             collective finished.
         TensorMismatchError: the ranks disagree on this collective (raised on every rank).
     """
-    if _needs_grad(tensor):
+    wire, context = compression.compress(tensor)
+    if _needs_grad(wire):
         from . import autograd
 
-        return autograd.Allreduce.apply(tensor, _resolve_op(op, average), name,
-                                        prescale_factor, postscale_factor)
-    return synchronize(allreduce_async(tensor, average, name, op, prescale_factor,
-                                       postscale_factor))
+        reduced = autograd.Allreduce.apply(wire, _resolve_op(op, average), name,
+                                           prescale_factor, postscale_factor, process_set)
+    else:
+        reduced = synchronize(allreduce_async(wire, average, name, op, prescale_factor,
+                                              postscale_factor, process_set))
+    return compression.decompress(reduced, context)
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
-               postscale_factor: float = 1.0) -> torch.Tensor:
+               postscale_factor: float = 1.0,
+               process_set: ProcessSet | None = None) -> torch.Tensor:
     """Reduce ``tensor`` across ranks in place (default op: Average) and return it.
     Blocks until done.
 
@@ -455,9 +476,11 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
             on this rank. Default None: the next generated ``allreduce.noname.<n>``.
         op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
         prescale_factor: multiply every rank's input by this before the reduction
-            (floating-point dtypes only). Default 1.0.
-        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            (integers: in float64, truncated). Default 1.0.
+        postscale_factor: multiply the result by this (integers: in float64, truncated); Average
             divides by ``size()`` on top. Default 1.0.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         ``tensor``, holding the reduction.
@@ -466,8 +489,8 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
         TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
             device.
         ValueError: both ``op`` and ``average`` given; unknown ``op``; ``op`` not defined
-            for the dtype (Average on integers, anything but Min/Max on bool); scale factors
-            other than 1.0 on a non-floating-point tensor; ``name`` not a non-empty string;
+            for the dtype (anything but Min/Max on bool); scale factors
+            other than 1.0 on a bool tensor; ``name`` not a non-empty string;
             a cuda tensor not on this rank's GPU.
         DuplicateNameError: ``name`` is already in flight on this rank.
         NotInitializedError: before ``init()``.
@@ -476,11 +499,12 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
         TensorMismatchError: the ranks disagree on this collective (raised on every rank).
     """
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor))
+                                        postscale_factor, process_set))
 
 
-def _grouped_async(tensors, in_place, average, name, op, prescale_factor, postscale_factor):
-    runtime.require_engine("grouped_allreduce()")
+def _grouped_async(tensors, in_place, average, name, op, prescale_factor, postscale_factor,
+                   process_set):
+    engine, _ = engine_for(process_set, "grouped_allreduce()")
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ValueError("grouped_allreduce takes a non-empty list of tensors")
     base = collective_name(ALLREDUCE, name)
@@ -504,13 +528,14 @@ def _grouped_async(tensors, in_place, average, name, op, prescale_factor, postsc
 
         return entries, finalize
 
-    return _submit_checked(ALLREDUCE, names, build)
+    return _submit_checked(engine, ALLREDUCE, names, build)
 
 
 def grouped_allreduce_async(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
                             average: bool | None = None, name: str | None = None,
                             op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
-                            postscale_factor: float = 1.0) -> TensorHandle:
+                            postscale_factor: float = 1.0,
+                            process_set: ProcessSet | None = None) -> TensorHandle:
     """Start reducing a list of tensors across ranks (default op: Average) into new tensors.
 
     The tensors are submitted together, so one negotiation covers them and they fuse
@@ -524,9 +549,11 @@ def grouped_allreduce_async(tensors: list[torch.Tensor] | tuple[torch.Tensor, ..
             flight on this rank. Default None: the next generated ``allreduce.noname.<n>``.
         op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
         prescale_factor: multiply every rank's inputs by this before the reduction
-            (floating-point dtypes only). Default 1.0.
-        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            (integers: in float64, truncated). Default 1.0.
+        postscale_factor: multiply the result by this (integers: in float64, truncated); Average
             divides by ``size()`` on top. Default 1.0.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         A ``TensorHandle``; ``synchronize`` returns a list of new contiguous tensors, in
@@ -544,13 +571,15 @@ def grouped_allreduce_async(tensors: list[torch.Tensor] | tuple[torch.Tensor, ..
         NotInitializedError: before ``init()``.
         EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
     """
-    return _grouped_async(tensors, False, average, name, op, prescale_factor, postscale_factor)
+    return _grouped_async(tensors, False, average, name, op, prescale_factor, postscale_factor,
+                          process_set)
 
 
 def grouped_allreduce_async_(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
                              average: bool | None = None, name: str | None = None,
                              op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0) -> TensorHandle:
+                             postscale_factor: float = 1.0,
+                             process_set: ProcessSet | None = None) -> TensorHandle:
     """Start reducing a list of tensors across ranks in place (default op: Average).
 
     The tensors are submitted together, so one negotiation covers them and they fuse
@@ -564,9 +593,11 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor] | tuple[torch.Tensor, .
             flight on this rank. Default None: the next generated ``allreduce.noname.<n>``.
         op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
         prescale_factor: multiply every rank's inputs by this before the reduction
-            (floating-point dtypes only). Default 1.0.
-        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            (integers: in float64, truncated). Default 1.0.
+        postscale_factor: multiply the result by this (integers: in float64, truncated); Average
             divides by ``size()`` on top. Default 1.0.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         A ``TensorHandle``; ``synchronize`` returns a list of the input tensors, holding
@@ -584,13 +615,15 @@ def grouped_allreduce_async_(tensors: list[torch.Tensor] | tuple[torch.Tensor, .
         NotInitializedError: before ``init()``.
         EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
     """
-    return _grouped_async(tensors, True, average, name, op, prescale_factor, postscale_factor)
+    return _grouped_async(tensors, True, average, name, op, prescale_factor, postscale_factor,
+                          process_set)
 
 
 def grouped_allreduce(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
                       average: bool | None = None, name: str | None = None,
-                      op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
-                      postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                      compression: Compressor = Compression.none, op: ReduceOp | int | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet | None = None) -> list[torch.Tensor]:
     """Reduce a list of tensors across ranks (default op: Average), fused where possible;
     return the results as new tensors. Blocks until done.
 
@@ -602,9 +635,13 @@ def grouped_allreduce(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
             flight on this rank. Default None: the next generated ``allreduce.noname.<n>``.
         op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
         prescale_factor: multiply every rank's inputs by this before the reduction
-            (floating-point dtypes only). Default 1.0.
-        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            (integers: in float64, truncated). Default 1.0.
+        postscale_factor: multiply the result by this (integers: in float64, truncated); Average
             divides by ``size()`` on top. Default 1.0.
+        compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``: the dtype the
+            tensor travels in (cast back afterwards), as Horovod's ``compression``.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         A list of new contiguous tensors, in the order of ``tensors``.
@@ -623,20 +660,28 @@ def grouped_allreduce(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
             collective finished.
         TensorMismatchError: the ranks disagree on this collective (raised on every rank).
     """
-    if isinstance(tensors, (list, tuple)) and _needs_grad(*tensors):
+    if not isinstance(tensors, (list, tuple)):
+        return synchronize(grouped_allreduce_async(tensors))     # raises the usual error
+    compressed = [compression.compress(t) for t in tensors]
+    wires = [wire for wire, _ in compressed]
+    if _needs_grad(*wires):
         from . import autograd
 
-        return list(autograd.GroupedAllreduce.apply(_resolve_op(op, average), name,
-                                                    prescale_factor, postscale_factor,
-                                                    *tensors))
-    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor,
-                                               postscale_factor))
+        reduced = autograd.GroupedAllreduce.apply(_resolve_op(op, average), name,
+                                                  prescale_factor, postscale_factor,
+                                                  process_set, *wires)
+    else:
+        reduced = synchronize(grouped_allreduce_async(wires, average, name, op,
+                                                      prescale_factor, postscale_factor,
+                                                      process_set))
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, compressed)]
 
 
 def grouped_allreduce_(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
                        average: bool | None = None, name: str | None = None,
                        op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0) -> list[torch.Tensor]:
+                       postscale_factor: float = 1.0,
+                       process_set: ProcessSet | None = None) -> list[torch.Tensor]:
     """Reduce a list of tensors across ranks in place (default op: Average), fused where
     possible. Blocks until done.
 
@@ -648,9 +693,11 @@ def grouped_allreduce_(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
             flight on this rank. Default None: the next generated ``allreduce.noname.<n>``.
         op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
         prescale_factor: multiply every rank's inputs by this before the reduction
-            (floating-point dtypes only). Default 1.0.
-        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            (integers: in float64, truncated). Default 1.0.
+        postscale_factor: multiply the result by this (integers: in float64, truncated); Average
             divides by ``size()`` on top. Default 1.0.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         A list of the input tensors, holding the reductions.
@@ -670,7 +717,7 @@ def grouped_allreduce_(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
         TensorMismatchError: the ranks disagree on this collective (raised on every rank).
     """
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                postscale_factor))
+                                                postscale_factor, process_set))
 
 
 # ---- gathers, broadcast, reduce-scatter, all-to-all -------------------------------------
@@ -687,7 +734,8 @@ def _needs_dim(tensor: torch.Tensor, name: str, what: str) -> None:
                          f"'{name}' is a scalar (use tensor.reshape(1))")
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None) -> TensorHandle:
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet | None = None) -> TensorHandle:
     """Start concatenating every rank's ``tensor`` along dimension 0 (sizes may differ).
 
     Args:
@@ -695,6 +743,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None) -> TensorHand
             ranks, the other dimensions, dtype and device type may not.
         name: identifies the collective across ranks: the same on every rank, not in flight
             on this rank. Default None: the next generated ``allgather.noname.<n>``.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         A ``TensorHandle``; ``synchronize`` returns a new tensor of shape
@@ -709,7 +759,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None) -> TensorHand
         NotInitializedError: before ``init()``.
         EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
     """
-    runtime.require_engine("allgather()")
+    engine, _ = engine_for(process_set, "allgather()")
     name = collective_name(ALLGATHER, name)
 
     def build():
@@ -720,10 +770,11 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None) -> TensorHand
         entry = _entry(request, _contiguous(tensor), allocate=_output_allocator(tensor, holder))
         return [entry], lambda: holder["output"]
 
-    return _submit_checked(ALLGATHER, [name], build)
+    return _submit_checked(engine, ALLGATHER, [name], build)
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: ProcessSet | None = None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along dimension 0 (sizes may differ) and return
     the result on every rank. Blocks until done.
 
@@ -732,6 +783,8 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
             ranks, the other dimensions, dtype and device type may not.
         name: identifies the collective across ranks: the same on every rank, not in flight
             on this rank. Default None: the next generated ``allgather.noname.<n>``.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         A new tensor of shape ``(sum of every rank's dimension 0, *tensor.shape[1:])``,
@@ -752,17 +805,18 @@ def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:
     if _needs_grad(tensor):
         from . import autograd
 
-        return autograd.Allgather.apply(tensor, name)
-    return synchronize(allgather_async(tensor, name))
+        return autograd.Allgather.apply(tensor, name, process_set)
+    return synchronize(allgather_async(tensor, name, process_set))
 
 
-def _broadcast_async(tensor, root_rank, name, in_place):
-    rt = runtime.require("broadcast()")
+def _broadcast_async(tensor, root_rank, name, in_place, process_set):
+    engine, process_set = engine_for(process_set, "broadcast()")
     name = collective_name(BROADCAST, name)
 
     def build():
         dtype = _check_tensor(tensor, name)
-        root = check_root(root_rank, rt.comm.Get_size(), f"broadcast of '{name}'")
+        what = f"broadcast of '{name}'"
+        root = set_rank_of(process_set, check_root(root_rank, runtime.size(), what), what)
         request = Request(name, BROADCAST, dtype, tuple(tensor.shape), device_name(tensor),
                           root=root)
         if in_place and tensor.is_contiguous():
@@ -775,11 +829,12 @@ def _broadcast_async(tensor, root_rank, name, in_place):
             entry.input = entry.output
         return [entry], finalize
 
-    return _submit_checked(BROADCAST, [name], build)
+    return _submit_checked(engine, BROADCAST, [name], build)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int,
-                    name: str | None = None) -> TensorHandle:
+                    name: str | None = None,
+                    process_set: ProcessSet | None = None) -> TensorHandle:
     """Start sending ``root_rank``'s ``tensor`` to every rank, into a new tensor.
 
     Args:
@@ -789,6 +844,8 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int,
             integer (also a NumPy integer or a 0-d integer tensor), not a bool.
         name: identifies the collective across ranks: the same on every rank, not in flight
             on this rank. Default None: the next generated ``broadcast.noname.<n>``.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         A ``TensorHandle``; ``synchronize`` returns a new contiguous tensor holding
@@ -803,11 +860,12 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int,
         NotInitializedError: before ``init()``.
         EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
     """
-    return _broadcast_async(tensor, root_rank, name, in_place=False)
+    return _broadcast_async(tensor, root_rank, name, False, process_set)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int,
-                     name: str | None = None) -> TensorHandle:
+                     name: str | None = None,
+                     process_set: ProcessSet | None = None) -> TensorHandle:
     """Start overwriting ``tensor`` with ``root_rank``'s values, in place.
 
     Args:
@@ -817,6 +875,8 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int,
             integer (also a NumPy integer or a 0-d integer tensor), not a bool.
         name: identifies the collective across ranks: the same on every rank, not in flight
             on this rank. Default None: the next generated ``broadcast.noname.<n>``.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         A ``TensorHandle``; ``synchronize`` returns ``tensor`` holding ``root_rank``'s
@@ -831,10 +891,11 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int,
         NotInitializedError: before ``init()``.
         EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
     """
-    return _broadcast_async(tensor, root_rank, name, in_place=True)
+    return _broadcast_async(tensor, root_rank, name, True, process_set)
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: ProcessSet | None = None) -> torch.Tensor:
     """Return a new tensor holding ``root_rank``'s ``tensor`` on every rank; ``tensor`` is
     unchanged. Blocks until done.
 
@@ -845,6 +906,8 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> 
             integer (also a NumPy integer or a 0-d integer tensor), not a bool.
         name: identifies the collective across ranks: the same on every rank, not in flight
             on this rank. Default None: the next generated ``broadcast.noname.<n>``.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         A new contiguous tensor holding ``root_rank``'s values.
@@ -864,11 +927,12 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> 
     if _needs_grad(tensor):
         from . import autograd
 
-        return autograd.Broadcast.apply(tensor, root_rank, name)
-    return synchronize(broadcast_async(tensor, root_rank, name))
+        return autograd.Broadcast.apply(tensor, root_rank, name, process_set)
+    return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet | None = None) -> torch.Tensor:
     """Overwrite ``tensor`` with ``root_rank``'s values, in place, and return it. Blocks
     until done.
 
@@ -879,6 +943,8 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) ->
             integer (also a NumPy integer or a 0-d integer tensor), not a bool.
         name: identifies the collective across ranks: the same on every rank, not in flight
             on this rank. Default None: the next generated ``broadcast.noname.<n>``.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         ``tensor``, holding ``root_rank``'s values.
@@ -895,12 +961,13 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) ->
         TensorMismatchError: the ranks disagree on this collective (raised on every rank).
         MpiddpError: some ranks have called ``join()`` (only allreduce runs then).
     """
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
                         op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> TensorHandle:
+                        postscale_factor: float = 1.0,
+                        process_set: ProcessSet | None = None) -> TensorHandle:
     """Start reducing ``tensor`` across ranks (default op: Average) and keep rank r's share
     of dimension 0 (rows split as evenly as possible, the first ranks taking one extra).
 
@@ -910,9 +977,11 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
             on this rank. Default None: the next generated ``reducescatter.noname.<n>``.
         op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
         prescale_factor: multiply every rank's input by this before the reduction
-            (floating-point dtypes only). Default 1.0.
-        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            (integers: in float64, truncated). Default 1.0.
+        postscale_factor: multiply the result by this (integers: in float64, truncated); Average
             divides by ``size()`` on top. Default 1.0.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         A ``TensorHandle``; ``synchronize`` returns a new tensor holding this rank's rows
@@ -923,14 +992,14 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
         TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
             device.
         ValueError: ``tensor`` is a scalar (0-d); unknown ``op``; ``op`` not defined for
-            the dtype (Average on integers, anything but Min/Max on bool); scale factors
-            other than 1.0 on a non-floating-point tensor; ``name`` not a non-empty
+            the dtype (anything but Min/Max on bool); scale factors
+            other than 1.0 on a bool tensor; ``name`` not a non-empty
             string; a cuda tensor not on this rank's GPU.
         DuplicateNameError: ``name`` is already in flight on this rank.
         NotInitializedError: before ``init()``.
         EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
     """
-    runtime.require_engine("reducescatter()")
+    engine, _ = engine_for(process_set, "reducescatter()")
     name = collective_name(REDUCESCATTER, name)
 
     def build():
@@ -946,12 +1015,13 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
         entry = _entry(request, _contiguous(tensor), allocate=_output_allocator(tensor, holder))
         return [entry], lambda: holder["output"]
 
-    return _submit_checked(REDUCESCATTER, [name], build)
+    return _submit_checked(engine, REDUCESCATTER, [name], build)
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   op: ReduceOp | int | None = None, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> torch.Tensor:
+                  postscale_factor: float = 1.0,
+                  process_set: ProcessSet | None = None) -> torch.Tensor:
     """Reduce ``tensor`` across ranks (default op: Average) and return this rank's share of
     dimension 0. Blocks until done.
 
@@ -961,9 +1031,11 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
             on this rank. Default None: the next generated ``reducescatter.noname.<n>``.
         op: ``Average`` (the default, for None), ``Sum``, ``Min``, ``Max`` or ``Product``.
         prescale_factor: multiply every rank's input by this before the reduction
-            (floating-point dtypes only). Default 1.0.
-        postscale_factor: multiply the result by this (floating-point dtypes only); Average
+            (integers: in float64, truncated). Default 1.0.
+        postscale_factor: multiply the result by this (integers: in float64, truncated); Average
             divides by ``size()`` on top. Default 1.0.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         A new tensor holding this rank's rows of the reduction: dimension 0 split as
@@ -974,8 +1046,8 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
         TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
             device.
         ValueError: ``tensor`` is a scalar (0-d); unknown ``op``; ``op`` not defined for
-            the dtype (Average on integers, anything but Min/Max on bool); scale factors
-            other than 1.0 on a non-floating-point tensor; ``name`` not a non-empty
+            the dtype (anything but Min/Max on bool); scale factors
+            other than 1.0 on a bool tensor; ``name`` not a non-empty
             string; a cuda tensor not on this rank's GPU.
         DuplicateNameError: ``name`` is already in flight on this rank.
         NotInitializedError: before ``init()``.
@@ -988,13 +1060,15 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
         from . import autograd
 
         return autograd.Reducescatter.apply(tensor, _resolve_op(op, None), name,
-                                            prescale_factor, postscale_factor)
-    return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor))
+                                            prescale_factor, postscale_factor, process_set)
+    return synchronize(reducescatter_async(tensor, name, op, prescale_factor, postscale_factor,
+                                           process_set))
 
 
 def alltoall_async(tensor: torch.Tensor,
                    splits: Optional[Sequence[int] | torch.Tensor] = None,
-                   name: str | None = None) -> TensorHandle:
+                   name: str | None = None,
+                   process_set: ProcessSet | None = None) -> TensorHandle:
     """Start sending ``splits[d]`` rows of ``tensor`` to each rank ``d`` (default: equal
     shares) and receiving what every rank sends here, concatenated in rank order.
 
@@ -1007,6 +1081,8 @@ def alltoall_async(tensor: torch.Tensor,
             divisible by ``size()``.
         name: identifies the collective across ranks: the same on every rank, not in flight
             on this rank. Default None: the next generated ``alltoall.noname.<n>``.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         A ``TensorHandle``; ``synchronize`` returns a new tensor holding the rows every
@@ -1025,13 +1101,13 @@ def alltoall_async(tensor: torch.Tensor,
         NotInitializedError: before ``init()``.
         EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
     """
-    rt = runtime.require("alltoall()")
+    engine, _ = engine_for(process_set, "alltoall()")
     name = collective_name(ALLTOALL, name)
 
     def build():
         dtype = _check_tensor(tensor, name)
         _needs_dim(tensor, name, "alltoall")
-        size, rows = rt.comm.Get_size(), tensor.shape[0]
+        size, rows = engine.size, tensor.shape[0]
         counts = splits
         if counts is None:
             if rows % size:
@@ -1054,11 +1130,12 @@ def alltoall_async(tensor: torch.Tensor,
 
         return [entry], finalize
 
-    return _submit_checked(ALLTOALL, [name], build)
+    return _submit_checked(engine, ALLTOALL, [name], build)
 
 
 def alltoall(tensor: torch.Tensor, splits: Optional[Sequence[int] | torch.Tensor] = None,
-             name: str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             name: str | None = None, process_set: ProcessSet | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """All-to-all exchange: send ``splits[d]`` rows of ``tensor`` to each rank ``d`` and
     return what every rank sent here. Blocks until done.
 
@@ -1071,6 +1148,8 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Sequence[int] | torch.Tensor
             divisible by ``size()``.
         name: identifies the collective across ranks: the same on every rank, not in flight
             on this rank. Default None: the next generated ``alltoall.noname.<n>``.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Returns:
         A new tensor holding the rows every rank sent to this one, concatenated in rank
@@ -1094,12 +1173,13 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Sequence[int] | torch.Tensor
     if _needs_grad(tensor):
         from . import autograd
 
-        output, received = autograd.Alltoall.apply(tensor, splits, name)
+        output, received = autograd.Alltoall.apply(tensor, splits, name, process_set)
         return output if splits is None else (output, received)
-    return synchronize(alltoall_async(tensor, splits, name))
+    return synchronize(alltoall_async(tensor, splits, name, process_set))
 
 
-def barrier(name: str | None = None) -> None:
+def barrier(name: str | None = None,
+            process_set: ProcessSet | None = None) -> None:
     """Return once every rank has called ``barrier`` with this name.
 
     Agreed like any other collective: it completes when every rank has submitted it, whatever
@@ -1108,6 +1188,8 @@ def barrier(name: str | None = None) -> None:
     Args:
         name: identifies the barrier across ranks: the same on every rank, not in flight on
             this rank. Default None: the next generated ``barrier.noname.<n>``.
+        process_set: run among this ``ProcessSet``'s ranks only (``add_process_set``);
+            default None: every rank. Only its ranks may call it.
 
     Raises:
         ValueError: ``name`` is not a non-empty string.
@@ -1117,7 +1199,7 @@ def barrier(name: str | None = None) -> None:
             arrived.
         MpiddpError: some ranks have called ``join()``.
     """
-    engine = runtime.require_engine("barrier()")
+    engine, _ = engine_for(process_set, "barrier()")
     engine.barrier(collective_name(BARRIER, name)).wait()
 
 

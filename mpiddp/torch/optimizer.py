@@ -46,6 +46,7 @@ import torch
 from .. import runtime
 from ..errors import MpiddpError, TensorMismatchError
 from ..ops import ADASUM_UNSUPPORTED, ReduceOp
+from ..process_sets import ProcessSet
 from .compression import Compression
 from .functions import allgather_object
 from .ops import allreduce, allreduce_request_, submit_together, synchronize as _wait
@@ -88,6 +89,7 @@ class _GradientSync:
         self.prescale = 1.0 / gradient_predivide_factor
         self.postscale = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
+        self.process_set = None                       # ProcessSet the gradients average over
         self.params: list[torch.Tensor] = []          # hooked parameters, in order
         self.names: dict[torch.Tensor, str] = {}      # parameter -> tensor name
         self.frozen: list[tuple[str, torch.Tensor]] = []  # not hooked yet (requires_grad off)
@@ -202,7 +204,7 @@ class _GradientSync:
             items.append(item)
         self.bucket = []
         self.bucket_bytes = 0
-        handles = submit_together(entries + list(extra))
+        handles = submit_together(entries + list(extra), self.process_set)
         for item, handle in zip(items, handles):
             item.handle = handle
         return handles[len(items):]
@@ -430,7 +432,8 @@ def _synchronized_closure(optimizer, closure):
         sync.synchronize()
         if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.dtype.is_floating_point:
             loss = allreduce(loss.detach().reshape(1), op=ReduceOp.AVERAGE,
-                             name=f"{sync.prefix}.closure_loss").reshape(loss.shape)
+                             name=f"{sync.prefix}.closure_loss",
+                             process_set=sync.process_set).reshape(loss.shape)
         return loss
 
     return evaluate
@@ -498,7 +501,8 @@ def _check_same_everywhere(sync: _GradientSync, named, what: str) -> None:
               "gradient_predivide_factor": sync.postscale}
     signature = [(name, tuple(p.shape), str(p.dtype).replace("torch.", ""))
                  for name, p in named if p.requires_grad]
-    everyone = allgather_object((config, signature), name=f"{sync.prefix}.signature")
+    everyone = allgather_object((config, signature), name=f"{sync.prefix}.signature",
+                                process_set=sync.process_set)
     reference_config, reference = everyone[0]
     for rank, (rank_config, rank_signature) in enumerate(everyone):
         for key, value in reference_config.items():
@@ -528,7 +532,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          op: ReduceOp | int = ReduceOp.AVERAGE,
                          gradient_predivide_factor: float = 1.0,
                          sparse_as_dense: bool = False,
-                         bucket_cap_mb: float = 4.0) -> torch.optim.Optimizer:
+                         bucket_cap_mb: float = 4.0,
+                         process_set: ProcessSet | None = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged across all ranks.
 
     Args:
@@ -549,6 +554,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             to this many MiB (and at the last gradient of a step). Fewer, larger submissions
             cost fewer engine cycles; smaller ones start reducing earlier. 0 submits every
             gradient on its own. See docs/training.md for measurements.
+        process_set: average the gradients among this ``ProcessSet``'s ranks only (each set
+            trains its own replica); default None: every rank. Only its ranks may build it.
 
     Construction is collective: every rank must build its DistributedOptimizers in the same
     order, for the same parameters. Different models on different ranks raise
@@ -615,6 +622,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     sync = _GradientSync(next(_optimizer_index), compression, backward_passes_per_step, op,
                          factor, sparse_as_dense, float(bucket_cap_mb))
     sync.extra_names = name_map
+    sync.process_set = process_set
     _check_same_everywhere(sync, named, "construction")     # collective
     sync.add(named)
 

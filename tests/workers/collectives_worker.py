@@ -246,6 +246,67 @@ def check_autograd():
     ok("autograd: allgather, broadcast, alltoall, reducescatter (Horovod's conventions)")
 
 
+def check_process_sets():
+    """Even and odd ranks as two process sets: every collective within a set, against the
+    reference over the set's ranks only; roots are global ranks; the sets run at once."""
+    if SIZE == 1:       # the only possible set is the global one: a duplicate
+        try:
+            mpiddp.add_process_set([0])
+        except ValueError as exc:
+            assert "duplicate process set" in str(exc)
+            ok("process sets: a set equal to the global one is refused (one rank)")
+            return
+        raise AssertionError("adding the global set again was not refused")
+    even = mpiddp.add_process_set([r for r in range(SIZE) if r % 2 == 0])
+    odd = mpiddp.add_process_set([r for r in range(SIZE) if r % 2 == 1])
+    mine = even if RANK % 2 == 0 else odd
+    assert mine.included() and mine.rank() == mine.ranks.index(RANK)
+    members = mine.ranks
+    for dtype in (torch.float32, torch.int32):
+        for op in (mpiddp.Sum, mpiddp.Average, mpiddp.Max):
+            name = f"ps.ar.{dtype}.{op.name}"
+            got = mpiddp.allreduce(data(RANK, name, (37,), dtype, op), name=name, op=op,
+                                   process_set=mine)
+            stacked = np.stack([as64(data(r, name, (37,), dtype, op)) for r in members])
+            want = {mpiddp.Sum: stacked.sum(0), mpiddp.Max: stacked.max(0),
+                    mpiddp.Average: stacked.mean(0) if dtype.is_floating_point
+                    else np.trunc(stacked.sum(0) * (1.0 / len(members)))}[op]
+            check_close(name, got, want, dtype)
+    root = members[-1]
+    got = mpiddp.broadcast(data(RANK, "ps.b", (5,), torch.float64), root, name="ps.b",
+                           process_set=mine)
+    check_close("ps.b", got, as64(data(root, "ps.b", (5,), torch.float64)), None)
+    got = mpiddp.allgather(torch.full((RANK + 1, 2), float(RANK)), process_set=mine)
+    assert got[:, 0].tolist() == [float(r) for r in members for _ in range(r + 1)], got
+    shares = mpiddp.reducescatter(torch.ones(2 * len(members), 3), op=mpiddp.Sum,
+                                  process_set=mine)
+    assert shares.shape == (2, 3) and torch.all(shares == len(members))
+    assert mpiddp.allgather_object(RANK, process_set=mine) == members
+    assert mpiddp.broadcast_object("hi" if RANK == root else None, root,
+                                   process_set=mine) == "hi"
+    model = torch.nn.Linear(3, 1)
+    mpiddp.broadcast_parameters(model.state_dict(), root_rank=root, process_set=mine)
+    opt = mpiddp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(),
+                                      process_set=mine)
+    model(torch.full((4, 3), float(RANK))).sum().backward()
+    opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = mpiddp.allgather(flat.reshape(1, -1), process_set=mine)
+    assert all(torch.equal(row, gathered[0]) for row in gathered), "replicas differ in a set"
+    refused = False
+    try:
+        mpiddp.allreduce(torch.ones(1), process_set=odd if mine is even else even)
+    except ValueError as exc:
+        refused = f"rank {RANK} is not in" in str(exc)
+    assert refused, "a rank outside a set ran its collective"
+    assert mpiddp.remove_process_set(even) and mpiddp.remove_process_set(odd)
+    assert not mpiddp.remove_process_set(even) and not mpiddp.remove_process_set(
+        mpiddp.global_process_set)
+    ok("process sets: every collective, objects, parameters and DistributedOptimizer within "
+       "even/odd sets; roots are global ranks; outside ranks refused; removal")
+
+
 def check_topology():
     # One node: every rank is local; the cross-node communicator has one member per node.
     assert (mpiddp.local_rank(), mpiddp.local_size()) == (RANK, SIZE)
@@ -256,7 +317,7 @@ def check_topology():
 
 CHECKS = [check_topology, check_allreduce, check_allreduce_variants, check_allgather, check_broadcast,
           check_reducescatter, check_alltoall, check_fusion_and_cache, check_out_of_order,
-          check_autograd]
+          check_autograd, check_process_sets]
 
 if __name__ == "__main__":
     selected = sys.argv[1:] or [c.__name__ for c in CHECKS]
