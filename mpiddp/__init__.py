@@ -22,7 +22,9 @@ from .torch.ops import (allgather, allgather_async, allreduce, allreduce_,  # no
                         broadcast, broadcast_, broadcast_async, broadcast_async_,
                         grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
                         grouped_allreduce_async_, join, poll, reducescatter,
-                        reducescatter_async, synchronize)
+                        reducescatter_async, synchronize, grouped_allgather,
+                        grouped_allgather_async, grouped_reducescatter,
+                        grouped_reducescatter_async, sparse_allreduce_async)
 
 __version__ = "0.1.0"
 from .process_sets import (ProcessSet, add_process_set, global_process_set,  # noqa: F401
@@ -51,6 +53,8 @@ __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "allgather", "allgather_async",
+    "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
+    "grouped_reducescatter_async", "sparse_allreduce_async",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
     "reducescatter", "reducescatter_async", "alltoall", "alltoall_async",
     "barrier", "join", "synchronize", "poll",

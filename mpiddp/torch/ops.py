@@ -49,7 +49,9 @@ __all__ = ["TensorHandle", "synchronize", "poll",
            "grouped_allreduce_async_", "allgather", "allgather_async",
            "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
            "reducescatter", "reducescatter_async", "alltoall", "alltoall_async",
-           "barrier", "join", "allreduce_request_", "submit_together"]
+           "barrier", "join", "allreduce_request_", "submit_together",
+           "grouped_allgather", "grouped_allgather_async", "grouped_reducescatter",
+           "grouped_reducescatter_async", "sparse_allreduce_async"]
 
 
 class TensorHandle:
@@ -721,6 +723,53 @@ def grouped_allreduce_(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
 
 
 # ---- gathers, broadcast, reduce-scatter, all-to-all -------------------------------------
+def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
+                           op: ReduceOp | int | None = None,
+                           process_set: ProcessSet | None = None) -> Callable[[], torch.Tensor]:
+    """Start reducing a sparse COO tensor (e.g. an ``nn.Embedding(sparse=True)`` gradient)
+    by gathering every rank's indices and values, as Horovod does: the bytes moved grow with
+    the rows actually touched, not with the dense size.
+
+    Args:
+        tensor: a sparse COO tensor, the same dense shape on every rank.
+        name: base name (``<name>.indices`` and ``<name>.values``). Default None: generated.
+        op: ``Average`` (default: the values are divided by the number of ranks) or ``Sum``.
+        process_set: run among this ``ProcessSet``'s ranks only; default None: every rank.
+
+    Returns:
+        A function (Horovod's handle); calling it waits and returns the reduced sparse tensor
+        (uncoalesced: indices that several ranks touched appear once per rank, and add up in
+        ``to_dense()`` or ``coalesce()``).
+
+    Raises:
+        TypeError: ``tensor`` is not a sparse COO tensor.
+        ValueError: ``op`` is neither Average nor Sum.
+        NotInitializedError, EngineShutdownError, DuplicateNameError: as for ``allgather``.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.sparse_coo:
+        raise TypeError("sparse_allreduce_async takes a sparse COO tensor; use allreduce for "
+                        "dense ones")
+    reduce_op = _resolve_op(op, None)
+    if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, not "
+                         f"{reduce_op.name.title()}")
+    base = collective_name("sparse_allreduce", name)
+    coo = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    # allgather concatenates along dimension 0: gather the indices as rows (one per value).
+    indices = allgather_async(coo.indices().t().contiguous(), f"{base}.indices", process_set)
+    values = allgather_async(coo.values().contiguous(), f"{base}.values", process_set)
+
+    def handle() -> torch.Tensor:
+        gathered_values = synchronize(values)
+        gathered_indices = synchronize(indices)
+        if reduce_op == ReduceOp.AVERAGE:
+            ranks = runtime.size() if process_set is None else process_set.size()
+            gathered_values = gathered_values / ranks
+        return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape)
+
+    return handle
+
+
 def _output_allocator(like: torch.Tensor, holder: dict):
     def allocate(shape):
         holder["output"] = torch.empty(shape, dtype=like.dtype, device=like.device)
@@ -763,14 +812,79 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     name = collective_name(ALLGATHER, name)
 
     def build():
-        dtype = _check_tensor(tensor, name)
-        _needs_dim(tensor, name, "allgather")
-        holder: dict = {}
-        request = Request(name, ALLGATHER, dtype, tuple(tensor.shape), device_name(tensor))
-        entry = _entry(request, _contiguous(tensor), allocate=_output_allocator(tensor, holder))
-        return [entry], lambda: holder["output"]
+        entry, output = _allgather_entry(tensor, name)
+        return [entry], output
 
     return _submit_checked(engine, ALLGATHER, [name], build)
+
+
+def _allgather_entry(tensor, name: str) -> tuple[Entry, Callable[[], torch.Tensor]]:
+    """Check ``tensor`` and describe its all-gather; returns (entry, the output getter)."""
+    dtype = _check_tensor(tensor, name)
+    _needs_dim(tensor, name, "allgather")
+    holder: dict = {}
+    request = Request(name, ALLGATHER, dtype, tuple(tensor.shape), device_name(tensor))
+    entry = _entry(request, _contiguous(tensor), allocate=_output_allocator(tensor, holder))
+    return entry, lambda: holder["output"]
+
+
+def _group_names(kind: str, tensors, name: Optional[str], what: str) -> list[str]:
+    """Names of a grouped call's items, ``<base>.<i>`` (the same rule as grouped_allreduce)."""
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise ValueError(f"{what} takes a non-empty list of tensors")
+    base = collective_name(kind, name)
+    return [f"{base}.{i}" for i in range(len(tensors))]
+
+
+def grouped_allgather_async(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                            name: str | None = None,
+                            process_set: ProcessSet | None = None) -> TensorHandle:
+    """Start all-gathering each tensor of a list, submitted together (one negotiation).
+
+    Args:
+        tensors: the tensors; each as for ``allgather`` (its first dimension may differ
+            across ranks).
+        name: base name: item ``i`` is ``<name>.<i>``. Default None: generated.
+        process_set: run among this ``ProcessSet``'s ranks only; default None: every rank.
+
+    Returns:
+        A ``TensorHandle``; ``synchronize`` returns the list of gathered tensors.
+
+    Raises:
+        ValueError: ``tensors`` is not a non-empty list or tuple. Bad items fail on every rank
+            as ``InvalidInputError`` at ``synchronize`` (see the module docstring).
+        NotInitializedError, EngineShutdownError, DuplicateNameError: as for ``allgather``.
+    """
+    engine, _ = engine_for(process_set, "grouped_allgather()")
+    names = _group_names(ALLGATHER, tensors, name, "grouped_allgather")
+
+    def build():
+        made = [_allgather_entry(t, n) for t, n in zip(tensors, names)]
+        return [entry for entry, _ in made], lambda: [output() for _, output in made]
+
+    return _submit_checked(engine, ALLGATHER, names, build)
+
+
+def grouped_allgather(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                      name: str | None = None,
+                      process_set: ProcessSet | None = None) -> list[torch.Tensor]:
+    """All-gather each tensor of a list (submitted together); see ``grouped_allgather_async``.
+
+    Args:
+        tensors: the tensors; each as for ``allgather``.
+        name: base name: item ``i`` is ``<name>.<i>``. Default None: generated.
+        process_set: run among this ``ProcessSet``'s ranks only; default None: every rank.
+
+    Returns:
+        The gathered tensors, in order.
+
+    Raises:
+        ValueError: ``tensors`` is not a non-empty list or tuple.
+        InvalidInputError: some rank rejected an item (raised on every rank).
+        TensorMismatchError: the ranks disagree on an item (raised on every rank).
+        NotInitializedError, EngineShutdownError, DuplicateNameError: as for ``allgather``.
+    """
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
@@ -1003,19 +1117,90 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
     name = collective_name(REDUCESCATTER, name)
 
     def build():
-        reduce_op = _resolve_op(op, None)
-        dtype = _check_tensor(tensor, name)
-        _needs_dim(tensor, name, "reducescatter")
-        check_op_for_dtype(reduce_op, dtype_named(dtype).kind, dtype, name)
-        _check_scaling(dtype, prescale_factor, postscale_factor, name)
-        holder: dict = {}
-        request = Request(name, REDUCESCATTER, dtype, tuple(tensor.shape), device_name(tensor),
-                          op=int(reduce_op), prescale=float(prescale_factor),
-                          postscale=float(postscale_factor))
-        entry = _entry(request, _contiguous(tensor), allocate=_output_allocator(tensor, holder))
-        return [entry], lambda: holder["output"]
+        entry, output = _reducescatter_entry(tensor, name, op, prescale_factor,
+                                             postscale_factor)
+        return [entry], output
 
     return _submit_checked(engine, REDUCESCATTER, [name], build)
+
+
+def _reducescatter_entry(tensor, name: str, op, prescale_factor: float,
+                         postscale_factor: float) -> tuple[Entry, Callable[[], torch.Tensor]]:
+    """Check ``tensor`` and describe its reduce-scatter; returns (entry, the output getter)."""
+    reduce_op = _resolve_op(op, None)
+    dtype = _check_tensor(tensor, name)
+    _needs_dim(tensor, name, "reducescatter")
+    check_op_for_dtype(reduce_op, dtype_named(dtype).kind, dtype, name)
+    _check_scaling(dtype, prescale_factor, postscale_factor, name)
+    holder: dict = {}
+    request = Request(name, REDUCESCATTER, dtype, tuple(tensor.shape), device_name(tensor),
+                      op=int(reduce_op), prescale=float(prescale_factor),
+                      postscale=float(postscale_factor))
+    entry = _entry(request, _contiguous(tensor), allocate=_output_allocator(tensor, holder))
+    return entry, lambda: holder["output"]
+
+
+def grouped_reducescatter_async(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                                name: str | None = None,
+                                op: ReduceOp | int | None = None,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                                process_set: ProcessSet | None = None) -> TensorHandle:
+    """Start reduce-scattering each tensor of a list, submitted together.
+
+    Args:
+        tensors: the tensors; each as for ``reducescatter``.
+        name: base name: item ``i`` is ``<name>.<i>``. Default None: generated.
+        op: as for ``reducescatter`` (default Average).
+        prescale_factor: multiply every input by this first. Default 1.0.
+        postscale_factor: multiply every result by this. Default 1.0.
+        process_set: run among this ``ProcessSet``'s ranks only; default None: every rank.
+
+    Returns:
+        A ``TensorHandle``; ``synchronize`` returns the list of this rank's shares.
+
+    Raises:
+        ValueError: ``tensors`` is not a non-empty list or tuple. Bad items fail on every rank
+            as ``InvalidInputError`` at ``synchronize``.
+        NotInitializedError, EngineShutdownError, DuplicateNameError: as for
+            ``reducescatter``.
+    """
+    engine, _ = engine_for(process_set, "grouped_reducescatter()")
+    names = _group_names(REDUCESCATTER, tensors, name, "grouped_reducescatter")
+
+    def build():
+        made = [_reducescatter_entry(t, n, op, prescale_factor, postscale_factor)
+                for t, n in zip(tensors, names)]
+        return [entry for entry, _ in made], lambda: [output() for _, output in made]
+
+    return _submit_checked(engine, REDUCESCATTER, names, build)
+
+
+def grouped_reducescatter(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
+                          name: str | None = None, op: ReduceOp | int | None = None,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          process_set: ProcessSet | None = None) -> list[torch.Tensor]:
+    """Reduce-scatter each tensor of a list (submitted together).
+
+    Args:
+        tensors: the tensors; each as for ``reducescatter``.
+        name: base name: item ``i`` is ``<name>.<i>``. Default None: generated.
+        op: as for ``reducescatter`` (default Average).
+        prescale_factor: multiply every input by this first. Default 1.0.
+        postscale_factor: multiply every result by this. Default 1.0.
+        process_set: run among this ``ProcessSet``'s ranks only; default None: every rank.
+
+    Returns:
+        This rank's share of each reduced tensor, in order.
+
+    Raises:
+        ValueError: ``tensors`` is not a non-empty list or tuple.
+        InvalidInputError: some rank rejected an item (raised on every rank).
+        TensorMismatchError: the ranks disagree on an item (raised on every rank).
+        NotInitializedError, EngineShutdownError, DuplicateNameError: as for
+            ``reducescatter``.
+    """
+    return synchronize(grouped_reducescatter_async(tensors, name, op, prescale_factor,
+                                                   postscale_factor, process_set))
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None,

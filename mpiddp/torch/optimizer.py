@@ -49,7 +49,8 @@ from ..ops import ADASUM_UNSUPPORTED, ReduceOp
 from ..process_sets import ProcessSet
 from .compression import Compression
 from .functions import allgather_object
-from .ops import allreduce, allreduce_request_, submit_together, synchronize as _wait
+from .ops import (allreduce, allreduce_request_, sparse_allreduce_async, submit_together,
+                  synchronize as _wait)
 
 __all__ = ["DistributedOptimizer"]
 
@@ -178,10 +179,12 @@ class _GradientSync:
             grad = param.grad
             if grad.is_sparse:
                 if not self.sparse_as_dense:
-                    raise RuntimeError(
-                        f"'{name}' has a sparse gradient; mpiddp reduces dense gradients. Use "
-                        "DistributedOptimizer(..., sparse_as_dense=True) or a dense layer "
-                        "(e.g. nn.Embedding(sparse=False)).")
+                    # Gather every rank's rows (Horovod's sparse path); it needs a sparse
+                    # gradient on every rank (a rank without one would submit dense zeros).
+                    item = _Pending(sparse_allreduce_async(grad, name, self.op,
+                                                           self.process_set), None, None, False)
+                    self.pending[param] = item
+                    return
                 grad = param.grad = grad.to_dense()
         wire, ctx = self.compression.compress(grad)
         if not wire.is_contiguous():     # reduce a contiguous copy; synchronize copies back
@@ -239,6 +242,9 @@ class _GradientSync:
                         "reduction because of an earlier error")
                     continue
                 try:
+                    if item.wire is None:        # sparse: the handle returns the gradient
+                        param.grad = item.handle()
+                        continue
                     _wait(item.handle)
                 except BaseException as exc:    # keep waiting for the rest: no stray writes
                     error = error or exc
@@ -549,7 +555,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         op: ``mpiddp.Average`` (default) or ``mpiddp.Sum``.
         gradient_predivide_factor: divide gradients by this factor before the sum and by
             ``size / factor`` after it (Average only); keeps float16 sums in range.
-        sparse_as_dense: reduce sparse gradients as dense tensors (else they are an error).
+        sparse_as_dense: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense
+            tensors. Default False: they are reduced sparse, by gathering every rank's rows
+            (``sparse_allreduce_async``); every rank must then have such a gradient.
         bucket_cap_mb: gradients that become ready are submitted together once they add up
             to this many MiB (and at the last gradient of a step). Fewer, larger submissions
             cost fewer engine cycles; smaller ones start reducing earlier. 0 submits every

@@ -307,6 +307,37 @@ def check_process_sets():
        "even/odd sets; roots are global ranks; outside ranks refused; removal")
 
 
+def check_grouped_and_sparse():
+    gathered = mpiddp.grouped_allgather([torch.full((RANK + 1, 2), float(RANK)),
+                                         torch.full((1,), float(RANK))])
+    assert gathered[0].shape == (SIZE * (SIZE + 1) // 2, 2)
+    assert gathered[1].tolist() == [float(r) for r in range(SIZE)]
+    shares = mpiddp.grouped_reducescatter([torch.ones(2 * SIZE, 3), torch.ones(SIZE)],
+                                          op=mpiddp.Sum)
+    assert torch.all(shares[0] == SIZE) and shares[0].shape == (2, 3) and \
+        shares[1].shape == (1,)
+    dense = torch.zeros(10, 3, dtype=torch.float64)
+    dense[RANK % 10] = RANK + 1.0
+    dense[9] = 1.0                               # a row every rank touches
+    for op in (mpiddp.Average, mpiddp.Sum):
+        got = mpiddp.sparse_allreduce_async(dense.to_sparse(), name=f"sp.{op.name}", op=op)()
+        assert got.is_sparse and torch.allclose(got.to_dense(), mpiddp.allreduce(dense, op=op))
+    # DistributedOptimizer: sparse embedding gradients, reduced sparse (default) or dense.
+    for as_dense in (False, True):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 3, sparse=True)
+        opt = mpiddp.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5),
+                                          named_parameters=emb.named_parameters(),
+                                          sparse_as_dense=as_dense)
+        emb(torch.tensor([RANK % 10, 9])).sum().backward()
+        opt.step()
+        flat = emb.weight.detach().reshape(1, -1)
+        rows = mpiddp.allgather(flat)
+        assert all(torch.equal(row, rows[0]) for row in rows), "embedding replicas differ"
+    ok("grouped_allgather, grouped_reducescatter, sparse_allreduce_async, sparse embedding "
+       "gradients in DistributedOptimizer (sparse and as dense)")
+
+
 def check_topology():
     # One node: every rank is local; the cross-node communicator has one member per node.
     assert (mpiddp.local_rank(), mpiddp.local_size()) == (RANK, SIZE)
@@ -315,9 +346,10 @@ def check_topology():
     ok("topology (local and cross ranks on one node)")
 
 
-CHECKS = [check_topology, check_allreduce, check_allreduce_variants, check_allgather, check_broadcast,
+CHECKS = [check_topology, check_allreduce, check_allreduce_variants, check_allgather,
+          check_broadcast,
           check_reducescatter, check_alltoall, check_fusion_and_cache, check_out_of_order,
-          check_autograd, check_process_sets]
+          check_autograd, check_process_sets, check_grouped_and_sparse]
 
 if __name__ == "__main__":
     selected = sys.argv[1:] or [c.__name__ for c in CHECKS]
