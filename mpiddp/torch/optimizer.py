@@ -592,7 +592,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         EngineShutdownError: after ``shutdown()``, or the engine stopped during
             construction.
     """
-    runtime.require("DistributedOptimizer()")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer instance, not "
                         f"{type(optimizer).__name__}"
@@ -619,6 +618,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                         "compress() and decompress()")
 
     named, name_map = _names_for(optimizer, named_parameters)
+    # Bad arguments are reported before a missing init(), as Horovod does.
+    runtime.require("DistributedOptimizer()")
     for name, param in named:
         owner = getattr(param, _OWNER_ATTR, None)
         if owner is not None and owner() is not None:
