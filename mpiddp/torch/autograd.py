@@ -22,7 +22,8 @@ import torch
 from .. import runtime
 from ..ops import ReduceOp
 from .ops import (allgather_async, allreduce_async, alltoall_async, broadcast_async,
-                  grouped_allreduce_async, reducescatter_async, synchronize)
+                  grouped_allgather_async, grouped_allreduce_async,
+                  grouped_reducescatter_async, reducescatter_async, synchronize)
 
 __all__: list[str] = []      # used through mpiddp.allreduce & co.
 
@@ -79,6 +80,25 @@ class Allgather(torch.autograd.Function):
         return averaged.narrow(0, offset, ctx.rows), None, None
 
 
+class GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.rows, ctx.process_set = [t.shape[0] for t in tensors], process_set
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name=name,
+                                                         process_set=process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ps = ctx.process_set
+        averaged = synchronize(grouped_allreduce_async([g.contiguous() for g in grads],
+                                                       op=ReduceOp.AVERAGE, process_set=ps))
+        rows = synchronize(allgather_async(torch.tensor([ctx.rows], dtype=torch.int64),
+                                           process_set=ps))      # one row of counts per rank
+        offsets = rows[:_rank_in(ps)].sum(0)
+        return (None, None, *(g.narrow(0, int(offset), n)
+                              for g, offset, n in zip(averaged, offsets, ctx.rows)))
+
+
 class Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root, name, process_set):
@@ -130,6 +150,25 @@ class Reducescatter(torch.autograd.Function):
         grad = grad * factor if factor != 1.0 else grad
         return (synchronize(allgather_async(grad.contiguous(), process_set=ctx.process_set)),
                 None, None, None, None, None)
+
+
+class GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, op, name, prescale, postscale, process_set, *tensors):
+        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+        ctx.process_set = process_set
+        return tuple(synchronize(grouped_reducescatter_async(
+            list(tensors), name=name, op=op, prescale_factor=prescale,
+            postscale_factor=postscale, process_set=process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        factor = ctx.prescale * ctx.postscale
+        if ctx.op == ReduceOp.SUM:
+            factor *= _size_of(ctx.process_set)
+        scaled = [(g * factor if factor != 1.0 else g).contiguous() for g in grads]
+        gathered = synchronize(grouped_allgather_async(scaled, process_set=ctx.process_set))
+        return (None, None, None, None, None, *gathered)
 
 
 def _size_of(process_set) -> int:

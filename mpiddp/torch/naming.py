@@ -15,17 +15,20 @@ _counters: dict = {}
 _counter_lock = threading.Lock()
 
 
-def collective_name(kind: str, name: Optional[str], prefixed: bool = False) -> str:
+def collective_name(kind: str, name: Optional[str], prefixed: bool = False,
+                    scope: Optional[int] = 0) -> str:
     """The engine name of one call of ``kind``: the caller's ``name`` (``<kind>.<name>`` when
-    ``prefixed``, for calls made of several collectives), or the next generated one."""
+    ``prefixed``, for calls made of several collectives), or the next generated one. Generated
+    names count per ``scope`` (the process set's id): collectives of a set are matched among
+    its ranks only, so calls in one set must not shift the names of another's."""
     if name is not None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, not {name!r}")
         return f"{kind}.{name}" if prefixed else name
     with _counter_lock:
-        counter = _counters.get(kind)
+        counter = _counters.get((kind, scope))
         if counter is None:
-            counter = _counters[kind] = itertools.count()
+            counter = _counters[kind, scope] = itertools.count()
         return f"{kind}.noname.{next(counter)}"
 
 

@@ -308,8 +308,8 @@ def _nothing():
 
 def _allreduce_async(tensor, in_place, average, name, op, prescale_factor, postscale_factor,
                      process_set):
-    engine, _ = engine_for(process_set, "allreduce()")
-    name = collective_name(ALLREDUCE, name)
+    engine, in_set = engine_for(process_set, "allreduce()")
+    name = collective_name(ALLREDUCE, name, scope=in_set.process_set_id)
 
     def build():
         _check_tensor(tensor, name)
@@ -506,10 +506,10 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 
 def _grouped_async(tensors, in_place, average, name, op, prescale_factor, postscale_factor,
                    process_set):
-    engine, _ = engine_for(process_set, "grouped_allreduce()")
+    engine, in_set = engine_for(process_set, "grouped_allreduce()")
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ValueError("grouped_allreduce takes a non-empty list of tensors")
-    base = collective_name(ALLREDUCE, name)
+    base = collective_name(ALLREDUCE, name, scope=in_set.process_set_id)
     names = [f"{base}.{i}" for i in range(len(tensors))]
 
     def build():
@@ -753,7 +753,8 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
     if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, not "
                          f"{reduce_op.name.title()}")
-    base = collective_name("sparse_allreduce", name)
+    base = collective_name("sparse_allreduce", name,
+                           scope=0 if process_set is None else process_set.process_set_id)
     coo = tensor.coalesce() if not tensor.is_coalesced() else tensor
     # allgather concatenates along dimension 0: gather the indices as rows (one per value).
     indices = allgather_async(coo.indices().t().contiguous(), f"{base}.indices", process_set)
@@ -808,8 +809,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
         NotInitializedError: before ``init()``.
         EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
     """
-    engine, _ = engine_for(process_set, "allgather()")
-    name = collective_name(ALLGATHER, name)
+    engine, in_set = engine_for(process_set, "allgather()")
+    name = collective_name(ALLGATHER, name, scope=in_set.process_set_id)
 
     def build():
         entry, output = _allgather_entry(tensor, name)
@@ -828,11 +829,12 @@ def _allgather_entry(tensor, name: str) -> tuple[Entry, Callable[[], torch.Tenso
     return entry, lambda: holder["output"]
 
 
-def _group_names(kind: str, tensors, name: Optional[str], what: str) -> list[str]:
+def _group_names(kind: str, tensors, name: Optional[str], what: str,
+                 scope: Optional[int]) -> list[str]:
     """Names of a grouped call's items, ``<base>.<i>`` (the same rule as grouped_allreduce)."""
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise ValueError(f"{what} takes a non-empty list of tensors")
-    base = collective_name(kind, name)
+    base = collective_name(kind, name, scope=scope)
     return [f"{base}.{i}" for i in range(len(tensors))]
 
 
@@ -855,8 +857,8 @@ def grouped_allgather_async(tensors: list[torch.Tensor] | tuple[torch.Tensor, ..
             as ``InvalidInputError`` at ``synchronize`` (see the module docstring).
         NotInitializedError, EngineShutdownError, DuplicateNameError: as for ``allgather``.
     """
-    engine, _ = engine_for(process_set, "grouped_allgather()")
-    names = _group_names(ALLGATHER, tensors, name, "grouped_allgather")
+    engine, in_set = engine_for(process_set, "grouped_allgather()")
+    names = _group_names(ALLGATHER, tensors, name, "grouped_allgather", in_set.process_set_id)
 
     def build():
         made = [_allgather_entry(t, n) for t, n in zip(tensors, names)]
@@ -884,6 +886,10 @@ def grouped_allgather(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...],
         TensorMismatchError: the ranks disagree on an item (raised on every rank).
         NotInitializedError, EngineShutdownError, DuplicateNameError: as for ``allgather``.
     """
+    if isinstance(tensors, (list, tuple)) and _needs_grad(*tensors):
+        from . import autograd
+
+        return list(autograd.GroupedAllgather.apply(name, process_set, *tensors))
     return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
@@ -925,7 +931,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 
 def _broadcast_async(tensor, root_rank, name, in_place, process_set):
     engine, process_set = engine_for(process_set, "broadcast()")
-    name = collective_name(BROADCAST, name)
+    name = collective_name(BROADCAST, name, scope=process_set.process_set_id)
 
     def build():
         dtype = _check_tensor(tensor, name)
@@ -1113,8 +1119,8 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None,
         NotInitializedError: before ``init()``.
         EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
     """
-    engine, _ = engine_for(process_set, "reducescatter()")
-    name = collective_name(REDUCESCATTER, name)
+    engine, in_set = engine_for(process_set, "reducescatter()")
+    name = collective_name(REDUCESCATTER, name, scope=in_set.process_set_id)
 
     def build():
         entry, output = _reducescatter_entry(tensor, name, op, prescale_factor,
@@ -1164,8 +1170,9 @@ def grouped_reducescatter_async(tensors: list[torch.Tensor] | tuple[torch.Tensor
         NotInitializedError, EngineShutdownError, DuplicateNameError: as for
             ``reducescatter``.
     """
-    engine, _ = engine_for(process_set, "grouped_reducescatter()")
-    names = _group_names(REDUCESCATTER, tensors, name, "grouped_reducescatter")
+    engine, in_set = engine_for(process_set, "grouped_reducescatter()")
+    names = _group_names(REDUCESCATTER, tensors, name, "grouped_reducescatter",
+                         in_set.process_set_id)
 
     def build():
         made = [_reducescatter_entry(t, n, op, prescale_factor, postscale_factor)
@@ -1199,6 +1206,12 @@ def grouped_reducescatter(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]
         NotInitializedError, EngineShutdownError, DuplicateNameError: as for
             ``reducescatter``.
     """
+    if isinstance(tensors, (list, tuple)) and _needs_grad(*tensors):
+        from . import autograd
+
+        return list(autograd.GroupedReducescatter.apply(_resolve_op(op, None), name,
+                                                        prescale_factor, postscale_factor,
+                                                        process_set, *tensors))
     return synchronize(grouped_reducescatter_async(tensors, name, op, prescale_factor,
                                                    postscale_factor, process_set))
 
@@ -1286,8 +1299,8 @@ def alltoall_async(tensor: torch.Tensor,
         NotInitializedError: before ``init()``.
         EngineShutdownError: after ``shutdown()`` or once the engine has stopped.
     """
-    engine, _ = engine_for(process_set, "alltoall()")
-    name = collective_name(ALLTOALL, name)
+    engine, in_set = engine_for(process_set, "alltoall()")
+    name = collective_name(ALLTOALL, name, scope=in_set.process_set_id)
 
     def build():
         dtype = _check_tensor(tensor, name)
@@ -1363,8 +1376,7 @@ def alltoall(tensor: torch.Tensor, splits: Optional[Sequence[int] | torch.Tensor
     return synchronize(alltoall_async(tensor, splits, name, process_set))
 
 
-def barrier(name: str | None = None,
-            process_set: ProcessSet | None = None) -> None:
+def barrier(process_set: ProcessSet | None = None, name: str | None = None) -> None:
     """Return once every rank has called ``barrier`` with this name.
 
     Agreed like any other collective: it completes when every rank has submitted it, whatever
@@ -1384,8 +1396,10 @@ def barrier(name: str | None = None,
             arrived.
         MpiddpError: some ranks have called ``join()``.
     """
-    engine, _ = engine_for(process_set, "barrier()")
-    engine.barrier(collective_name(BARRIER, name)).wait()
+    if isinstance(process_set, str):        # barrier("name"): the name given first
+        process_set, name = name, process_set
+    engine, in_set = engine_for(process_set, "barrier()")
+    engine.barrier(collective_name(BARRIER, name, scope=in_set.process_set_id)).wait()
 
 
 def join(device: int = -1) -> int:

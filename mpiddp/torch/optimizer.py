@@ -65,13 +65,14 @@ _OWNER_ATTR = "_mpiddp_optimizer"   # on a parameter: weakref to the state reduc
 class _Pending:
     """One gradient reduction in flight."""
 
-    __slots__ = ("handle", "wire", "ctx", "local_zeros")
+    __slots__ = ("handle", "wire", "ctx", "local_zeros", "sparse")
 
-    def __init__(self, handle, wire, ctx, local_zeros):
+    def __init__(self, handle, wire, ctx, local_zeros, sparse=False):
         self.handle = handle          # TensorHandle of the all-reduce
         self.wire = wire              # the tensor being reduced (grad itself, or compressed)
         self.ctx = ctx                # compression context
         self.local_zeros = local_zeros  # this rank had no gradient: it contributed zeros
+        self.sparse = sparse          # a sparse gradient reduced as dense: give back sparse
 
 
 class _GradientSync:
@@ -185,11 +186,12 @@ class _GradientSync:
                                                            self.process_set), None, None, False)
                     self.pending[param] = item
                     return
-                grad = param.grad = grad.to_dense()
+                grad = grad.to_dense()
         wire, ctx = self.compression.compress(grad)
         if not wire.is_contiguous():     # reduce a contiguous copy; synchronize copies back
             wire = wire.contiguous()
-        self.pending[param] = _Pending(None, wire, ctx, zeros)
+        sparse = not zeros and param.grad.is_sparse
+        self.pending[param] = _Pending(None, wire, ctx, zeros, sparse)
         self.bucket.append(param)
         self.bucket_bytes += wire.numel() * wire.element_size()
 
@@ -254,6 +256,8 @@ class _GradientSync:
                     if error is not None or usage[i] == 0:
                         continue         # no rank used this parameter: grad stays None
                     param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
+                elif item.sparse:        # sparse_as_dense: optimizers like SparseAdam need
+                    param.grad = grad.to_sparse()    # their gradients sparse again
                 elif grad is not param.grad:
                     param.grad.copy_(grad)
         self.synchronized = error is None
@@ -632,8 +636,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          factor, sparse_as_dense, float(bucket_cap_mb))
     sync.extra_names = name_map
     sync.process_set = process_set
-    _check_same_everywhere(sync, named, "construction")     # collective
-    sync.add(named)
+    if process_set is None or process_set.included():
+        _check_same_everywhere(sync, named, "construction")     # collective
+        sync.add(named)
+    # else: this rank is outside the optimizer's process set: it trains on its own, a plain
+    # local optimizer (Horovod's behaviour), so every rank can run the same script.
 
     cls = _distributed_class(type(optimizer))
     wrapped = cls.__new__(cls)
@@ -651,5 +658,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         step._wrapped_by_lr_sched = True
         wrapped.__dict__["step"] = step
     wrapped.__dict__["_mpiddp"] = sync
+    # Horovod's parameter -> name map, read by scripts and tests.
+    wrapped.__dict__["_parameter_names"] = {param: name for name, param in named}
     return wrapped
 

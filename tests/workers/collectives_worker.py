@@ -300,6 +300,17 @@ def check_process_sets():
     except ValueError as exc:
         refused = f"rank {RANK} is not in" in str(exc)
     assert refused, "a rank outside a set ran its collective"
+    # A DistributedOptimizer on a set this rank is not in: a plain local optimizer here. The
+    # set's unnamed barrier does not shift the names of the global one (per-set counters).
+    local = torch.nn.Linear(3, 1)
+    lopt = mpiddp.DistributedOptimizer(torch.optim.SGD(local.parameters(), lr=0.1),
+                                       named_parameters=local.named_parameters(),
+                                       process_set=even)
+    local(torch.ones(2, 3)).sum().backward()
+    lopt.step()
+    if even.included():
+        mpiddp.barrier(even)
+    mpiddp.barrier()
     assert mpiddp.remove_process_set(even) and mpiddp.remove_process_set(odd)
     assert not mpiddp.remove_process_set(even) and not mpiddp.remove_process_set(
         mpiddp.global_process_set)
@@ -334,8 +345,23 @@ def check_grouped_and_sparse():
         flat = emb.weight.detach().reshape(1, -1)
         rows = mpiddp.allgather(flat)
         assert all(torch.equal(row, rows[0]) for row in rows), "embedding replicas differ"
+    # sparse_as_dense gives the optimizer its sparse gradient back (SparseAdam needs it).
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = mpiddp.DistributedOptimizer(torch.optim.SparseAdam(list(emb.parameters()), lr=0.1),
+                                      sparse_as_dense=True)
+    emb(torch.tensor([1, RANK % 10])).sum().backward()
+    opt.step()
+    assert emb.weight.grad.is_sparse and len(opt._parameter_names) == 1
+    # Autograd through the grouped forms (Horovod's conventions, as the single ones).
+    xs = [torch.ones(RANK + 1, 2, dtype=torch.float64, requires_grad=True),
+          torch.ones(1, dtype=torch.float64, requires_grad=True)]
+    sum(out.sum() for out in mpiddp.grouped_allgather(xs)).backward()
+    assert all(torch.allclose(x.grad, torch.ones_like(x)) for x in xs)
+    ys = [torch.ones(2 * SIZE, 3, requires_grad=True)]
+    mpiddp.grouped_reducescatter(ys, op=mpiddp.Sum)[0].sum().backward()
+    assert torch.all(ys[0].grad == SIZE)
     ok("grouped_allgather, grouped_reducescatter, sparse_allreduce_async, sparse embedding "
-       "gradients in DistributedOptimizer (sparse and as dense)")
+       "gradients in DistributedOptimizer (sparse and as dense), grouped autograd")
 
 
 def check_topology():
