@@ -11,7 +11,7 @@ import difflib
 import os
 from dataclasses import dataclass, field, fields
 
-ALGORITHMS = ("auto", "ring", "native")
+ALGORITHMS = ("auto", "ring", "native", "hierarchical")
 TRI_STATE = ("auto", "0", "1")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # MPIDDP_* variables that belong to the project's scripts and tests, not to the engine:
@@ -104,6 +104,10 @@ class Settings:
     allreduce_algorithm: str = setting("auto", Choice(ALGORITHMS))
     # auto: messages of at most this many bytes use native MPI_Allreduce, larger ones the ring.
     ring_threshold: int = setting(2 * 1024 * 1024, Number(int))
+    # Hierarchical all-reduce (node-local reduce-scatter, cross-node all-reduce, node-local
+    # all-gather) where several nodes have the same number (> 1) of ranks: auto = for the
+    # messages that take the ring (above ring_threshold), 1 = for every fused buffer, 0 = never.
+    hierarchical_allreduce: str = setting("auto", Choice(TRI_STATE))
     # Abort the whole MPI job when a rank dies of an uncaught exception.
     abort_on_exception: bool = setting(True, Boolean())
     # Record a timeline of engine events (negotiation and execution times) from init() on:

@@ -139,7 +139,7 @@ def init(comm: MPI.Comm | None = None, process_sets: Sequence | str | None = Non
 
 # Settings every rank must share: they decide message sizes, fusion plans and algorithms.
 _PROTOCOL_SETTINGS = ("fusion_threshold", "cache_capacity", "allreduce_algorithm",
-                      "ring_threshold")
+                      "ring_threshold", "hierarchical_allreduce")
 
 
 def _agreed_settings(comm) -> Settings:

@@ -224,3 +224,24 @@ def test_identity_values_leave_reductions_unchanged():
             dst = flat.copy()
             reduce_into(dst, np.full_like(flat, identity_value(dtype, op)), op, dtype)
             assert np.array_equal(dst, flat), (dtype.name, op)
+
+
+@pytest.mark.parametrize("algorithm,hierarchical,usable,nbytes,expected", [
+    ("auto", "auto", True, 1 << 10, "native"),          # small: latency-bound, MPI's own
+    ("auto", "auto", True, 1 << 24, "hierarchical"),    # what would take the ring, across nodes
+    ("auto", "auto", False, 1 << 24, "ring"),           # one node (or uneven nodes)
+    ("auto", "1", True, 1 << 10, "hierarchical"),
+    ("auto", "0", True, 1 << 24, "ring"),
+    ("ring", "1", True, 1 << 24, "ring"),               # a forced algorithm wins
+    ("hierarchical", "auto", True, 1 << 10, "hierarchical"),
+    ("hierarchical", "auto", False, 1 << 10, "ring"),   # cannot apply: the ring, never wrong
+])
+def test_algorithm_choice_with_the_hierarchical_all_reduce(algorithm, hierarchical, usable,
+                                                           nbytes, expected):
+    from types import SimpleNamespace
+
+    from mpiddp.engine.executor import Executor
+
+    executor = SimpleNamespace(algorithm=algorithm, hierarchical=hierarchical,
+                               hierarchical_usable=usable, ring_threshold=2 << 20)
+    assert Executor.choose(executor, nbytes) == expected

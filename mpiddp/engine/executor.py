@@ -21,6 +21,7 @@ from mpi4py import MPI
 from ..buffers import backend_for
 from ..buffers.dtypes import DType, dtype_named, identity_value
 from ..collectives.allreduce import allreduce_buffer, choose_algorithm
+from ..collectives.hierarchical import hierarchical_allreduce, hierarchical_layout
 from ..collectives.native import allgatherv, alltoallv, broadcast
 from ..collectives.ring import chunk_bounds, ring_reduce_scatter
 from ..config import Settings
@@ -95,17 +96,26 @@ class Allreduce(Operation):
                     backend.copy(part, entry.input)
                 offset += count
         backend.scale_(job.buf, request.prescale, dtype)
-        job.algorithm = choose_algorithm(ex.algorithm, total * dtype.itemsize, ex.ring_threshold)
+        job.algorithm = ex.choose(total * dtype.itemsize)
         job.scratch = None
-        if job.algorithm == "ring":
+        if job.algorithm in ("ring", "hierarchical"):
+            parts = ex.local.Get_size() if job.algorithm == "hierarchical" else ex.size
             job.scratch = ex.pool.get(backend, request.device, dtype, "scratch",
-                                      math.ceil(total / ex.size))
+                                      math.ceil(total / parts))
         return job
 
     def communicate(self, ex, job, comm, backend):
         request, dtype = job.request, job.dtype
         factor = _post_factor(request, ex.size)
         finish = None if factor == 1.0 else (lambda part: backend.scale_(part, factor, dtype))
+        if job.algorithm == "hierarchical":
+            chunk_bytes = len(job.buf) * dtype.itemsize // ex.local.Get_size()
+            hierarchical_allreduce(transport_for(ex.local, backend),
+                                   transport_for(ex.cross, backend), job.buf, job.scratch,
+                                   dtype, request.op, backend.reduce_into,
+                                   choose_algorithm("auto", chunk_bytes, ex.ring_threshold),
+                                   finish)
+            return
         allreduce_buffer(comm, job.buf, job.scratch, dtype, request.op, job.algorithm,
                          backend.reduce_into, finish)
 
@@ -214,6 +224,20 @@ class Executor:
         # Adjustable at run time (set_allreduce_algorithm); start from the settings.
         self.algorithm = settings.allreduce_algorithm
         self.ring_threshold = settings.ring_threshold
+        # Node-local and cross-node communicators (collective: every rank builds its engine).
+        self.local, self.cross, self.hierarchical_usable = hierarchical_layout(comm)
+        self.hierarchical = settings.hierarchical_allreduce
+
+    def choose(self, nbytes: int) -> str:
+        """The algorithm for one fused buffer of ``nbytes`` (the same on every rank: the
+        inputs are agreed settings and the layout every rank computed alike)."""
+        algorithm = choose_algorithm(self.algorithm, nbytes, self.ring_threshold)
+        if not self.hierarchical_usable or self.hierarchical == "0":
+            return "ring" if algorithm == "hierarchical" else algorithm
+        if algorithm == "hierarchical" or (self.algorithm == "auto" and (
+                self.hierarchical == "1" or algorithm == "ring")):
+            return "hierarchical"
+        return algorithm
 
     def configure(self, algorithm: str, ring_threshold: Optional[int] = None) -> None:
         """Switch the fused all-reduce algorithm (run it at an agreed point: a barrier's

@@ -22,6 +22,7 @@ class EngineStats:
     allreduce_bytes: int = 0        # bytes of all-reduced buffers
     ring_batches: int = 0           # batches reduced by the ring
     native_batches: int = 0         # batches reduced by MPI_Allreduce
+    hierarchical_batches: int = 0   # batches reduced by the hierarchical all-reduce
     reducescatter_bytes: int = 0    # bytes of reduce-scattered tensors
 
     def record(self, kind: str, tensors: int, job) -> None:
@@ -37,6 +38,8 @@ class EngineStats:
             self.max_batch_tensors = max(self.max_batch_tensors, tensors)
             if job.algorithm == "ring":
                 self.ring_batches += 1
+            elif job.algorithm == "hierarchical":
+                self.hierarchical_batches += 1
             else:
                 self.native_batches += 1
         elif kind == "reducescatter":

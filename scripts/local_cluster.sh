@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# A cluster of K "nodes" on one machine, for testing multi-node behaviour (docs/multinode.md).
+#
+#   sudo scripts/local_cluster.sh up 2 [RATE]      # 2 nodes, links shaped to RATE (default 1gbit)
+#   scripts/local_cluster.sh run 2x2 -- python scripts/benchmark_allreduce.py ...
+#   scripts/local_cluster.sh status
+#   sudo scripts/local_cluster.sh down
+#
+# A node is a network namespace mpiddp-nI with its own hostname (a UTS namespace per
+# command) and address 10.211.7.(I+1), joined to the others by a veth pair on a bridge in the
+# root namespace. Both directions of every node's link are shaped with `tc ... tbf` (netem is
+# not needed). `run NxP` starts MPICH's mpiexec in node 0 with P ranks on each of N nodes,
+# launching the proxies through this script as its "ssh", and makes MPICH's UCX use TCP only
+# (without that it would use shared memory between the namespaces and bypass the shaping).
+# Nothing outside the namespaces, the bridge and the veth pairs is touched; `down` removes
+# them all. Needs root, iproute2 and network namespaces.
+set -euo pipefail
+
+PREFIX="${LOCAL_CLUSTER_PREFIX:-mpiddp-n}"
+BRIDGE="${LOCAL_CLUSTER_BRIDGE:-mpiddpbr0}"
+SUBNET="10.211.7"
+ME="$(readlink -f "${BASH_SOURCE[0]}")"
+
+die() { echo "[local_cluster] $*" >&2; exit 1; }
+nodes() { ip netns list 2>/dev/null | awk '{print $1}' | grep "^${PREFIX}[0-9]*$" | sort -V || true; }
+need_root() {
+  [ "$(id -u)" -eq 0 ] || die "needs root (network namespaces, veth pairs, a bridge, tc)"
+  command -v ip >/dev/null || die "needs iproute2 (ip)"
+  command -v tc >/dev/null || die "needs tc (iproute2)"
+}
+
+up() {
+  local count="${1:?usage: up K [RATE]}" rate="${2:-1gbit}"
+  need_root
+  [ -z "$(nodes)" ] || die "a cluster is already up ($(nodes | tr '\n' ' ')); run 'down' first"
+  ip netns add "${PREFIX}probe" 2>/dev/null || die "cannot create network namespaces here"
+  ip netns del "${PREFIX}probe"
+  trap 'down >/dev/null 2>&1 || true' ERR
+  ip link add "$BRIDGE" type bridge
+  ip link set "$BRIDGE" up
+  for ((i = 0; i < count; i++)); do
+    local ns="${PREFIX}$i" host="mpn${i}h"
+    ip netns add "$ns"
+    ip link add "$host" type veth peer name eth0 netns "$ns"
+    ip link set "$host" master "$BRIDGE"
+    ip link set "$host" up
+    ip -n "$ns" link set lo up
+    ip -n "$ns" addr add "${SUBNET}.$((i + 1))/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    # Shape both directions: the node's sending side, and the bridge's side towards it.
+    ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "$rate" burst 256kb latency 50ms
+    tc qdisc add dev "$host" root tbf rate "$rate" burst 256kb latency 50ms
+  done
+  trap - ERR
+  echo "[local_cluster] up: $count node(s) ${PREFIX}0..${PREFIX}$((count - 1)), links $rate"
+}
+
+down() {
+  need_root
+  for ns in $(nodes); do
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+    ip netns del "$ns"
+  done
+  for link in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | grep '^mpn[0-9]*h' \
+                | cut -d@ -f1); do
+    ip link del "$link" 2>/dev/null || true
+  done
+  ip link del "$BRIDGE" 2>/dev/null || true
+  echo "[local_cluster] down"
+}
+
+status() {
+  local list; list="$(nodes)"
+  [ -n "$list" ] || { echo "[local_cluster] no cluster"; return 1; }
+  for ns in $list; do
+    echo "$ns $(ip -n "$ns" -4 -o addr show eth0 | awk '{print $4}')"
+  done
+}
+
+# Hydra's launcher: called as `ssh [options] HOST COMMAND...`; runs COMMAND in HOST's node.
+ssh_standin() {
+  while [[ "${1:-}" == -* ]]; do shift; done
+  local host="${1:?no host}"; shift
+  local index="${host##*.}"; index=$((index - 1))
+  exec ip netns exec "${PREFIX}${index}" unshare --uts sh -c \
+    "hostname ${PREFIX}${index}; exec \"\$@\"" sh sh -c "$*"
+}
+
+run() {
+  local layout="${1:?usage: run NxP -- command...}"; shift
+  [ "${1:-}" = "--" ] && shift
+  local n="${layout%x*}" p="${layout#*x}" hosts=""
+  [ "$(nodes | wc -l)" -ge "$n" ] || die "only $(nodes | wc -l) node(s) up, $layout asked"
+  for ((i = 0; i < n; i++)); do hosts+="${hosts:+,}${SUBNET}.$((i + 1)):$p"; done
+  local mpiexec; mpiexec="$(command -v mpiexec)"
+  exec ip netns exec "${PREFIX}0" unshare --uts sh -c "hostname ${PREFIX}0; exec \"\$@\"" sh \
+    "$mpiexec" -launcher ssh -launcher-exec "$ME" -hosts "$hosts" -n $((n * p)) \
+    -genv UCX_TLS tcp,self -genv PATH "$PATH" -genv PYTHONPATH "${PYTHONPATH:-}" \
+    -genv OMP_NUM_THREADS "${OMP_NUM_THREADS:-1}" "$@"
+}
+
+case "${1:-}" in
+  up) shift; up "$@" ;;
+  down) down ;;
+  status) status ;;
+  run) shift; run "$@" ;;
+  "") die "usage: $0 up K [RATE] | run NxP -- command... | status | down" ;;
+  *) ssh_standin "$@" ;;      # hydra calls us as its ssh: [options] HOST COMMAND...
+esac

@@ -1,0 +1,69 @@
+"""The hierarchical all-reduce on emulated nodes: the world is cut into "nodes" of
+``ranks_per_node`` consecutive ranks (local and cross communicators built by hand, as
+``hierarchical_layout`` builds them from shared memory on a real cluster). Every op, dtype,
+odd and empty sizes, both cross-node algorithms and Average's per-chunk scaling, against a
+float64 NumPy reference.
+
+Usage: hierarchical_worker.py <ranks_per_node>. Prints 'OK ...' on rank 0.
+"""
+import sys
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from mpiddp.buffers import backend_for
+from mpiddp.buffers.dtypes import dtype_named
+from mpiddp.collectives.hierarchical import hierarchical_allreduce, hierarchical_layout
+from mpiddp.ops import ReduceOp
+from mpiddp.torch.views import flat_array
+from reference_data import as64, data
+
+torch.set_num_threads(1)
+world = MPI.COMM_WORLD
+RANK, SIZE = world.Get_rank(), world.Get_size()
+PER_NODE = int(sys.argv[1])
+assert SIZE % PER_NODE == 0
+local = world.Split(color=RANK // PER_NODE, key=RANK)
+cross = world.Split(color=local.Get_rank(), key=RANK)
+host = backend_for("cpu")
+OPS = {ReduceOp.SUM: np.sum, ReduceOp.MIN: np.min, ReduceOp.MAX: np.max,
+       ReduceOp.PRODUCT: np.prod}
+
+checked = 0
+for name in ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uint8"):
+    dtype = dtype_named(name)
+    torch_dtype = getattr(torch, name)
+    for op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
+        for count in (0, 1, 3, SIZE - 1, 97, 4099):
+            for cross_algorithm in ("native", "ring"):
+                key = f"h.{name}.{op.name}.{count}"
+                tensor = data(RANK, key, (count,), torch_dtype, op).contiguous()
+                buf = flat_array(tensor)
+                scratch = host.empty(max(1, -(-count // PER_NODE)), dtype)
+                finish = None
+                if op == ReduceOp.AVERAGE:
+                    finish = lambda part, d=dtype: host.scale_(part, 1.0 / SIZE, d)  # noqa
+                hierarchical_allreduce(local, cross, buf, scratch, dtype, op, host.reduce_into,
+                                       cross_algorithm, finish)
+                stacked = np.stack([as64(data(r, key, (count,), torch_dtype, op))
+                                    for r in range(SIZE)])
+                if op == ReduceOp.AVERAGE:
+                    want = stacked.mean(0) if dtype.kind == "float" else \
+                        np.trunc(stacked.sum(0) * (1.0 / SIZE))
+                else:
+                    want = OPS[op](stacked, axis=0)
+                tol = {"float16": 2e-2, "bfloat16": 8e-2, "float32": 1e-5}.get(name, 1e-12)
+                got = as64(tensor)
+                if dtype.kind == "int" and op == ReduceOp.AVERAGE:
+                    # per-chunk truncation of the same float64 value: exact
+                    tol = 0.0
+                assert np.allclose(got, want, rtol=tol, atol=tol), \
+                    (key, cross_algorithm, np.max(np.abs(got - want)) if count else 0)
+                checked += 1
+_, _, usable = hierarchical_layout(world)     # one real node here: never usable
+assert not usable
+world.Barrier()
+if RANK == 0:
+    print(f"OK hierarchical all-reduce on {SIZE // PER_NODE} nodes x {PER_NODE} ranks: "
+          f"{checked} cases match the float64 reference", flush=True)

@@ -1,0 +1,44 @@
+"""Topology and the hierarchical all-reduce on an emulated cluster (scripts/local_cluster.sh).
+
+Usage: multinode_worker.py <nodes> <ranks per node>. Prints 'OK ...' on rank 0.
+"""
+import socket
+import sys
+
+import torch
+
+import mpiddp
+
+torch.set_num_threads(1)
+NODES, PER_NODE = int(sys.argv[1]), int(sys.argv[2])
+mpiddp.init()
+rank, size = mpiddp.rank(), mpiddp.size()
+assert size == NODES * PER_NODE
+# hydra fills the nodes in order: ranks 0..P-1 on the first node, and so on
+assert (mpiddp.local_rank(), mpiddp.local_size()) == (rank % PER_NODE, PER_NODE)
+assert (mpiddp.cross_rank(), mpiddp.cross_size()) == (rank // PER_NODE, NODES)
+hosts = mpiddp.allgather_object(socket.gethostname())
+assert len(set(hosts)) == NODES, hosts
+if rank == 0:
+    print(f"OK topology {NODES}x{PER_NODE}: local and cross ranks per node, hosts "
+          f"{sorted(set(hosts))}", flush=True)
+
+# Every fused buffer hierarchically (MPIDDP_HIERARCHICAL_ALLREDUCE=1 in the launch) where the
+# layout allows it, with every op and odd sizes, against the exact result.
+mpiddp.reset_engine_stats()
+for op in (mpiddp.Sum, mpiddp.Average, mpiddp.Max):
+    for count in (1, 7, 1000, 300_001):
+        tensor = torch.arange(count, dtype=torch.float64) + rank
+        got = mpiddp.allreduce(tensor, op=op, name=f"h.{op.name}.{count}")
+        base = torch.arange(count, dtype=torch.float64)
+        want = {mpiddp.Sum: base * size + sum(range(size)),
+                mpiddp.Average: base + sum(range(size)) / size,
+                mpiddp.Max: base + size - 1}[op]
+        assert torch.allclose(got, want), (op, count)
+stats = mpiddp.engine_stats()
+expected = PER_NODE > 1 and NODES > 1
+assert (stats["hierarchical_batches"] > 0) == expected, stats
+if rank == 0:
+    print(f"OK all-reduce across {NODES} nodes, hierarchical: {stats['hierarchical_batches']} "
+          f"batches", flush=True)
+mpiddp.shutdown()
