@@ -33,6 +33,7 @@ from .torch.compression import Compression  # noqa: F401,E402
 from .torch.functions import (allgather_object, broadcast_object,  # noqa: F401,E402
                               broadcast_optimizer_state, broadcast_parameters)
 from .torch.optimizer import DistributedOptimizer  # noqa: F401,E402
+from .torch.sync_batch_norm import SyncBatchNorm  # noqa: F401,E402
 
 __all__ = [
     # runtime: start-up, topology, engine controls
@@ -59,6 +60,6 @@ __all__ = [
     "reducescatter", "reducescatter_async", "alltoall", "alltoall_async",
     "barrier", "join", "synchronize", "poll",
     # framework glue
-    "DistributedOptimizer", "Compression", "broadcast_parameters",
+    "DistributedOptimizer", "SyncBatchNorm", "Compression", "broadcast_parameters",
     "broadcast_optimizer_state", "broadcast_object", "allgather_object",
 ]

@@ -10,11 +10,11 @@ import pytest
 
 import mpiddp
 from mpiddp import build_info, process_sets, runtime
-from mpiddp.torch import compression, functions, optimizer, ops
+from mpiddp.torch import compression, functions, optimizer, ops, sync_batch_norm
 
 ROOT = Path(__file__).parent.parent
 PUBLIC_MODULES = [mpiddp, runtime, ops, functions, optimizer, compression, build_info,
-                  process_sets]
+                  process_sets, sync_batch_norm]
 
 # Functions that raise nothing of their own (no "Raises:" section needed).
 RAISES_NOTHING = {"is_initialized", "mpi_threads_supported", "shutdown",

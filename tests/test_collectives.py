@@ -4,7 +4,7 @@ import pytest
 
 from mpi_launch import assert_ok, run_mpi
 
-CHECKS = 14   # 'OK' lines collectives_worker.py prints on rank 0
+CHECKS = 15   # 'OK' lines collectives_worker.py prints on rank 0
 
 # (ranks, algorithm): every rank count; each algorithm on more than one of them.
 CASES = [(1, "auto"), (2, "ring"), (3, "auto"), (4, "native"), (4, "ring"), (8, "auto")]

@@ -364,6 +364,37 @@ def check_grouped_and_sparse():
        "gradients in DistributedOptimizer (sparse and as dense), grouped autograd")
 
 
+def check_sync_batch_norm():
+    """SyncBatchNorm on each rank's slice equals BatchNorm on the concatenated batch: outputs,
+    running statistics, and the gradients (Horovod's test, on the CPU and uneven batches)."""
+    for shape, reference in (((4,), torch.nn.BatchNorm1d), ((4, 3, 2), torch.nn.BatchNorm2d)):
+        rows = [r + 2 for r in range(SIZE)]                 # uneven batches
+        full = torch.cat([data(r, f"sbn.{len(shape)}", (rows[r],) + shape, torch.float64)
+                          for r in range(SIZE)])
+        start = sum(rows[:RANK])
+        sync = mpiddp.SyncBatchNorm(4).double()
+        plain = reference(4).double()
+        x1 = full.clone().requires_grad_()
+        x2 = full.clone().requires_grad_()
+        out = sync(x1[start:start + rows[RANK]])
+        ref = plain(x2)
+        assert torch.allclose(out, ref[start:start + rows[RANK]], atol=1e-10)
+        assert torch.allclose(sync.running_mean, plain.running_mean, atol=1e-12)
+        assert torch.allclose(sync.running_var, plain.running_var, atol=1e-12)
+        # Horovod's convention: the loss is the average over ranks of each rank's sum.
+        out.sum().backward()
+        ref.sum().div(SIZE).backward()
+        assert torch.allclose(mpiddp.allreduce(sync.weight.grad), plain.weight.grad, atol=1e-9)
+        assert torch.allclose(mpiddp.allreduce(sync.bias.grad), plain.bias.grad, atol=1e-9)
+        # each rank holds the gradient of its own rows; averaged, they are the whole one
+        assert torch.allclose(mpiddp.allreduce(x1.grad), x2.grad, atol=1e-9)
+        sync.eval()
+        plain.eval()
+        assert torch.allclose(sync(full), plain(full), atol=1e-10)
+    ok("SyncBatchNorm (1-D and 2-D, uneven batches) equals BatchNorm on the whole batch: "
+       "outputs, running statistics, gradients")
+
+
 def check_topology():
     # One node: every rank is local; the cross-node communicator has one member per node.
     assert (mpiddp.local_rank(), mpiddp.local_size()) == (RANK, SIZE)
@@ -375,7 +406,8 @@ def check_topology():
 CHECKS = [check_topology, check_allreduce, check_allreduce_variants, check_allgather,
           check_broadcast,
           check_reducescatter, check_alltoall, check_fusion_and_cache, check_out_of_order,
-          check_autograd, check_process_sets, check_grouped_and_sparse]
+          check_autograd, check_process_sets, check_grouped_and_sparse,
+          check_sync_batch_norm]
 
 if __name__ == "__main__":
     selected = sys.argv[1:] or [c.__name__ for c in CHECKS]
