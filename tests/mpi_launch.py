@@ -42,8 +42,14 @@ def run_mpi(worker: str, nprocs: int, *args: str, timeout: float = 120,
     full_env.update(env or {})
     runner = [sys.executable, "-m", "mpi4py"] if mpi4py_run else [sys.executable]
     cmd = [mpiexec_path(), "-n", str(nprocs), *runner, script, *map(str, args)]
+    return run_command(cmd, full_env, timeout)
+
+
+def run_command(cmd: list, env: dict, timeout: float) -> MPIResult:
+    """Run ``cmd`` in a new process session; on timeout kill the whole session's process
+    group (the launcher and every rank it started)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, start_new_session=True, cwd=str(ROOT))
+                            env=env, start_new_session=True, cwd=str(ROOT))
     try:
         output, _ = proc.communicate(timeout=timeout)
         return MPIResult(proc.returncode, output, False)

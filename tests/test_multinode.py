@@ -6,13 +6,12 @@ process group; the cluster is torn down at the end."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from mpi_launch import ROOT, WORKERS, assert_ok, MPIResult
+from mpi_launch import ROOT, WORKERS, MPIResult, assert_ok, run_command
 
 pytestmark = [pytest.mark.system]
 CLUSTER = ROOT / "scripts" / "local_cluster.sh"
@@ -42,14 +41,7 @@ def run_on_cluster(layout: str, worker: str, *args, env: dict | None = None,
     genv = [arg for key, value in (env or {}).items() for arg in ("-genv", key, value)]
     cmd = ["bash", str(CLUSTER), "run", layout, "--", *genv, sys.executable, "-m", "mpi4py",
            str(WORKERS / worker), *map(str, args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full_env, start_new_session=True, cwd=str(ROOT))
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        return MPIResult(proc.returncode, output, False)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return MPIResult(-9, proc.communicate()[0], True)
+    return run_command(cmd, full_env, timeout)
 
 
 @pytest.mark.parametrize("nodes,per_node", [(2, 2), (3, 1)], ids=["2x2", "3x1"])
