@@ -50,4 +50,6 @@ def scale_(array: np.ndarray, factor: float, dtype: DType) -> None:
     if dtype.name in ("float16", "bfloat16"):
         _torch_half_view(array, dtype).mul_(factor)
     else:
-        np.multiply(array, array.dtype.type(factor), out=array)
+        # In float64, rounded once (as Horovod): multiplying by float32(1/size) would round
+        # twice, and Average of 3 ranks would differ from the correctly rounded sum / 3.
+        np.multiply(array, np.float64(factor), out=array, casting="unsafe")
