@@ -203,7 +203,7 @@ class DeviceBackend:
             else:
                 getattr(cupy, combine_function(op, dtype.kind))(dst, src, out=dst)
 
-    def scale_(self, array, factor: float, dtype: DType) -> None:
+    def scale_(self, array, factor: float, dtype: DType, exact: bool = False) -> None:
         """Multiply a floating-point buffer by ``factor`` in place on the device (Average's
         1/size, pre/post scale factors). Half types compute in float32 and round once."""
         if factor == 1.0 or array.size == 0:
@@ -211,7 +211,7 @@ class DeviceBackend:
         if isinstance(array, np.ndarray):
             from .host_reduce import scale_ as host_scale_
 
-            host_scale_(array, factor, dtype)
+            host_scale_(array, factor, dtype, exact)
             return
         if dtype.kind not in ("float", "int"):
             raise TypeError(f"cannot scale a {dtype.name} buffer by {factor}")

@@ -36,8 +36,13 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp, dtype: DType) ->
     _NUMPY[op, dtype.kind](dst, src, out=dst)
 
 
-def scale_(array: np.ndarray, factor: float, dtype: DType) -> None:
-    """Multiply a floating-point buffer by ``factor`` in place (no-op for factor 1)."""
+def scale_(array: np.ndarray, factor: float, dtype: DType, exact: bool = False) -> None:
+    """Multiply a numeric buffer by ``factor`` in place (no-op for factor 1).
+
+    A user's scale factor is applied as Horovod does: in the buffer's own precision (float32
+    math for the half types), integers in float64 truncated toward zero. ``exact`` (Average's
+    ``1/size``) multiplies float32 in float64 and rounds once, which gives the correctly
+    rounded quotient instead of rounding ``1/size`` to float32 first."""
     if factor == 1.0 or array.size == 0:
         return
     if dtype.kind == "int":
@@ -49,7 +54,7 @@ def scale_(array: np.ndarray, factor: float, dtype: DType) -> None:
         raise TypeError(f"cannot scale a {dtype.name} buffer by {factor}")
     if dtype.name in ("float16", "bfloat16"):
         _torch_half_view(array, dtype).mul_(factor)
-    else:
-        # In float64, rounded once (as Horovod): multiplying by float32(1/size) would round
-        # twice, and Average of 3 ranks would differ from the correctly rounded sum / 3.
+    elif exact:
         np.multiply(array, np.float64(factor), out=array, casting="unsafe")
+    else:
+        np.multiply(array, array.dtype.type(factor), out=array)

@@ -38,11 +38,18 @@ from .timeline import Timeline
 Finish = Callable[..., None]
 
 
-def _post_factor(request, size: int) -> float:
-    factor = request.postscale
-    if request.op == ReduceOp.AVERAGE:
-        factor /= size
-    return factor
+def _postscale(backend, request, size: int, dtype):
+    """The scaling after a reduction, as a function of one chunk (None: nothing to do): the
+    user's postscale factor, then Average's division by ``size`` (rounded once)."""
+    post, average = request.postscale, request.op == ReduceOp.AVERAGE
+    if post == 1.0 and not average:
+        return None
+
+    def scale(part):
+        backend.scale_(part, post, dtype)
+        if average:
+            backend.scale_(part, 1.0 / size, dtype, exact=True)
+    return scale
 
 
 class Job:
@@ -106,8 +113,7 @@ class Allreduce(Operation):
 
     def communicate(self, ex, job, comm, backend):
         request, dtype = job.request, job.dtype
-        factor = _post_factor(request, ex.size)
-        finish = None if factor == 1.0 else (lambda part: backend.scale_(part, factor, dtype))
+        finish = _postscale(backend, request, ex.size, dtype)
         if job.algorithm == "hierarchical":
             chunk_bytes = len(job.buf) * dtype.itemsize // ex.local.Get_size()
             hierarchical_allreduce(transport_for(ex.local, backend),
@@ -193,7 +199,9 @@ class Reducescatter(Operation):
         rows = job.row_bounds[rank + 1] - job.row_bounds[rank]
         output = job.entries[0].allocate((rows,) + tuple(request.shape[1:]))
         backend.copy(output, mine)
-        backend.scale_(output, _post_factor(request, ex.size), job.dtype)
+        finish = _postscale(backend, request, ex.size, job.dtype)
+        if finish is not None:
+            finish(output)
 
 
 class Barrier(Operation):
