@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,13 @@ class MPIResult:
 def run_mpi(worker: str, nprocs: int, *args: str, timeout: float = 120,
             env: dict | None = None, mpi4py_run: bool = True) -> MPIResult:
     """Run ``tests/workers/<worker>`` on ``nprocs`` ranks; return its combined output."""
+    return Job(*mpi_command(worker, nprocs, *args, env=env, mpi4py_run=mpi4py_run)) \
+        .wait(timeout)
+
+
+def mpi_command(worker: str, nprocs: int, *args: str, env: dict | None = None,
+                mpi4py_run: bool = True) -> tuple[list, dict]:
+    """(command, environment) that runs ``tests/workers/<worker>`` on ``nprocs`` ranks."""
     script = str(WORKERS / worker) if not os.path.isabs(worker) else worker
     full_env = dict(os.environ)
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -41,22 +49,34 @@ def run_mpi(worker: str, nprocs: int, *args: str, timeout: float = 120,
         full_env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"   # waiting ranks yield the core
     full_env.update(env or {})
     runner = [sys.executable, "-m", "mpi4py"] if mpi4py_run else [sys.executable]
-    cmd = [mpiexec_path(), "-n", str(nprocs), *runner, script, *map(str, args)]
-    return run_command(cmd, full_env, timeout)
+    return [mpiexec_path(), "-n", str(nprocs), *runner, script, *map(str, args)], full_env
 
 
 def run_command(cmd: list, env: dict, timeout: float) -> MPIResult:
     """Run ``cmd`` in a new process session; on timeout kill the whole session's process
     group (the launcher and every rank it started)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, start_new_session=True, cwd=str(ROOT))
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        return MPIResult(proc.returncode, output, False)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        return MPIResult(-9, output, True)
+    return Job(cmd, env).wait(timeout)
+
+
+class Job:
+    """A launch in a process session of its own, running while the test acts on it (freezes
+    a rank, cuts a link); ``wait`` collects it, killing the whole group on timeout."""
+
+    def __init__(self, cmd: list, env: dict):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, start_new_session=True, cwd=str(ROOT))
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait(self, timeout: float) -> MPIResult:
+        try:
+            output, _ = self.proc.communicate(timeout=timeout)
+            return MPIResult(self.proc.returncode, output, False)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            output, _ = self.proc.communicate()
+            return MPIResult(-9, output, True)
 
 
 def assert_ok(result: MPIResult, expect_lines: int | None = None, prefix: str = "OK ") -> None:
@@ -68,3 +88,23 @@ def assert_ok(result: MPIResult, expect_lines: int | None = None, prefix: str = 
         got = result.output.count(prefix)
         assert got == expect_lines, (f"expected {expect_lines} '{prefix}' lines, got {got}:\n"
                                      f"{result.output}")
+
+
+def wait_for_files(*paths: Path, job: Job, timeout: float = 90) -> None:
+    """Wait until every path exists (the job got going); fail at once if the job ended."""
+    deadline = time.monotonic() + timeout
+    while not all(path.exists() for path in paths):
+        if not job.running():
+            raise AssertionError("the job ended early:\n" + job.wait(5).output)
+        if time.monotonic() > deadline:
+            raise AssertionError("the job did not get going:\n" + job.wait(0.1).output)
+        time.sleep(0.2)
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or only its zombie (in a container nobody may reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True

@@ -1,13 +1,17 @@
 """Errors end cleanly on every rank with messages that name the tensor, ranks and values;
 stalls, shutdowns and crashed ranks never leave the others hanging."""
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
+import torch
 
-from mpi_launch import ROOT, assert_ok, run_mpi
+from mpi_launch import (ROOT, Job, assert_ok, mpi_command, process_gone, run_mpi,
+                        wait_for_files)
 
 
 def test_mismatches_and_bad_input_fail_on_every_rank():
@@ -103,3 +107,31 @@ def test_tasks_that_each_see_a_world_of_one_fail_at_init():
     assert proc.returncode != 0 and "TRAINS" not in proc.stdout, proc.stdout + proc.stderr
     assert "mpiddp.errors.LaunchError: srun started 2 tasks but MPI sees 1 process per task: " \
            "each would train alone" in proc.stderr
+
+
+def test_a_frozen_rank_ends_the_job_naming_it(tmp_path):
+    # A rank that stops answering (frozen here; a dead node or a cut link in
+    # test_multinode.py) leaves the others inside an MPI call that never completes. The
+    # watchdog's roll call must name it and end the job: check time + 10 s answer window.
+    cmd, env = mpi_command("fault_worker.py", 3, tmp_path, mpi4py_run=False,
+                           env={"MPIDDP_STALL_CHECK_TIME": "2"})
+    job = Job(cmd, env)
+    frozen = None
+    try:
+        wait_for_files(tmp_path / "checkpoint.pt", tmp_path / "pid.2", job=job)
+        frozen = int((tmp_path / "pid.2").read_text())
+        os.kill(frozen, signal.SIGSTOP)
+        step_before = torch.load(tmp_path / "checkpoint.pt")["step"]
+        start = time.monotonic()
+        result = job.wait(timeout=60)
+        elapsed = time.monotonic() - start
+    finally:
+        if frozen is not None and not process_gone(frozen):
+            os.kill(frozen, signal.SIGKILL)
+    assert not result.timed_out, result.output
+    assert result.returncode != 0
+    assert f"rank 2 on {socket.gethostname()} did not answer" in result.output, result.output
+    assert elapsed < 2 + 10 + 15, (elapsed, result.output)
+    time.sleep(1)
+    assert process_gone(frozen), "the frozen rank was left behind"
+    assert torch.load(tmp_path / "checkpoint.pt")["step"] >= step_before

@@ -6,12 +6,16 @@ process group; the cluster is torn down at the end."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
-from mpi_launch import ROOT, WORKERS, MPIResult, assert_ok, run_command
+from mpi_launch import (ROOT, WORKERS, Job, MPIResult, assert_ok, process_gone,
+                        wait_for_files)
 
 pytestmark = [pytest.mark.system]
 CLUSTER = ROOT / "scripts" / "local_cluster.sh"
@@ -34,6 +38,10 @@ def cluster():
 
 def run_on_cluster(layout: str, worker: str, *args, env: dict | None = None,
                    timeout: float = 240) -> MPIResult:
+    return Job(*cluster_command(layout, worker, *args, env=env)).wait(timeout)
+
+
+def cluster_command(layout: str, worker: str, *args, env: dict | None = None) -> tuple:
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                     PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
                     PYTHONPATH=os.pathsep.join([str(ROOT), str(WORKERS)]))
@@ -41,7 +49,7 @@ def run_on_cluster(layout: str, worker: str, *args, env: dict | None = None,
     genv = [arg for key, value in (env or {}).items() for arg in ("-genv", key, value)]
     cmd = ["bash", str(CLUSTER), "run", layout, "--", *genv, sys.executable, "-m", "mpi4py",
            str(WORKERS / worker), *map(str, args)]
-    return run_command(cmd, full_env, timeout)
+    return cmd, full_env
 
 
 @pytest.mark.parametrize("nodes,per_node", [(2, 2), (3, 1)], ids=["2x2", "3x1"])
@@ -64,3 +72,80 @@ def test_training_equivalence_across_nodes(cluster):
     result = run_on_cluster("2x2", "optimizer_worker.py", "equivalence", timeout=300)
     assert_ok(result)
     assert result.output.count("bitwise-identical-across-ranks") == 8, result.output
+
+
+# ---- faults: a node's ranks killed, a node's link cut -------------------------------------
+STALL_CHECK = 10      # MPIDDP_STALL_CHECK_TIME in the fault tests (s)
+
+
+def node_pids(node: int) -> list[int]:
+    listed = subprocess.run(["ip", "netns", "pids", f"mpiddp-n{node}"], capture_output=True,
+                            text=True).stdout.split()
+    return [int(pid) for pid in listed if not process_gone(int(pid))]
+
+
+def worker_pids(node: int) -> list[int]:
+    pids = []
+    for pid in node_pids(node):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"fault_worker.py" in f.read():
+                    pids.append(pid)
+        except FileNotFoundError:
+            pass
+    return pids
+
+
+def run_fault(tmp_path, break_node_1) -> tuple[MPIResult, float, int]:
+    """Train on 2x2 until rank 0 has checkpointed, call ``break_node_1()``, and collect the
+    job: (result, seconds from the fault to the job's end, last step checkpointed before)."""
+    job = Job(*cluster_command("2x2", "fault_worker.py", tmp_path,
+                               env={"MPIDDP_STALL_CHECK_TIME": str(STALL_CHECK)}))
+    wait_for_files(tmp_path / "checkpoint.pt", *(tmp_path / f"pid.{r}" for r in range(4)),
+                   job=job, timeout=120)
+    time.sleep(1)
+    step_before = torch.load(tmp_path / "checkpoint.pt")["step"]
+    start = time.monotonic()
+    break_node_1()
+    result = job.wait(timeout=STALL_CHECK + 60)
+    return result, time.monotonic() - start, step_before
+
+
+def assert_ended_cleanly(result: MPIResult, elapsed: float, step_before: int, tmp_path) -> None:
+    """Ended within the stall check + 30 s, no process left on any node, checkpoint intact."""
+    print(f"the job ended {elapsed:.1f} s after the fault")
+    assert not result.timed_out, result.output
+    assert result.returncode != 0, result.output
+    assert elapsed < STALL_CHECK + 30, (elapsed, result.output)
+    deadline = time.monotonic() + 15        # a rank cut off from the launcher exits itself
+    while (node_pids(0) or node_pids(1)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not node_pids(0) and not node_pids(1), "processes were left behind"
+    checkpoint = torch.load(tmp_path / "checkpoint.pt")
+    assert checkpoint["step"] >= step_before and "0.weight" in checkpoint["model"]
+
+
+def test_killing_every_rank_of_a_node_ends_the_job(cluster, tmp_path):
+    def kill_node_1():
+        victims = worker_pids(1)
+        assert len(victims) == 2, victims
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+
+    result, elapsed, step_before = run_fault(tmp_path, kill_node_1)
+    # The launcher notices at once and names the node (hydra: "BAD TERMINATION ... RUNNING
+    # AT <node 1's address>"); where it does not, the survivors' watchdog does.
+    assert "10.211.7.2" in result.output or "on mpiddp-n1 did not answer" in result.output, \
+        result.output
+    assert_ended_cleanly(result, elapsed, step_before, tmp_path)
+
+
+def test_a_node_losing_its_link_ends_the_job_naming_its_ranks(cluster, tmp_path):
+    link = "mpn1h"           # node 1's veth on the bridge (scripts/local_cluster.sh)
+    try:
+        result, elapsed, step_before = run_fault(
+            tmp_path, lambda: subprocess.run(["ip", "link", "set", link, "down"], check=True))
+    finally:
+        subprocess.run(["ip", "link", "set", link, "up"], check=True)
+    assert "ranks 2, 3 on mpiddp-n1 did not answer" in result.output, result.output
+    assert_ended_cleanly(result, elapsed, step_before, tmp_path)

@@ -38,11 +38,20 @@ def start_engine(comm: MPI.Comm, settings: Settings) -> "Engine":
     """The production engine: on a private duplicate of ``comm`` (user traffic can never
     interleave with ours), MPI control channel, MPI executor."""
     from .executor import Executor
+    from .liveness import Watchdog
 
     private = comm.Dup()
-    return Engine(MPIChannel(private), settings,
-                  lambda stats, timeline, finish: Executor(private, settings, stats, timeline,
-                                                           finish))
+    engine = Engine(MPIChannel(private), settings,
+                    lambda stats, timeline, finish: Executor(private, settings, stats, timeline,
+                                                             finish))
+    # The watchdog calls MPI from a thread of its own: only with MPI_THREAD_MULTIPLE.
+    if private.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+        hosts = private.allgather(MPI.Get_processor_name())
+        watchdog = Watchdog(private.Dup(), hosts, lambda: engine.stats.cycles,
+                            settings.stall_check_time)
+        engine.on_stop.append(watchdog.stop)
+        engine.watchdog = watchdog
+    return engine
 
 
 class Engine:
@@ -56,6 +65,8 @@ class Engine:
         self.protocol = CycleProtocol(self.rank, self.size, settings)
         self.policy = WaitPolicy(settings.cycle_time / 1000)
         self.executor = make_executor(self.stats, self.timeline, self._finish)
+        self.on_stop: list[Callable[[], None]] = []   # run on the coordinator when it stops
+        self.watchdog = None                          # liveness.Watchdog, in production
 
         self._lock = threading.Lock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()   # entries and wake-up tokens
@@ -233,5 +244,7 @@ class Engine:
             entry.handle.fail(EngineShutdownError(f"'{entry.request.name}': {error_text}"))
         if join_handle is not None:
             join_handle.fail(EngineShutdownError(f"join(): {error_text}"))
-        if close:
+        if close:                       # an orderly stop (a failure aborts the job instead)
+            for action in self.on_stop:
+                action()
             self.channel.close()

@@ -1,0 +1,149 @@
+"""The lost-peer watchdog: a job whose node died or lost its network ends, naming who is gone.
+
+A rank that dies, or whose link goes down, leaves the others inside an MPI call that never
+completes: over TCP nothing fails for many minutes, and the stall inspector cannot help (it
+needs the control cycle to complete). The coordinator completes a cycle at least every
+heartbeat (``MPIDDP_CYCLE_TIME``) while the ranks are healthy, idle or not, so a cycle count
+that stands still for ``MPIDDP_STALL_CHECK_TIME`` means the coordinator is stuck in one MPI call
+(or in one very long transfer). Then this watchdog holds a roll call on a communicator of its
+own: it pings every other rank and waits ``ANSWER_SECONDS`` for the answers, which every
+rank's watchdog thread gives from its own polling loop, whatever its coordinator is doing.
+
+* Everyone answers: the operation is merely slow; wait on, and check again after another
+  ``MPIDDP_STALL_CHECK_TIME``.
+* Some ranks do not: they died or cannot be reached. Every surviving rank prints which ranks
+  are missing and on which hosts, and ends the job (``MPI_Abort``; if even that cannot reach
+  the launcher, the process exits), so that no rank waits forever and the scheduler can
+  requeue the job.
+
+The watchdog makes MPI calls from its own thread, so it runs only with
+``MPI_THREAD_MULTIPLE``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+from mpi4py import MPI
+
+POLL_SECONDS = 0.25         # how often the watchdog answers pings and looks at the cycle count
+ANSWER_SECONDS = 10.0       # how long a roll call waits for the answers
+EXIT_GRACE_SECONDS = 10.0   # MPI_Abort that cannot reach the launcher: exit after this
+PING, PONG = 1, 2           # message tags on the watchdog's own communicator
+
+
+def describe_missing(missing: list[int], hosts: list[str]) -> str:
+    """'ranks 2, 3 on node-b; rank 5 on node-c'."""
+    by_host: dict[str, list[int]] = {}
+    for rank in missing:
+        by_host.setdefault(hosts[rank], []).append(rank)
+    parts = []
+    for host, ranks in by_host.items():
+        label = "rank" if len(ranks) == 1 else "ranks"
+        parts.append(f"{label} {', '.join(map(str, ranks))} on {host}")
+    return "; ".join(parts)
+
+
+class Watchdog:
+    """Roll calls when the coordinator makes no progress; ends the job on lost ranks."""
+
+    def __init__(self, comm: MPI.Comm, hosts: list[str], progress: Callable[[], int],
+                 stalled_after: float, on_lost: Callable[[str], None] | None = None):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.hosts = hosts
+        self.progress = progress
+        self.stalled_after = stalled_after
+        self.on_lost = on_lost or end_job
+        self.roll_calls = 0                     # how many were held (statistics, tests)
+        self._serial = 0
+        self._ping = np.zeros(1, np.int64)
+        self._ping_request = comm.Irecv([self._ping, MPI.INT64_T], MPI.ANY_SOURCE, PING)
+        # Answers and pings in flight: referenced until complete, never waited for (a send
+        # to a lost rank never completes).
+        self._sends: list[MPI.Request] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mpiddp-watchdog", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread and release the communicator (the ranks have agreed to stop)."""
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        self._ping_request.Cancel()
+        self._ping_request.Wait()
+
+    # ---- the thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        last, since = self.progress(), time.monotonic()
+        while not self._stop.wait(POLL_SECONDS):
+            self._answer_pings()
+            now, count = time.monotonic(), self.progress()
+            if count != last:
+                last, since = count, now
+            elif now - since >= self.stalled_after:
+                missing = self.roll_call()
+                if missing:
+                    self.on_lost(self.report(missing, now - since))
+                    return
+                since = time.monotonic()        # everyone is there: a slow operation
+
+    def _answer_pings(self) -> None:
+        """Answer every ping received so far with a pong carrying the ping's serial."""
+        status = MPI.Status()
+        while self._ping_request.Test(status):
+            answer = self._ping.copy()
+            self._sends.append(self.comm.Isend([answer, MPI.INT64_T], status.Get_source(),
+                                               PONG))
+            self._ping_request = self.comm.Irecv([self._ping, MPI.INT64_T], MPI.ANY_SOURCE,
+                                                 PING)
+        self._sends = [r for r in self._sends if not r.Test()]
+
+    def roll_call(self, answer_within: float = ANSWER_SECONDS) -> list[int]:
+        """Ping every other rank; return the ranks that did not answer in time."""
+        self.roll_calls += 1
+        self._serial += 1
+        ping = np.array([self._serial], np.int64)
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._sends.append(self.comm.Isend([ping, MPI.INT64_T], peer, PING))
+        waiting = set(range(self.size)) - {self.rank}
+        pong = np.zeros(1, np.int64)
+        status = MPI.Status()
+        request = self.comm.Irecv([pong, MPI.INT64_T], MPI.ANY_SOURCE, PONG)
+        deadline = time.monotonic() + answer_within
+        while waiting and time.monotonic() < deadline:
+            if request.Test(status):
+                if int(pong[0]) == self._serial:      # not a late answer to an earlier call
+                    waiting.discard(status.Get_source())
+                request = self.comm.Irecv([pong, MPI.INT64_T], MPI.ANY_SOURCE, PONG)
+                continue
+            self._answer_pings()            # peers may be holding roll calls of their own
+            time.sleep(0.01)
+        request.Cancel()
+        request.Wait()
+        return sorted(waiting)
+
+    def report(self, missing: list[int], stuck_for: float) -> str:
+        return (f"mpiddp: rank {self.rank} (on {self.hosts[self.rank]}) has made no progress "
+                f"for {stuck_for:.0f} s, and {describe_missing(missing, self.hosts)} did not "
+                f"answer within {ANSWER_SECONDS:.0f} s: they have died or cannot be reached "
+                "(their node or its network is down). Ending the job so that no rank waits "
+                "for them forever.")
+
+
+def end_job(report: str) -> None:
+    """Print the report and end the MPI job; exit on our own if MPI_Abort cannot (it needs
+    the launcher, which may be on the far side of the broken link)."""
+    sys.stderr.write(report + "\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    exit_later = threading.Timer(EXIT_GRACE_SECONDS, os._exit, (1,))
+    exit_later.daemon = True
+    exit_later.start()
+    MPI.COMM_WORLD.Abort(1)
