@@ -31,19 +31,25 @@ class Timeline:
         return self.events()
 
     def events(self) -> list[tuple[str, str, float]]:
-        """(tensor name, phase, time) with phase one of submit, agreed, start, end."""
+        """(name, phase, time). Tensors: submit, agreed, start, end. A DistributedOptimizer
+        (named by its prefix, e.g. ``opt0``): backward_end and synchronized (the wait for the
+        last reductions at the end of backward), step_begin and step_end."""
         with self._lock:
             return list(self._events)
 
     def write_chrome_trace(self, path: str, rank: int) -> None:
         """Write the events as a Chrome trace: one row per tensor, spans from submission to
-        agreement (NEGOTIATE) and from start to end of its reduction (REDUCE)."""
+        agreement (NEGOTIATE) and from start to end of its reduction (REDUCE); one row per
+        optimizer, spans of forward and backward (COMPUTE: from the previous step's end to the
+        end of backward), of the wait for the last reductions (WAIT) and of the step (STEP)."""
         spans = []
         times: dict[str, dict[str, float]] = {}
+        pairs = {"agreed": ("submit", "NEGOTIATE"), "end": ("start", "REDUCE"),
+                 "backward_end": ("step_end", "COMPUTE"), "synchronized": ("backward_end", "WAIT"),
+                 "step_end": ("step_begin", "STEP")}
         for name, phase, when in self.events():
             slot = times.setdefault(name, {})
             slot[phase] = when
-            pairs = {"agreed": ("submit", "NEGOTIATE"), "end": ("start", "REDUCE")}
             if phase in pairs and pairs[phase][0] in slot:
                 begin = slot[pairs[phase][0]]
                 spans.append({"name": pairs[phase][1], "ph": "X", "pid": rank, "tid": name,

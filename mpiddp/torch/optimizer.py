@@ -46,7 +46,7 @@ import torch
 from .. import runtime
 from ..errors import MpiddpError, TensorMismatchError
 from ..ops import ADASUM_UNSUPPORTED, ReduceOp
-from ..process_sets import ProcessSet
+from ..process_sets import ProcessSet, engine_for
 from .compression import Compression
 from .functions import allgather_object
 from .ops import (allreduce, allreduce_request_, sparse_allreduce_async, submit_together,
@@ -169,7 +169,18 @@ class _GradientSync:
         docstring). Runs once per backward pass in which a gradient became final."""
         self.end_of_backward_queued = False
         if self.pending:
+            timeline = self._timeline()
+            if timeline:
+                timeline.record(self.prefix, "backward_end")
             self.synchronize()
+            if timeline:
+                timeline.record(self.prefix, "synchronized")
+
+    def _timeline(self):
+        """The engine's timeline while it records (the optimizer marks its phases there, for
+        scripts/plot_timeline.py), else None."""
+        engine = engine_for(self.process_set, "DistributedOptimizer")[0]
+        return engine.timeline if engine.timeline.enabled else None
 
     def _queue(self, param: torch.Tensor, zeros: bool = False) -> None:
         """Make ``param``'s gradient ready for reduction (it goes out with the next flush)."""
@@ -378,12 +389,17 @@ class _DistributedOptimizer:
                 raise RuntimeError(
                     "optimizer.step() inside skip_synchronize() while gradient reductions are "
                     "still in flight: call optimizer.synchronize() before the block")
-        elif closure is None or sync.pending or sync.passes:
+        timeline = sync._timeline()
+        if timeline:
+            timeline.record(sync.prefix, "step_begin")
+        if not sync.skip_synchronize and (closure is None or sync.pending or sync.passes):
             sync.synchronize()
         if closure is not None and not sync.skip_synchronize:
             closure = _synchronized_closure(self, closure)
         result = super().step(closure)
         sync.synchronized = False
+        if timeline:
+            timeline.record(sync.prefix, "step_end")
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,0 +1,148 @@
+"""Draw where a training step's time goes, per rank: compute, reductions, and the wait for them.
+
+    MPIDDP_TIMELINE=/tmp/tl.json mpiexec -n 2 python train.py      # one trace per rank
+    python scripts/plot_timeline.py /tmp/tl.rank*.json -o overlap.png [--steps 3]
+
+Input: the Chrome traces mpiddp writes (``MPIDDP_TIMELINE=path``, or
+``mpiddp.stop_timeline(path)``) while a ``DistributedOptimizer`` trains. For each rank, over the
+last ``--steps`` steps, the picture has four lanes:
+
+* forward + backward (from the end of one step to the end of the next backward pass),
+* reductions (the engine reducing fused gradient buffers; ticks mark when backward handed
+  each gradient over),
+* waiting for reductions at the end of backward (communication that was *not* hidden),
+* the optimizer step.
+
+It also prints, per rank, the median per step of: step time, compute, reduction time, the part
+of the reductions that ran while backward still computed (hidden), and the wait. Each rank is
+drawn on its own clock, from the end of its first step shown (clocks of different nodes are not
+comparable). Needs matplotlib (``pip install matplotlib``) for the picture; ``--no-plot`` only
+prints.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+LANES = [("COMPUTE", "forward + backward", "#4c72b0"),
+         ("REDUCE", "reductions", "#dd8452"),
+         ("WAIT", "waiting for reductions", "#c44e52"),
+         ("STEP", "optimizer step", "#55a868")]
+
+
+def load(path: Path) -> tuple[int, dict[str, list[tuple[float, float]]]]:
+    """(rank, {span name: [(begin s, end s), ...]}) from one rank's Chrome trace."""
+    events = json.loads(path.read_text())["traceEvents"]
+    rank = events[0]["pid"] if events else 0
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for event in events:
+        begin = event["ts"] / 1e6
+        spans.setdefault(event["name"], []).append((begin, begin + event["dur"] / 1e6))
+    for name in spans:
+        spans[name].sort()
+    return rank, spans
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for begin, end in sorted(intervals):
+        if out and begin <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([begin, end])
+    return [(b, e) for b, e in out]
+
+
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sets of disjoint intervals."""
+    total = 0.0
+    for begin, end in a:
+        for b_begin, b_end in b:
+            total += max(0.0, min(end, b_end) - max(begin, b_begin))
+    return total
+
+
+def clip(intervals, start: float, stop: float) -> list[tuple[float, float]]:
+    return [(max(b, start), min(e, stop)) for b, e in intervals if e > start and b < stop]
+
+
+def window(spans: dict, steps: int) -> tuple[float, float, int]:
+    """(start, stop, steps) covering the last ``steps`` whole steps: from the end of one step
+    to the end of the step ``steps`` later."""
+    ends = [end for _, end in spans.get("STEP", [])]
+    if len(ends) < 2:
+        raise SystemExit("the trace holds fewer than 2 optimizer steps: record a timeline "
+                         "while a DistributedOptimizer trains for a few steps")
+    steps = min(steps, len(ends) - 1)
+    return ends[-steps - 1], ends[-1], steps
+
+
+def summarize(spans: dict, start: float, stop: float, steps: int) -> dict[str, float]:
+    """Per-step medians (ms) inside the window."""
+    step_ends = [end for _, end in spans["STEP"] if start <= end <= stop]
+    rows = {key: [] for key in ("step", "compute", "reduce", "hidden", "wait")}
+    for begin, end in zip(step_ends, step_ends[1:]):
+        compute = merged(clip(spans.get("COMPUTE", []), begin, end))
+        reduce_ = merged(clip(spans.get("REDUCE", []), begin, end))
+        rows["step"].append(end - begin)
+        rows["compute"].append(sum(e - b for b, e in compute))
+        rows["reduce"].append(sum(e - b for b, e in reduce_))
+        rows["hidden"].append(overlap(reduce_, compute))
+        rows["wait"].append(sum(e - b for b, e in clip(spans.get("WAIT", []), begin, end)))
+    return {key: 1e3 * statistics.median(values) for key, values in rows.items()}
+
+
+def plot(traces: list, steps: int, output: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("drawing needs matplotlib: pip install matplotlib (or use --no-plot)")
+    fig, axes = plt.subplots(len(traces), 1, figsize=(12, 1.2 + 1.1 * len(traces)),
+                             sharex=True, squeeze=False)
+    for ax, (rank, spans) in zip(axes[:, 0], traces):
+        start, stop, _ = window(spans, steps)
+        for lane, (name, label, color) in enumerate(LANES):
+            bars = [(b - start, e - b) for b, e in clip(spans.get(name, []), start, stop)]
+            ax.broken_barh([(1e3 * b, 1e3 * w) for b, w in bars], (lane - 0.4, 0.8),
+                           facecolors=color, label=label)
+        submits = [b - start for b, _ in spans.get("NEGOTIATE", []) if start <= b <= stop]
+        ax.plot([1e3 * t for t in submits], [1] * len(submits), "|", color="black",
+                markersize=10, label="gradient handed over")
+        ax.set_yticks(range(len(LANES)), [label for _, label, _ in LANES])
+        ax.set_ylim(-0.6, len(LANES) - 0.4)
+        ax.invert_yaxis()
+        ax.set_title(f"rank {rank}", loc="left", fontsize=10)
+    axes[-1, 0].set_xlabel("ms from the end of the first step shown (each rank's own clock)")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper right", ncol=5, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.savefig(output, dpi=110)
+    print(f"wrote {output}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("traces", nargs="+", type=Path, help="Chrome traces, one per rank")
+    p.add_argument("-o", "--output", type=Path, default=Path("timeline.png"))
+    p.add_argument("--steps", type=int, default=3, help="how many of the last steps to show")
+    p.add_argument("--no-plot", action="store_true", help="only print the summary")
+    args = p.parse_args(argv)
+    traces = sorted((load(path) for path in args.traces), key=lambda trace: trace[0])
+    print("rank  steps  step ms  compute ms  reductions ms  hidden ms  waited ms")
+    for rank, spans in traces:
+        start, stop, steps = window(spans, args.steps)
+        s = summarize(spans, start, stop, steps)
+        print(f"{rank:4d}  {steps:5d}  {s['step']:7.1f}  {s['compute']:10.1f}  "
+              f"{s['reduce']:13.1f}  {s['hidden']:9.1f}  {s['wait']:9.1f}")
+    if not args.no_plot:
+        plot(traces, args.steps, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
