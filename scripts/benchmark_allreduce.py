@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 
 import numpy as np
@@ -46,16 +45,13 @@ def human(nbytes: int) -> str:
 
 
 def init_gloo(comm: MPI.Comm, backend: str = "gloo") -> None:
-    import torch.distributed as dist
+    """torch.distributed over ``backend``, across nodes too (synthetic_benchmark's rendezvous)."""
+    from synthetic_benchmark import init_torch_distributed
 
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}",
-                            rank=comm.rank, world_size=comm.size)
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    single_node = local.Get_size() == comm.Get_size()
+    local.Free()
+    init_torch_distributed(single_node, backend)
 
 
 def make_methods(comm: MPI.Comm, with_gloo: bool):

@@ -12,6 +12,8 @@
 # not needed). `run NxP` starts MPICH's mpiexec in node 0 with P ranks on each of N nodes,
 # launching the proxies through this script as its "ssh", and makes MPICH's UCX use TCP only
 # (without that it would use shared memory between the namespaces and bypass the shaping).
+# For torch.distributed (the nodes' names do not resolve): MASTER_ADDR is node 0's address,
+# and GLOO_SOCKET_IFNAME makes gloo use the node's link rather than loopback.
 # Nothing outside the namespaces, the bridge and the veth pairs is touched; `down` removes
 # them all. Needs root, iproute2 and network namespaces.
 set -euo pipefail
@@ -95,7 +97,8 @@ run() {
   local mpiexec; mpiexec="$(command -v mpiexec)"
   exec ip netns exec "${PREFIX}0" unshare --uts sh -c "hostname ${PREFIX}0; exec \"\$@\"" sh \
     "$mpiexec" -launcher ssh -launcher-exec "$ME" -hosts "$hosts" -n $((n * p)) \
-    -genv UCX_TLS tcp,self -genv PATH "$PATH" -genv PYTHONPATH "${PYTHONPATH:-}" \
+    -genv UCX_TLS tcp,self -genv MASTER_ADDR "${SUBNET}.1" -genv GLOO_SOCKET_IFNAME eth0 \
+    -genv PATH "$PATH" -genv PYTHONPATH "${PYTHONPATH:-}" \
     -genv OMP_NUM_THREADS "${OMP_NUM_THREADS:-1}" "$@"
 }
 

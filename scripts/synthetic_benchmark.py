@@ -133,17 +133,18 @@ def make_mpiddp(args, bucket_cap_mb: float, name: str) -> Variant:
     return Variant(name, model, optimizer, data, target)
 
 
-def init_torch_distributed(single_node: bool) -> None:
-    """torch.distributed (gloo) from the MPI rank and size; rank 0 picks a free port for the
-    TCP store and broadcasts it (and its address when the job spans several nodes)."""
+def init_torch_distributed(single_node: bool, backend: str = "gloo") -> None:
+    """torch.distributed from the MPI rank and size; rank 0 picks a free port for the TCP
+    store and broadcasts it, with its address when the job spans several nodes: MASTER_ADDR
+    if set (as torch's launchers use it), else its host name's address."""
     import torch.distributed as dist
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     if rank == 0:
-        host = "127.0.0.1" if single_node else \
-            socket.gethostbyname(socket.gethostname())
+        host = os.environ.get("MASTER_ADDR") or (
+            "127.0.0.1" if single_node else socket.gethostbyname(socket.gethostname()))
         with socket.socket() as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
@@ -152,7 +153,7 @@ def init_torch_distributed(single_node: bool) -> None:
         address = None
     host, port = comm.bcast(address, root=0)
     store = dist.TCPStore(host, port, size, is_master=rank == 0)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size)
 
 
 def make_ddp(args, bucket_cap_mb: float, name: str) -> Variant:
@@ -160,6 +161,10 @@ def make_ddp(args, bucket_cap_mb: float, name: str) -> Variant:
 
     model, data, target = build(args)
     ddp_model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    if args.fp16_allreduce:         # the same compression on both sides
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
     return Variant(name, ddp_model, optimizer, data, target)
 
@@ -225,7 +230,12 @@ def parse_args(argv=None):
                         "size of that variant (e.g. mpiddp:0,mpiddp:1000,ddp,ddp:1000)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank (default: cores / ranks on the node)")
-    p.add_argument("--fp16-allreduce", action="store_true", help="mpiddp: Compression.fp16")
+    p.add_argument("--fp16-allreduce", action="store_true",
+                   help="mpiddp: Compression.fp16; ddp: its fp16_compress_hook")
+    p.add_argument("--link-gbit", type=float, default=None,
+                   help="bandwidth of each node's link (Gbit/s): also report each variant's "
+                        "step time against the perfect-overlap bound max(one-process step, "
+                        "wire time)")
     p.add_argument("--bucket-cap-mb", type=float, default=4.0,
                    help="mpiddp: DistributedOptimizer(bucket_cap_mb=...)")
     p.add_argument("--ddp-bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
@@ -234,6 +244,25 @@ def parse_args(argv=None):
     if args.batch_size is None:
         args.batch_size = 32 if args.model == "cnn" else 16
     return args
+
+
+def report_bound(args, result: dict, names: list, nodes: int, params: int) -> None:
+    """Step time of each variant against max(one-process step, wire time): with perfect
+    overlap a step costs its compute or its traffic, whichever is longer. Wire time: each
+    node's link carries 2 (n - 1) / n of the gradient bytes each way (ring or hierarchical
+    all-reduce across n nodes), at ``--link-gbit``."""
+    wire_bytes = params * (2 if args.fp16_allreduce else 4) * 2 * (nodes - 1) / max(nodes, 1)
+    wire = wire_bytes / (args.link_gbit * 1e9 / 8)
+    single_step = args.batch_size / result["variants"]["single"]["per_rank"]
+    bound = max(single_step, wire)
+    result["bound"] = {"wire_s": wire, "single_step_s": single_step, "bound_s": bound}
+    print(f"perfect-overlap bound: max(one-process step {single_step:.3f} s, wire time "
+          f"{wire:.3f} s over {nodes} node(s) at {args.link_gbit:g} Gbit/s) = {bound:.3f} s")
+    for name in names:
+        if name != "single":
+            step = args.batch_size / result["variants"][name]["per_rank"]
+            result["variants"][name]["of_bound"] = bound / step
+            print(f"  {name}: {step:.3f} s per step = {100 * bound / step:.0f}% of the bound")
 
 
 def main(argv=None) -> int:
@@ -342,6 +371,8 @@ def main(argv=None) -> int:
             result["ratios"][f"{a} / {b}"] = ratio
             print(f"{a} / {b} (gloo) throughput: {ratio:.2f}x (ratio of medians; per round "
                   f"{', '.join(f'{x:.2f}' for x in per_round)})")
+    if args.link_gbit and single:
+        report_bound(args, result, names, size // local_size, params)
     steps = args.steps + 1
     for name, st in stats.items():
         print(f"{name} engine on rank 0, last round, per step: {st['cycles'] / steps:.0f} "

@@ -117,7 +117,8 @@ class Allreduce(Operation):
         if job.algorithm == "hierarchical":
             chunk_bytes = len(job.buf) * dtype.itemsize // ex.local.Get_size()
             hierarchical_allreduce(transport_for(ex.local, backend),
-                                   transport_for(ex.cross, backend), job.buf, job.scratch,
+                                   transport_for(ex.cross, backend, across_nodes=True),
+                                   job.buf, job.scratch,
                                    dtype, request.op, backend.reduce_into,
                                    choose_algorithm("auto", chunk_bytes, ex.ring_threshold),
                                    finish)
@@ -234,6 +235,8 @@ class Executor:
         self.ring_threshold = settings.ring_threshold
         # Node-local and cross-node communicators (collective: every rank builds its engine).
         self.local, self.cross, self.hierarchical_usable = hierarchical_layout(comm)
+        # Ranks on several nodes: transfers wait without spinning (transport/network.py).
+        self.across_nodes = self.local.Get_size() < self.size
         self.hierarchical = settings.hierarchical_allreduce
 
     def choose(self, nbytes: int) -> str:
@@ -287,7 +290,8 @@ class Executor:
                 timeline.record(entry.request.name, "start")
         job = operation.prepare(self, backend, batch, members)
         backend.before_mpi(device)
-        operation.communicate(self, job, transport_for(self.comm, backend), backend)
+        operation.communicate(self, job, transport_for(self.comm, backend, self.across_nodes),
+                              backend)
         operation.unpack(self, job, backend)
         backend.after_unpack(device)
         if timeline:

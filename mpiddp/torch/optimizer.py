@@ -178,8 +178,12 @@ class _GradientSync:
 
     def _timeline(self):
         """The engine's timeline while it records (the optimizer marks its phases there, for
-        scripts/plot_timeline.py), else None."""
-        engine = engine_for(self.process_set, "DistributedOptimizer")[0]
+        scripts/plot_timeline.py), else None (also on a rank outside the optimizer's process
+        set, where it is a plain local optimizer)."""
+        try:
+            engine = engine_for(self.process_set, "DistributedOptimizer")[0]
+        except ValueError:
+            return None
         return engine.timeline if engine.timeline.enabled else None
 
     def _queue(self, param: torch.Tensor, zeros: bool = False) -> None:

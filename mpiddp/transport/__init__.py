@@ -29,14 +29,24 @@ class Transport(Protocol):
 
 
 _device_transports: dict = {}
+_network_transports: dict = {}
 
 
-def transport_for(comm, backend) -> Transport:
-    """The transport for buffers of ``backend`` on ``comm``: ``comm`` itself for host memory;
-    for device memory a direct or staging wrapper, made once per communicator and device
-    (decided at ``init()`` from the CUDA-aware probe, ``cuda_aware.mpi_cuda_aware()``)."""
+def transport_for(comm, backend, across_nodes: bool = False) -> Transport:
+    """The transport for buffers of ``backend`` on ``comm``. Host memory: ``comm`` itself
+    within a node; where ``comm``'s ranks span nodes (``across_nodes``), ``NetworkComm``,
+    which waits without spinning (``network.py``). Device memory: a direct or staging wrapper,
+    made once per communicator and device (decided at ``init()`` from the CUDA-aware probe,
+    ``cuda_aware.mpi_cuda_aware()``)."""
     if backend.device_type == "cpu":
-        return comm                     # host memory: the communicator as it is
+        if not across_nodes:
+            return comm                 # host memory: the communicator as it is
+        network = _network_transports.get(id(comm))
+        if network is None or network.comm is not comm:
+            from .network import NetworkComm
+
+            network = _network_transports[id(comm)] = NetworkComm(comm)
+        return network
     copier = backend.copier()
     key = (id(comm), copier.device_id)
     transport = _device_transports.get(key)

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The multi-node benchmarks of docs/benchmarks.md ("Across nodes") in one command, as root:
+#
+#   sudo scripts/cluster_benchmarks.sh [RATE] [OUTPUT]     # RATE: tc rate, default 1gbit
+#
+# Brings up an emulated cluster of 4 nodes (scripts/local_cluster.sh) with links shaped to
+# RATE, runs on it the all-reduce benchmark at 2x1, 4x1 and 2x2 (mpiddp against native
+# MPI_Allreduce) and the training benchmark at 2x1 (mpiddp against DDP over gloo on the same
+# links; ResNet-18, the MLP in fp32 and with fp16 compression on both, each against the
+# perfect-overlap bound), and tears the cluster down, also on failure. Everything printed is
+# also written to OUTPUT (default cluster-benchmarks.txt). Several ranks on this machine's
+# cores: more ranks than cores set MPICH's heavy yield, so waiting ranks give the core back.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RATE="${1:-1gbit}"
+OUTPUT="${2:-cluster-benchmarks.txt}"
+PARTS="${PARTS:-allreduce training}"
+CLUSTER="$ROOT/scripts/local_cluster.sh"
+case "$RATE" in
+  *gbit) GBIT="${RATE%gbit}" ;;
+  *mbit) GBIT="$(python3 -c "print(${RATE%mbit} / 1000)")" ;;
+  *) echo "RATE must be like 1gbit or 500mbit" >&2; exit 2 ;;
+esac
+# shellcheck source=ensure_env.sh
+source "$ROOT/scripts/ensure_env.sh"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+CORES="$(getconf _NPROCESSORS_ONLN)"   # not nproc: it obeys OMP_NUM_THREADS
+
+bash "$CLUSTER" up 4 "$RATE"
+trap 'bash "$CLUSTER" down >/dev/null' EXIT
+
+on_cluster() {        # on_cluster NxP command...: heavy yield where ranks outnumber cores
+  local layout="$1"; shift
+  local ranks=$(( ${layout%x*} * ${layout#*x} )) yield=()
+  [ "$ranks" -gt "$CORES" ] && yield=(-genv MPIR_CVAR_ENABLE_HEAVY_YIELD 1)
+  echo; echo "### $layout: $*"
+  bash "$CLUSTER" run "$layout" -- "${yield[@]}" "$@"
+}
+
+{
+  echo "# mpiddp across nodes: $(date -u +%F), links $RATE, $CORES cores, $(git -C "$ROOT" rev-parse --short HEAD)"
+  if [[ "$PARTS" == *allreduce* ]]; then
+    for layout in 2x1 4x1 2x2; do
+      on_cluster "$layout" python "$ROOT/scripts/benchmark_allreduce.py" --no-gloo \
+        --min-size 4K --max-size 64M --seconds 1 --min-iters 3
+    done
+  fi
+  if [[ "$PARTS" == *training* ]]; then
+    train=(python "$ROOT/scripts/synthetic_benchmark.py" --threads 1 --link-gbit "$GBIT")
+    on_cluster 2x1 "${train[@]}" --model cnn
+    on_cluster 2x1 "${train[@]}" --model mlp
+    on_cluster 2x1 "${train[@]}" --model mlp --fp16-allreduce
+  fi
+} 2>&1 | tee "$OUTPUT"
