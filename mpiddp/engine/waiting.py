@@ -19,9 +19,8 @@ Every rule in one place:
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
-
-from ..transport.network import wait_politely
 
 MIN_BACKOFF = 100e-6
 SPIN_SECONDS = 200e-6
@@ -68,5 +67,15 @@ class WaitPolicy:
         ``SPIN_SECONDS`` if this cycle brought work, then test with sleeps growing from 10 us
         to ``SHORT_SLEEP_SECONDS`` and, after ``LONG_WAIT_SECONDS``, to ``MAX_SLEEP_SECONDS``
         (a partner that arrives is noticed within one sleep)."""
-        wait_politely(test, SPIN_SECONDS if self.spin else 0.0, SHORT_SLEEP_SECONDS,
-                      LONG_WAIT_SECONDS, MAX_SLEEP_SECONDS)
+        start = time.perf_counter()
+        if self.spin:
+            while time.perf_counter() - start < SPIN_SECONDS:
+                if test():
+                    return
+        sleep, cap = 10e-6, SHORT_SLEEP_SECONDS
+        while not test():
+            time.sleep(sleep)
+            if sleep < cap:
+                sleep *= 2
+            elif cap < MAX_SLEEP_SECONDS and time.perf_counter() - start > LONG_WAIT_SECONDS:
+                cap = MAX_SLEEP_SECONDS

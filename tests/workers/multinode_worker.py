@@ -41,4 +41,16 @@ assert (stats["hierarchical_batches"] > 0) == expected, stats
 if rank == 0:
     print(f"OK all-reduce across {NODES} nodes, hierarchical: {stats['hierarchical_batches']} "
           f"batches", flush=True)
+
+# Uneven data across nodes: odd ranks make one more all-reduce (small, and large enough for
+# the ring's polite steps), then every rank joins; joined ranks contribute zeros.
+for step in range(2 + rank % 2):
+    for count in (7, 300_001):
+        tensor = torch.full((count,), float(rank + 1), dtype=torch.float32)
+        got = mpiddp.allreduce(tensor, op=mpiddp.Sum, name=f"uneven.{step}.{count}")
+        want = sum(r + 1 for r in range(size) if 2 + r % 2 > step)
+        assert torch.all(got == want), (step, count, got[:3], want)
+last = mpiddp.join()
+if rank == 0:
+    print(f"OK joined ranks across nodes (last to join: rank {last})", flush=True)
 mpiddp.shutdown()
