@@ -28,6 +28,19 @@ class Transport(Protocol):
     def Alltoallv(self, sendbuf: Any, recvbuf: Any) -> None: ...
 
 
+class CommWrapper:
+    """Base of the transports that wrap an MPI communicator: its rank and size are theirs."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def Get_rank(self) -> int:
+        return self.comm.Get_rank()
+
+    def Get_size(self) -> int:
+        return self.comm.Get_size()
+
+
 _device_transports: dict = {}
 _network_transports: dict = {}
 

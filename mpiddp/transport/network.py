@@ -24,6 +24,8 @@ import time
 
 from mpi4py import MPI
 
+from . import CommWrapper
+
 POLITE_MIN_BYTES = 256 * 1024
 TRANSFER_SPIN_SECONDS = 100e-6
 FIRST_SLEEP_SECONDS = 10e-6
@@ -46,18 +48,9 @@ def _nbytes(spec) -> int:
     return memoryview(array).nbytes
 
 
-class NetworkComm:
+class NetworkComm(CommWrapper):
     """``Transport`` on an MPI communicator that spans nodes: the ring's large steps wait
     without spinning; the collectives are MPI's own."""
-
-    def __init__(self, comm: MPI.Comm):
-        self.comm = comm
-
-    def Get_rank(self) -> int:
-        return self.comm.Get_rank()
-
-    def Get_size(self) -> int:
-        return self.comm.Get_size()
 
     def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=MPI.ANY_SOURCE,
                  recvtag=MPI.ANY_TAG, status=None) -> None:

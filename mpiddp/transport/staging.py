@@ -26,6 +26,8 @@ from typing import Any, Callable, Protocol
 import numpy as np
 from mpi4py import MPI
 
+from . import CommWrapper
+
 #: Default segment of a pipelined staged transfer. Large enough that per-segment costs
 #: (one MPI message, two copy launches) are small; small enough for the pipeline to fill.
 SEGMENT_BYTES = 1 << 20
@@ -96,25 +98,19 @@ class _Slot:
         self.pending = None
 
 
-class StagedComm:
+class StagedComm(CommWrapper):
     """A communicator over device buffers for an MPI that can only read host memory."""
 
     def __init__(self, comm: MPI.Comm, copier: Copier, segment_bytes: int = SEGMENT_BYTES):
         if segment_bytes < 1:
             raise ValueError("segment_bytes must be positive")
-        self.comm = comm
+        super().__init__(comm)
         self.copier = copier
         self.segment_bytes = int(segment_bytes)
         self._slots: dict[tuple[str, int], _Slot] = {}
         self.staged_bytes = 0          # bytes that went through host memory (statistics)
 
     # ---- what the collectives need from a communicator ----------------------------------
-    def Get_rank(self) -> int:
-        return self.comm.Get_rank()
-
-    def Get_size(self) -> int:
-        return self.comm.Get_size()
-
     # ---- pinned slots ---------------------------------------------------------------------
     def _slot(self, role: str, index: int, nbytes: int) -> _Slot:
         """Pinned slot ``(role, index)`` with room for ``nbytes``, free for reuse (its last
@@ -273,21 +269,15 @@ def _predefined(op: MPI.Op) -> bool:
     return bool(getattr(op, "is_predefined", True))
 
 
-class DirectComm:
+class DirectComm(CommWrapper):
     """A communicator over device buffers for a CUDA-aware MPI: device pointers go to MPI
     after the engine stream is synchronised. User-defined reduction ops run through
     ``staged`` (host memory), because MPI would call them with device pointers."""
 
     def __init__(self, comm: MPI.Comm, sync: Callable[[], None], staged: StagedComm):
-        self.comm = comm
+        super().__init__(comm)
         self.sync = sync
         self.staged = staged
-
-    def Get_rank(self) -> int:
-        return self.comm.Get_rank()
-
-    def Get_size(self) -> int:
-        return self.comm.Get_size()
 
     def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=MPI.ANY_SOURCE,
                  recvtag=MPI.ANY_TAG, status=None) -> None:
