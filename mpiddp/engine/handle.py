@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import _thread
 
+from ..transport.network import user_waiting
+
 
 class Handle:
     """The future of one collective. ``wait()`` blocks (without spinning) and returns
@@ -27,8 +29,10 @@ class Handle:
 
     def wait(self, timeout: float | None = None):
         if not self._done:
-            if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-                raise TimeoutError(f"collective '{self.name}' did not finish within {timeout} s")
+            with user_waiting():    # this thread's core is free: transfers may poll hard
+                if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+                    raise TimeoutError(
+                        f"collective '{self.name}' did not finish within {timeout} s")
             self._lock.release()    # let any other waiter through too
         if self._error is not None:
             raise self._error
