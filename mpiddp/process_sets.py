@@ -212,6 +212,17 @@ def engine_for(process_set: Optional[ProcessSet], what: str) -> tuple[Engine, An
     return process_set._engine, process_set
 
 
+def set_size(process_set: Optional[ProcessSet]) -> int:
+    """The number of ranks in ``process_set`` (None: the global set, every rank)."""
+    return runtime.size() if process_set is None else process_set.size()
+
+
+def set_id(process_set: Optional[ProcessSet]) -> int:
+    """The id of ``process_set`` (None: the global set's, 0); generated collective names
+    count per id (``torch/naming.collective_name``'s scope)."""
+    return 0 if process_set is None else process_set.process_set_id
+
+
 def set_rank_of(process_set: ProcessSet, global_rank: int, what: str) -> int:
     """A global rank (as ``root_rank`` is given) as a rank of ``process_set``'s engine."""
     if process_set.process_set_id == 0:

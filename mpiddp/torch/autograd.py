@@ -21,6 +21,7 @@ import torch
 
 from .. import runtime
 from ..ops import ReduceOp
+from ..process_sets import set_size
 from .ops import (allgather_async, allreduce_async, alltoall_async, broadcast_async,
                   grouped_allgather_async, grouped_allreduce_async,
                   grouped_reducescatter_async, reducescatter_async, synchronize)
@@ -31,8 +32,7 @@ __all__: list[str] = []      # used through mpiddp.allreduce & co.
 class Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, name, prescale, postscale, process_set):
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
-        ctx.process_set = process_set
+        _keep_scaling(ctx, op, prescale, postscale, process_set)
         return synchronize(allreduce_async(tensor, name=name, op=op, prescale_factor=prescale,
                                            postscale_factor=postscale,
                                            process_set=process_set))
@@ -49,8 +49,7 @@ class Allreduce(torch.autograd.Function):
 class GroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, name, prescale, postscale, process_set, *tensors):
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
-        ctx.process_set = process_set
+        _keep_scaling(ctx, op, prescale, postscale, process_set)
         return tuple(synchronize(grouped_allreduce_async(
             list(tensors), name=name, op=op, prescale_factor=prescale,
             postscale_factor=postscale, process_set=process_set)))
@@ -135,8 +134,7 @@ class Alltoall(torch.autograd.Function):
 class Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, name, prescale, postscale, process_set):
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
-        ctx.process_set = process_set
+        _keep_scaling(ctx, op, prescale, postscale, process_set)
         return synchronize(reducescatter_async(tensor, name=name, op=op,
                                                prescale_factor=prescale,
                                                postscale_factor=postscale,
@@ -144,35 +142,39 @@ class Reducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        factor = ctx.prescale * ctx.postscale
-        if ctx.op == ReduceOp.SUM:
-            factor *= _size_of(ctx.process_set)
-        grad = grad * factor if factor != 1.0 else grad
-        return (synchronize(allgather_async(grad.contiguous(), process_set=ctx.process_set)),
+        scaled, = _scaled_for_gather(ctx, [grad])
+        return (synchronize(allgather_async(scaled, process_set=ctx.process_set)),
                 None, None, None, None, None)
 
 
 class GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, name, prescale, postscale, process_set, *tensors):
-        ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
-        ctx.process_set = process_set
+        _keep_scaling(ctx, op, prescale, postscale, process_set)
         return tuple(synchronize(grouped_reducescatter_async(
             list(tensors), name=name, op=op, prescale_factor=prescale,
             postscale_factor=postscale, process_set=process_set)))
 
     @staticmethod
     def backward(ctx, *grads):
-        factor = ctx.prescale * ctx.postscale
-        if ctx.op == ReduceOp.SUM:
-            factor *= _size_of(ctx.process_set)
-        scaled = [(g * factor if factor != 1.0 else g).contiguous() for g in grads]
-        gathered = synchronize(grouped_allgather_async(scaled, process_set=ctx.process_set))
+        gathered = synchronize(grouped_allgather_async(_scaled_for_gather(ctx, grads),
+                                                       process_set=ctx.process_set))
         return (None, None, None, None, None, *gathered)
 
 
-def _size_of(process_set) -> int:
-    return runtime.size() if process_set is None else process_set.size()
+def _keep_scaling(ctx, op, prescale, postscale, process_set) -> None:
+    """What a reduction's backward needs of its forward: the op, the scale factors, the set."""
+    ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
+    ctx.process_set = process_set
+
+
+def _scaled_for_gather(ctx, grads) -> list:
+    """A reduce-scatter's output gradients, scaled as its inputs' gradients must be before
+    they are gathered back: by the forward's factors, and by the set's size for Sum."""
+    factor = ctx.prescale * ctx.postscale
+    if ctx.op == ReduceOp.SUM:
+        factor *= set_size(ctx.process_set)
+    return [(g * factor if factor != 1.0 else g).contiguous() for g in grads]
 
 
 def _rank_in(process_set) -> int:
@@ -180,6 +182,6 @@ def _rank_in(process_set) -> int:
 
 
 def _even_splits(tensor: torch.Tensor, process_set) -> list[int]:
-    size = _size_of(process_set)
+    size = set_size(process_set)
     rows = tensor.shape[0] if tensor.dim() else 0
     return [rows // size] * size if rows % size == 0 else None

@@ -38,7 +38,7 @@ from ..engine.handle import Handle
 from ..engine.request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST,
                               REDUCESCATTER, Entry, Request)
 from ..ops import ReduceOp, check_op_for_dtype
-from ..process_sets import ProcessSet, engine_for, set_rank_of
+from ..process_sets import ProcessSet, engine_for, set_id, set_rank_of, set_size
 from .compression import Compression, Compressor
 from .naming import collective_name, root_rank as check_root
 from .views import device_name, dtype_name, flat_array
@@ -753,8 +753,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
     if reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(f"sparse_allreduce_async supports op=Average or Sum, not "
                          f"{reduce_op.name.title()}")
-    base = collective_name("sparse_allreduce", name,
-                           scope=0 if process_set is None else process_set.process_set_id)
+    base = collective_name("sparse_allreduce", name, scope=set_id(process_set))
     coo = tensor.coalesce() if not tensor.is_coalesced() else tensor
     # allgather concatenates along dimension 0: gather the indices as rows (one per value).
     indices = allgather_async(coo.indices().t().contiguous(), f"{base}.indices", process_set)
@@ -764,8 +763,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None,
         gathered_values = synchronize(values)
         gathered_indices = synchronize(indices)
         if reduce_op == ReduceOp.AVERAGE:
-            ranks = runtime.size() if process_set is None else process_set.size()
-            gathered_values = gathered_values / ranks
+            gathered_values = gathered_values / set_size(process_set)
         return torch.sparse_coo_tensor(gathered_indices.t(), gathered_values, tensor.shape)
 
     return handle
