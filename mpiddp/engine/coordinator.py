@@ -50,7 +50,6 @@ def start_engine(comm: MPI.Comm, settings: Settings) -> "Engine":
         watchdog = Watchdog(private.Dup(), hosts, lambda: engine.stats.cycles,
                             settings.stall_check_time)
         engine.on_stop.append(watchdog.stop)
-        engine.watchdog = watchdog
     return engine
 
 
@@ -66,7 +65,6 @@ class Engine:
         self.policy = WaitPolicy(settings.cycle_time / 1000)
         self.executor = make_executor(self.stats, self.timeline, self._finish)
         self.on_stop: list[Callable[[], None]] = []   # run on the coordinator when it stops
-        self.watchdog = None                          # liveness.Watchdog, in production
 
         self._lock = threading.Lock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()   # entries and wake-up tokens

@@ -59,7 +59,6 @@ class Watchdog:
         self.progress = progress
         self.stalled_after = stalled_after
         self.on_lost = on_lost or end_job
-        self.roll_calls = 0                     # how many were held (statistics, tests)
         self._serial = 0
         self._ping = np.zeros(1, np.int64)
         self._ping_request = comm.Irecv([self._ping, MPI.INT64_T], MPI.ANY_SOURCE, PING)
@@ -106,7 +105,6 @@ class Watchdog:
 
     def roll_call(self, answer_within: float = ANSWER_SECONDS) -> list[int]:
         """Ping every other rank; return the ranks that did not answer in time."""
-        self.roll_calls += 1
         self._serial += 1
         ping = np.array([self._serial], np.int64)
         for peer in range(self.size):
