@@ -1,7 +1,8 @@
 """Test switches shared by every test module.
 
-System tests (marker ``system``) change the machine: they install packages and start daemons
-as root (tests/test_slurm.py runs a one-node Slurm). They run only with MPIDDP_SYSTEM_TESTS=1
+System tests (marker ``system``) change the machine as root: tests/test_slurm.py installs
+and starts a one-node Slurm, tests/test_multinode.py builds network namespaces, veth links and
+a bridge. They run only with MPIDDP_SYSTEM_TESTS=1
 (as .ci/run sets it) and are skipped with the reason otherwise.
 """
 import os
@@ -9,22 +10,25 @@ import os
 import pytest
 
 SYSTEM_TESTS = os.environ.get("MPIDDP_SYSTEM_TESTS") == "1"
+# What each module's system tests do to the machine (the skip reason says it).
+CHANGES = {"test_slurm": "installs and starts Slurm on this machine as root",
+           "test_multinode": "builds network namespaces, veth links and a bridge as root"}
 
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "system: changes the machine (installs packages, starts daemons as root); "
+        "markers", "system: changes the machine as root (packages, daemons, network namespaces); "
                    "runs only with MPIDDP_SYSTEM_TESTS=1")
 
 
 def pytest_collection_modifyitems(config, items):
     if SYSTEM_TESTS:
         return
-    skip = pytest.mark.skip(reason="system test: installs and starts Slurm on this machine as "
-                                   "root; set MPIDDP_SYSTEM_TESTS=1 to run it")
     for item in items:
         if "system" in item.keywords:
-            item.add_marker(skip)
+            what = CHANGES.get(item.module.__name__, "changes this machine as root")
+            item.add_marker(pytest.mark.skip(
+                reason=f"system test: {what}; set MPIDDP_SYSTEM_TESTS=1 to run it"))
 
 
 def pytest_addoption(parser):
