@@ -65,14 +65,16 @@ _OWNER_ATTR = "_mpiddp_optimizer"   # on a parameter: weakref to the state reduc
 class _Pending:
     """One gradient reduction in flight."""
 
-    __slots__ = ("handle", "wire", "ctx", "local_zeros", "sparse")
+    __slots__ = ("handle", "wire", "ctx", "local_zeros", "sparse", "cast_back", "seq")
 
-    def __init__(self, handle, wire, ctx, local_zeros, sparse=False):
+    def __init__(self, handle, wire, ctx, local_zeros, sparse=False, cast_back=False):
         self.handle = handle          # TensorHandle of the all-reduce
         self.wire = wire              # the tensor being reduced (grad itself, or compressed)
         self.ctx = ctx                # compression context
         self.local_zeros = local_zeros  # this rank had no gradient: it contributed zeros
         self.sparse = sparse          # a sparse gradient reduced as dense: give back sparse
+        self.cast_back = cast_back    # wire is a reused cast of param.grad: copy it back
+        self.seq = 0                  # submission order (set when submitted)
 
 
 class _GradientSync:
@@ -104,6 +106,10 @@ class _GradientSync:
         self.bucket_bytes = 0
         self.bucket_cap = int(bucket_cap_mb * 2 ** 20)
         self.pending: dict[torch.Tensor, _Pending] = {}
+        # Built-in cast compression: each parameter's wire tensor, reused from step to step
+        # (a fresh cast per step would allocate and page-fault its memory every time).
+        self.wire_buffers: dict[torch.Tensor, torch.Tensor] = {}
+        self.submissions = itertools.count()
         self.synchronized = False
         self.skip_synchronize = False
         self.end_of_backward_queued = False
@@ -202,13 +208,34 @@ class _GradientSync:
                     self.pending[param] = item
                     return
                 grad = grad.to_dense()
-        wire, ctx = self.compression.compress(grad)
+        sparse = not zeros and param.grad.is_sparse
+        wire = self._cast_for_wire(param, grad) if not (zeros or sparse) else None
+        if wire is not None:
+            ctx = grad.dtype
+        else:
+            wire, ctx = self.compression.compress(grad)
         if not wire.is_contiguous():     # reduce a contiguous copy; synchronize copies back
             wire = wire.contiguous()
-        sparse = not zeros and param.grad.is_sparse
-        self.pending[param] = _Pending(None, wire, ctx, zeros, sparse)
+        self.pending[param] = _Pending(None, wire, ctx, zeros, sparse,
+                                       cast_back=wire is self.wire_buffers.get(param))
         self.bucket.append(param)
         self.bucket_bytes += wire.numel() * wire.element_size()
+
+    def _cast_for_wire(self, param: torch.Tensor, grad: torch.Tensor):
+        """For the built-in fp16/bf16 compression: ``grad`` cast into this parameter's reused
+        wire tensor (None where the compressor's own ``compress`` applies: other
+        compressors, and gradients that are not cast)."""
+        if self.compression not in (Compression.fp16, Compression.bf16):
+            return None
+        wire_dtype = self.compression.wire_dtype
+        if not grad.dtype.is_floating_point or grad.dtype == wire_dtype:
+            return None
+        wire = self.wire_buffers.get(param)
+        if wire is None or wire.shape != grad.shape or wire.device != grad.device:
+            wire = self.wire_buffers[param] = torch.empty(grad.shape, dtype=wire_dtype,
+                                                          device=grad.device)
+        wire.copy_(grad)
+        return wire
 
     def _flush(self, extra: tuple = ()) -> list:
         """Submit the queued gradients (and ``extra`` entries) in one go: the engine takes them
@@ -227,6 +254,7 @@ class _GradientSync:
         handles = submit_together(entries + list(extra), self.process_set)
         for item, handle in zip(items, handles):
             item.handle = handle
+            item.seq = next(self.submissions)
         return handles[len(items):]
 
     # ---- synchronize ----------------------------------------------------------------------
@@ -248,36 +276,51 @@ class _GradientSync:
             self.trainable = sum(1 for p in params if p.requires_grad)
         error = None
         with torch.no_grad():
+            # Wait in the order of submission, which is the order reductions finish, and
+            # write each result back at once: the casts and copies of the early ones overlap
+            # the later ones' transfers. Gradients this rank did not have wait for the usage
+            # vector, submitted last, which says whether any rank had one.
+            order = sorted(range(len(pending)), key=lambda i: pending[i][1].seq)
+            for i in [i for i in order if not pending[i][1].local_zeros]:
+                error = self._write_back(*pending[i], None, error)
             try:
                 _wait(usage_handle)      # submitted with the last gradients: done with them
             except BaseException as exc:
-                error = exc
-            for i, (param, item) in enumerate(pending):
-                if item.handle is None:          # its submission failed (already raised)
-                    error = error or MpiddpError(
-                        f"the gradient of '{self.names[param]}' was never submitted for "
-                        "reduction because of an earlier error")
-                    continue
-                try:
-                    if item.wire is None:        # sparse: the handle returns the gradient
-                        param.grad = item.handle()
-                        continue
-                    _wait(item.handle)
-                except BaseException as exc:    # keep waiting for the rest: no stray writes
-                    error = error or exc
-                    continue
-                grad = self.compression.decompress(item.wire, item.ctx)
-                if item.local_zeros:
-                    if error is not None or usage[i] == 0:
-                        continue         # no rank used this parameter: grad stays None
-                    param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
-                elif item.sparse:        # sparse_as_dense: optimizers like SparseAdam need
-                    param.grad = grad.to_sparse()    # their gradients sparse again
-                elif grad is not param.grad:
-                    param.grad.copy_(grad)
+                error = error or exc
+            for i in [i for i in order if pending[i][1].local_zeros]:
+                error = self._write_back(*pending[i], usage[i] if error is None else 0, error)
         self.synchronized = error is None
         if error is not None:
             raise error
+
+    def _write_back(self, param: torch.Tensor, item: _Pending, used, error):
+        """Wait for one reduction and put its result into ``param.grad``. ``used`` (for a
+        gradient this rank did not have) is whether any rank had one. Returns the first
+        error so far: after an error the others are still waited for (no stray writes
+        later), and the first one is raised."""
+        if item.handle is None:          # its submission failed (already raised)
+            return error or MpiddpError(
+                f"the gradient of '{self.names[param]}' was never submitted for "
+                "reduction because of an earlier error")
+        try:
+            if item.wire is None:        # sparse: the handle returns the gradient
+                param.grad = item.handle()
+                return error
+            _wait(item.handle)
+        except BaseException as exc:
+            return error or exc
+        if item.cast_back:               # one pass: cast and copy into the gradient
+            param.grad.copy_(item.wire)
+            return error
+        grad = self.compression.decompress(item.wire, item.ctx)
+        if item.local_zeros:
+            if used:                     # no rank used this parameter: grad stays None
+                param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
+        elif item.sparse:                # sparse_as_dense: optimizers like SparseAdam need
+            param.grad = grad.to_sparse()    # their gradients sparse again
+        elif grad is not param.grad:
+            param.grad.copy_(grad)
+        return error
 
     def _flush_with_usage(self, params):
         """Flush the last gradients together with an all-reduce (logical or) of which

@@ -240,9 +240,17 @@ class Branchy(nn.Module):
 
 
 def unused():
+    unused_with(mpiddp.Compression.none, tol=2e-5)
+    # fp16: unused parameters take the generic compress/decompress path, used ones the
+    # reused cast buffers; both in the same synchronize.
+    unused_with(mpiddp.Compression.fp16, tol=5e-3)
+
+
+def unused_with(compression, tol: float):
     model = Branchy()
     opt = mpiddp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                      named_parameters=model.named_parameters())
+                                      named_parameters=model.named_parameters(),
+                                      compression=compression)
     reference = Branchy() if RANK == 0 else None
     ref_opt = torch.optim.Adam(reference.parameters(), lr=0.01) if RANK == 0 else None
     for step in range(8):
@@ -262,10 +270,11 @@ def unused():
     assert model.never.weight.grad is None and model.never.weight not in opt.state
     assert model.frozen.weight.grad is None and model.frozen.weight not in opt.state
     assert model.only_rank0.weight.grad is not None     # rank 0 used it: averaged everywhere
-    diff = assert_close_to_reference(model, reference, "unused parameters", tol=2e-5)
+    diff = assert_close_to_reference(model, reference, "unused parameters", tol=tol)
     assert_identical_everywhere(model, "unused")
-    ok(f"unused parameters: no deadlock, used-on-one-rank averaged, unused-everywhere keeps "
-       f"grad None (Adam skips it like one process), frozen excluded; max_diff={diff:.1e}")
+    ok(f"unused parameters ({compression.__name__}): no deadlock, used-on-one-rank averaged, "
+       "unused-everywhere keeps grad None (Adam skips it like one process), frozen excluded; "
+       f"max_diff={diff:.1e}")
 
 
 # ---- clipping through synchronize() + skip_synchronize() --------------------------------
@@ -319,6 +328,18 @@ def compression():
         assert 0 < diff <= tol, f"{comp.__name__}: max diff to the fp32 run {diff}"
         assert all(p.grad.dtype == torch.float32 for p in model.parameters())
         assert_identical_everywhere(model, comp.__name__)
+        # The cast of each gradient goes into the same wire tensor every step (no per-step
+        # allocation), and that tensor is what the engine reduced.
+        wires = opt._mpiddp.wire_buffers
+        before = {name: wires[p].data_ptr() for name, p in model.named_parameters()}
+        x, y = batch(STEPS, SIZE * B)
+        opt.zero_grad()
+        F.cross_entropy(model(my_slice(x, B)), my_slice(y, B)).backward()
+        after = {name: wires[p].data_ptr() for name, p in model.named_parameters()}
+        assert before == after, f"{comp.__name__}: wire tensors reallocated"
+        for p in model.parameters():
+            assert wires[p].dtype == comp.wire_dtype
+            assert torch.equal(p.grad, wires[p].to(torch.float32)), "grad is not the reduced wire"
         ok(f"compression {comp.__name__}: close to the float32 run (max diff {diff:.1e}), "
            "gradients restored to float32, identical across ranks")
     model, _ = train_distributed(OPTIMIZERS["sgd"], compression=mpiddp.Compression.fp16,
