@@ -6,9 +6,10 @@
 # Brings up an emulated cluster of 4 nodes (scripts/local_cluster.sh) with links shaped to
 # RATE, runs on it the all-reduce benchmark at 2x1, 4x1 and 2x2 (mpiddp against native
 # MPI_Allreduce) and the training benchmark at 2x1 (mpiddp against DDP over gloo on the same
-# links; ResNet-18, the MLP in fp32 and with fp16 compression on both, each against the
-# perfect-overlap bound), and tears the cluster down, also on failure. Everything printed is
-# also written to OUTPUT (default cluster-benchmarks.txt). Several ranks on this machine's
+# links; ResNet-18 and the MLP in fp32 and with fp16 compression on both, the MLP with bf16
+# on mpiddp's side only, each against the perfect-overlap bound), and tears the cluster
+# down, also on failure. Everything printed is also written to OUTPUT (default
+# cluster-benchmarks.txt). Several ranks on this machine's
 # cores: more ranks than cores set MPICH's heavy yield, so waiting ranks give the core back.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -49,6 +50,9 @@ on_cluster() {        # on_cluster NxP command...: heavy yield where ranks outnu
     train=(python "$ROOT/scripts/synthetic_benchmark.py" --threads 1 --link-gbit "$GBIT")
     on_cluster 2x1 "${train[@]}" --model cnn
     on_cluster 2x1 "${train[@]}" --model mlp
-    on_cluster 2x1 "${train[@]}" --model mlp --fp16-allreduce
+    on_cluster 2x1 "${train[@]}" --model mlp --compression fp16
+    # DDP has no bf16 hook without NCCL: mpiddp against its own fp32 and fp16 runs above.
+    on_cluster 2x1 "${train[@]}" --model mlp --compression bf16
+    on_cluster 2x1 "${train[@]}" --model cnn --compression fp16
   fi
 } 2>&1 | tee "$OUTPUT"

@@ -125,7 +125,7 @@ class Variant:
 def make_mpiddp(args, bucket_cap_mb: float, name: str) -> Variant:
     model, data, target = build(args)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    compression = mpiddp.Compression.fp16 if args.fp16_allreduce else mpiddp.Compression.none
+    compression = getattr(mpiddp.Compression, args.compression)
     optimizer = mpiddp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                             compression=compression,
                                             bucket_cap_mb=bucket_cap_mb)
@@ -161,10 +161,12 @@ def make_ddp(args, bucket_cap_mb: float, name: str) -> Variant:
 
     model, data, target = build(args)
     ddp_model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    if args.fp16_allreduce:         # the same compression on both sides
+    if args.compression != "none":   # the same compression on both sides
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        hook = {"fp16": default_hooks.fp16_compress_hook,
+                "bf16": default_hooks.bf16_compress_hook}[args.compression]
+        ddp_model.register_comm_hook(None, hook)
     optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
     return Variant(name, ddp_model, optimizer, data, target)
 
@@ -230,8 +232,11 @@ def parse_args(argv=None):
                         "size of that variant (e.g. mpiddp:0,mpiddp:1000,ddp,ddp:1000)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank (default: cores / ranks on the node)")
-    p.add_argument("--fp16-allreduce", action="store_true",
-                   help="mpiddp: Compression.fp16; ddp: its fp16_compress_hook")
+    p.add_argument("--compression", choices=("none", "fp16", "bf16"), default="none",
+                   help="gradient compression on both sides: mpiddp's Compression.fp16 / "
+                        ".bf16, DDP's fp16_compress_hook / bf16_compress_hook")
+    p.add_argument("--fp16-allreduce", dest="compression", action="store_const",
+                   const="fp16", help="the same as --compression fp16 (Horovod's flag)")
     p.add_argument("--link-gbit", type=float, default=None,
                    help="bandwidth of each node's link (Gbit/s): also report each variant's "
                         "step time against the perfect-overlap bound max(one-process step, "
@@ -251,7 +256,7 @@ def report_bound(args, result: dict, names: list, nodes: int, params: int) -> No
     overlap a step costs its compute or its traffic, whichever is longer. Wire time: each
     node's link carries 2 (n - 1) / n of the gradient bytes each way (ring or hierarchical
     all-reduce across n nodes), at ``--link-gbit``."""
-    wire_bytes = params * (2 if args.fp16_allreduce else 4) * 2 * (nodes - 1) / max(nodes, 1)
+    wire_bytes = params * (4 if args.compression == "none" else 2) * 2 * (nodes - 1) / max(nodes, 1)
     wire = wire_bytes / (args.link_gbit * 1e9 / 8)
     single_step = args.batch_size / result["variants"]["single"]["per_rank"]
     bound = max(single_step, wire)
@@ -280,6 +285,12 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n.split(":")[0] not in ("mpiddp", "ddp", "single")]
     if unknown or len(set(names)) != len(names):
         raise SystemExit(f"bad --variants {args.variants!r}: use mpiddp[:MB], ddp[:MB], single")
+    if args.compression == "bf16" and not torch.cuda.is_available():
+        # torch's bf16_compress_hook refuses anything but NCCL/XCCL: nothing to compare with.
+        if rank == 0 and any(n.startswith("ddp") for n in names):
+            print("ddp left out: its bf16_compress_hook needs CUDA and NCCL (or XPU)",
+                  flush=True)
+        names = [n for n in names if not n.startswith("ddp")]
 
     # mpiddp runs only during its own rounds (init ... shutdown), so that its idle engine
     # (a heartbeat cycle every MPIDDP_CYCLE_TIME ms) costs the other variants nothing.
