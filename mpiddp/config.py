@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass, field, fields
+from typing import Optional
 
 ALGORITHMS = ("auto", "ring", "native", "hierarchical")
 TRI_STATE = ("auto", "0", "1")
@@ -103,7 +104,9 @@ class Settings:
     # Reduction algorithm for fused buffers: auto (by size), ring or native MPI_Allreduce.
     allreduce_algorithm: str = setting("auto", Choice(ALGORITHMS))
     # auto: messages of at most this many bytes use native MPI_Allreduce, larger ones the ring.
-    ring_threshold: int = setting(2 * 1024 * 1024, Number(int))
+    # Unset (None): 2 MiB where all ranks share a node, 256 KiB where they span nodes (see
+    # engine/executor.py, default_ring_threshold).
+    ring_threshold: Optional[int] = setting(None, Number(int))
     # Hierarchical all-reduce (node-local reduce-scatter, cross-node all-reduce, node-local
     # all-gather) where several nodes have the same number (> 1) of ranks: auto = for the
     # messages that take the ring (above ring_threshold), 1 = for every fused buffer, 0 = never.

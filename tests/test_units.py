@@ -49,6 +49,8 @@ def test_every_setting_has_its_own_parser_and_is_documented():
     for f in fields(Settings):
         assert callable(f.metadata.get("parser")), f"{f.name} has no parser"
         assert f"MPIDDP_{f.name.upper()}" in docs, f"MPIDDP_{f.name.upper()} is not documented"
+        if f.default is None:        # unset: decided at run time (e.g. by the node layout)
+            continue
         # The default survives a round trip through its own parser.
         default = f.default if not isinstance(f.default, bool) else int(f.default)
         assert read_settings({f"MPIDDP_{f.name.upper()}": str(default)}) == Settings()
@@ -245,3 +247,24 @@ def test_algorithm_choice_with_the_hierarchical_all_reduce(algorithm, hierarchic
     executor = SimpleNamespace(algorithm=algorithm, hierarchical=hierarchical,
                                hierarchical_usable=usable, ring_threshold=2 << 20)
     assert Executor.choose(executor, nbytes) == expected
+
+
+def test_ring_threshold_default_depends_on_whether_ranks_span_nodes():
+    from mpi4py import MPI
+
+    from mpiddp.config import read_settings
+    from mpiddp.engine.executor import Executor, default_ring_threshold
+    from mpiddp.engine.stats import EngineStats
+    from mpiddp.engine.timeline import Timeline
+
+    assert default_ring_threshold(across_nodes=False) == 2 << 20
+    assert default_ring_threshold(across_nodes=True) == 256 << 10
+    assert read_settings({}).ring_threshold is None                  # unset: by layout
+    assert read_settings({"MPIDDP_RING_THRESHOLD": "65536"}).ring_threshold == 65536
+
+    def executor(environ):
+        return Executor(MPI.COMM_SELF, read_settings(environ), EngineStats(), Timeline(),
+                        lambda *args, **kwargs: None)
+
+    assert executor({}).ring_threshold == 2 << 20                     # one node
+    assert executor({"MPIDDP_RING_THRESHOLD": "4096"}).ring_threshold == 4096   # set: wins

@@ -37,6 +37,20 @@ from .timeline import Timeline
 # finish(entry, result_info=None, error=None): releases the name and completes the handle.
 Finish = Callable[..., None]
 
+# Where MPIDDP_RING_THRESHOLD is unset, ``auto`` takes the ring above these sizes. Within a
+# node MPI's shared-memory algorithms win up to about 2 MiB. Across nodes the ring ties
+# native MPI_Allreduce from 256 KiB (docs/benchmarks.md, "Across nodes") and, unlike it, waits
+# for the network without busy-polling the core that backward needs (transport/network.py):
+# ResNet-18 on 2 nodes, its 2 MB fc gradient took 48-52 ms natively during backward, 20 ms
+# in the ring.
+LOCAL_RING_THRESHOLD = 2 * 1024 * 1024
+NETWORK_RING_THRESHOLD = 256 * 1024
+
+
+def default_ring_threshold(across_nodes: bool) -> int:
+    """The ring threshold where the user set none: smaller when ranks span nodes."""
+    return NETWORK_RING_THRESHOLD if across_nodes else LOCAL_RING_THRESHOLD
+
 
 def _postscale(backend, request, size: int, dtype):
     """The scaling after a reduction, as a function of one chunk (None: nothing to do): the
@@ -232,11 +246,13 @@ class Executor:
         self.pool = BufferPool()
         # Adjustable at run time (set_allreduce_algorithm); start from the settings.
         self.algorithm = settings.allreduce_algorithm
-        self.ring_threshold = settings.ring_threshold
         # Node-local and cross-node communicators (collective: every rank builds its engine).
         self.local, self.cross, self.hierarchical_usable = hierarchical_layout(comm)
         # Ranks on several nodes: transfers wait without spinning (transport/network.py).
         self.across_nodes = self.local.Get_size() < self.size
+        self.ring_threshold = settings.ring_threshold
+        if self.ring_threshold is None:
+            self.ring_threshold = default_ring_threshold(self.across_nodes)
         self.hierarchical = settings.hierarchical_allreduce
 
     def choose(self, nbytes: int) -> str:

@@ -42,6 +42,19 @@ if rank == 0:
     print(f"OK all-reduce across {NODES} nodes, hierarchical: {stats['hierarchical_batches']} "
           f"batches", flush=True)
 
+# Across nodes, with MPIDDP_RING_THRESHOLD unset, a 512 KiB buffer takes the ring (or the
+# hierarchical all-reduce), not native MPI_Allreduce: the network threshold is 256 KiB.
+before = mpiddp.engine_stats()
+got = mpiddp.allreduce(torch.ones(128 * 1024), op=mpiddp.Sum, name="ring_threshold.512k")
+assert torch.all(got == size)
+after = mpiddp.engine_stats()
+assert after["native_batches"] == before["native_batches"], (before, after)
+assert after["ring_batches"] + after["hierarchical_batches"] > \
+    before["ring_batches"] + before["hierarchical_batches"], (before, after)
+if rank == 0:
+    print("OK a 512 KiB all-reduce across nodes takes the ring (network ring threshold)",
+          flush=True)
+
 # Uneven data across nodes: odd ranks make one more all-reduce (small, and large enough for
 # the ring's polite steps), then every rank joins; joined ranks contribute zeros.
 for step in range(2 + rank % 2):
