@@ -257,8 +257,8 @@ def test_ring_threshold_default_depends_on_whether_ranks_span_nodes():
     from mpiddp.engine.stats import EngineStats
     from mpiddp.engine.timeline import Timeline
 
-    assert default_ring_threshold(across_nodes=False) == 2 << 20
-    assert default_ring_threshold(across_nodes=True) == 256 << 10
+    assert default_ring_threshold(flat_across_nodes=False) == 2 << 20
+    assert default_ring_threshold(flat_across_nodes=True) == 256 << 10
     assert read_settings({}).ring_threshold is None                  # unset: by layout
     assert read_settings({"MPIDDP_RING_THRESHOLD": "65536"}).ring_threshold == 65536
 
@@ -266,5 +266,7 @@ def test_ring_threshold_default_depends_on_whether_ranks_span_nodes():
         return Executor(MPI.COMM_SELF, read_settings(environ), EngineStats(), Timeline(),
                         lambda *args, **kwargs: None)
 
-    assert executor({}).ring_threshold == 2 << 20                     # one node
-    assert executor({"MPIDDP_RING_THRESHOLD": "4096"}).ring_threshold == 4096   # set: wins
+    one_node = executor({})
+    assert (one_node.ring_threshold, one_node.cross_ring_threshold) == (2 << 20, 256 << 10)
+    explicit = executor({"MPIDDP_RING_THRESHOLD": "4096"})                    # set: wins
+    assert (explicit.ring_threshold, explicit.cross_ring_threshold) == (4096, 4096)

@@ -38,18 +38,22 @@ from .timeline import Timeline
 Finish = Callable[..., None]
 
 # Where MPIDDP_RING_THRESHOLD is unset, ``auto`` takes the ring above these sizes. Within a
-# node MPI's shared-memory algorithms win up to about 2 MiB. Across nodes the ring ties
-# native MPI_Allreduce from 256 KiB (docs/benchmarks.md, "Across nodes") and, unlike it, waits
-# for the network without busy-polling the core that backward needs (transport/network.py):
-# ResNet-18 on 2 nodes, its 2 MB fc gradient took 48-52 ms natively during backward, 20 ms
-# in the ring.
+# node MPI's shared-memory algorithms win up to about 2 MiB. On a communicator with one rank
+# per node (one rank per node in the job, or the cross-node part of the hierarchical
+# all-reduce) the ring ties native MPI_Allreduce from 256 KiB (docs/benchmarks.md, "Across
+# nodes") and, unlike it, waits for the network without busy-polling the core that backward
+# needs (transport/network.py): ResNet-18 on 2 nodes, its 2 MB fc gradient took 48-52 ms
+# natively during backward, 20 ms in the ring. Where the hierarchical all-reduce applies, the
+# choice on the whole communicator is hierarchical against native, and native stays ahead up
+# to 2 MiB (2 nodes x 2 ranks, 1 MiB: 0.71x native hierarchically).
 LOCAL_RING_THRESHOLD = 2 * 1024 * 1024
 NETWORK_RING_THRESHOLD = 256 * 1024
 
 
-def default_ring_threshold(across_nodes: bool) -> int:
-    """The ring threshold where the user set none: smaller when ranks span nodes."""
-    return NETWORK_RING_THRESHOLD if across_nodes else LOCAL_RING_THRESHOLD
+def default_ring_threshold(flat_across_nodes: bool) -> int:
+    """The ring threshold where the user set none: smaller for a communicator whose ring
+    runs straight over the network (ranks on several nodes, no hierarchical all-reduce)."""
+    return NETWORK_RING_THRESHOLD if flat_across_nodes else LOCAL_RING_THRESHOLD
 
 
 def _postscale(backend, request, size: int, dtype):
@@ -134,7 +138,7 @@ class Allreduce(Operation):
                                    transport_for(ex.cross, backend, across_nodes=True),
                                    job.buf, job.scratch,
                                    dtype, request.op, backend.reduce_into,
-                                   choose_algorithm("auto", chunk_bytes, ex.ring_threshold),
+                                   choose_algorithm("auto", chunk_bytes, ex.cross_ring_threshold),
                                    finish)
             return
         allreduce_buffer(comm, job.buf, job.scratch, dtype, request.op, job.algorithm,
@@ -250,9 +254,13 @@ class Executor:
         self.local, self.cross, self.hierarchical_usable = hierarchical_layout(comm)
         # Ranks on several nodes: transfers wait without spinning (transport/network.py).
         self.across_nodes = self.local.Get_size() < self.size
-        self.ring_threshold = settings.ring_threshold
-        if self.ring_threshold is None:
-            self.ring_threshold = default_ring_threshold(self.across_nodes)
+        # The threshold for the whole communicator, and for the cross-node part of the
+        # hierarchical all-reduce (one rank per node: a network ring).
+        explicit = settings.ring_threshold
+        self.ring_threshold = explicit if explicit is not None else default_ring_threshold(
+            self.across_nodes and not self.hierarchical_usable)
+        self.cross_ring_threshold = explicit if explicit is not None else \
+            NETWORK_RING_THRESHOLD
         self.hierarchical = settings.hierarchical_allreduce
 
     def choose(self, nbytes: int) -> str:
@@ -271,7 +279,7 @@ class Executor:
         action, so that every rank switches between the same two batches)."""
         self.algorithm = algorithm
         if ring_threshold is not None:
-            self.ring_threshold = int(ring_threshold)
+            self.ring_threshold = self.cross_ring_threshold = int(ring_threshold)
 
     def run(self, responses: list[Response], entries: dict) -> None:
         """Execute ``responses`` in order; ``entries`` maps names to this rank's entries
