@@ -11,6 +11,8 @@
 # down, also on failure. Everything printed is also written to OUTPUT (default
 # cluster-benchmarks.txt). Several ranks on this machine's
 # cores: more ranks than cores set MPICH's heavy yield, so waiting ranks give the core back.
+# MPI_GENV="NAME=VALUE ..." passes settings to every rank of every launch, e.g.
+# MPI_GENV="UCX_RNDV_THRESH=inf" for UCX's eager protocol over TCP (docs/multinode.md).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RATE="${1:-1gbit}"
@@ -32,14 +34,15 @@ trap 'bash "$CLUSTER" down >/dev/null' EXIT
 
 on_cluster() {        # on_cluster NxP command...: heavy yield where ranks outnumber cores
   local layout="$1"; shift
-  local ranks=$(( ${layout%x*} * ${layout#*x} )) yield=()
+  local ranks=$(( ${layout%x*} * ${layout#*x} )) yield=() pair
   [ "$ranks" -gt "$CORES" ] && yield=(-genv MPIR_CVAR_ENABLE_HEAVY_YIELD 1)
+  for pair in ${MPI_GENV:-}; do yield+=(-genv "${pair%%=*}" "${pair#*=}"); done
   echo; echo "### $layout: $*"
   bash "$CLUSTER" run "$layout" -- "${yield[@]}" "$@"
 }
 
 {
-  echo "# mpiddp across nodes: $(date -u +%F), links $RATE, $CORES cores, $(git -C "$ROOT" rev-parse --short HEAD)"
+  echo "# mpiddp across nodes: $(date -u +%F), links $RATE, $CORES cores, $(git -C "$ROOT" rev-parse --short HEAD)${MPI_GENV:+, $MPI_GENV}"
   if [[ "$PARTS" == *allreduce* ]]; then
     for layout in 2x1 4x1 2x2; do
       on_cluster "$layout" python "$ROOT/scripts/benchmark_allreduce.py" --no-gloo \

@@ -16,10 +16,21 @@ because MPI pushes more bytes into the socket only when tested), so a transfer f
 little late at most while the core is free for computing. Only while it is: once a user
 thread of this process blocks waiting for a collective (``user_waiting``, entered by
 ``Handle.wait``), nothing else needs the core and the transfer polls without sleeping
-(measured, MLP on 2 nodes, communication-bound: sleeping throughout cost 6-7% of throughput). Everything else keeps MPI's blocking
-calls: small steps are over in moments, and MPI's collectives run several rounds, each of
-which would wait for a sleeping partner (measured: a nonblocking MPI_Allreduce of 256 KiB
-across 4 oversubscribed nodes took 14 ms with sleeps, 3.4 ms blocking).
+(measured, MLP on 2 nodes, communication-bound: sleeping throughout cost 6-7% of
+throughput). Everything else keeps MPI's blocking calls: small steps are over in moments,
+and MPI's collectives run several rounds, each of which would wait for a sleeping partner
+(measured: a nonblocking MPI_Allreduce of 256 KiB across 4 oversubscribed nodes took 14 ms
+with sleeps, 3.4 ms blocking).
+
+A step goes out as messages of at most ``SEGMENT_BYTES``, all posted at once. One message of
+several MB crawls while the process computes: MPI libraries send it with a rendezvous
+protocol that moves data only as fast as both sides call into MPI, and this side calls in
+only between its sleeps. Measured on 2 nodes x 1 rank at 1 Gbit/s over UCX/TCP, mpiddp /
+DDP-gloo throughput in the same run, with each step sent as one message / 4 MiB / 1 MiB /
+128 KiB / 64 KB pieces: MLP 0.93x / 0.94x / 0.99x / 0.97x / 0.99x; ResNet-18 0.93x / 0.98x /
+1.04x / 1.05x / -. 1 MiB pieces do as well as switching UCX to its eager protocol
+(``UCX_RNDV_THRESH=inf``: MLP 1.00x, ResNet-18 1.03x) and keep a rendezvous, so zero-copy,
+per piece where the network has one.
 """
 from __future__ import annotations
 
@@ -33,6 +44,7 @@ from mpi4py import MPI
 from . import CommWrapper
 
 POLITE_MIN_BYTES = 256 * 1024
+SEGMENT_BYTES = 1024 * 1024
 TRANSFER_SPIN_SECONDS = 100e-6
 FIRST_SLEEP_SECONDS = 10e-6
 MAX_TRANSFER_SLEEP_SECONDS = 200e-6
@@ -72,6 +84,13 @@ def _nbytes(spec) -> int:
     return memoryview(array).nbytes
 
 
+def _pieces(spec) -> list:
+    """The bytes of a buffer specification as messages of at most ``SEGMENT_BYTES``."""
+    array = spec[0] if isinstance(spec, (list, tuple)) else spec
+    data = memoryview(array).cast("B")
+    return [[data[i:i + SEGMENT_BYTES], MPI.BYTE] for i in range(0, len(data), SEGMENT_BYTES)]
+
+
 class NetworkComm(CommWrapper):
     """``Transport`` on an MPI communicator that spans nodes: the ring's large steps wait
     without spinning; the collectives are MPI's own."""
@@ -81,8 +100,11 @@ class NetworkComm(CommWrapper):
         if max(_nbytes(sendbuf), _nbytes(recvbuf)) < POLITE_MIN_BYTES:
             self.comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
             return
-        wait_for_transfer([self.comm.Irecv(recvbuf, source, recvtag),
-                           self.comm.Isend(sendbuf, dest, sendtag)])
+        # Pieces of the same source, tag and communicator match in the order they were
+        # posted (MPI's non-overtaking rule), so both sides need only cut alike.
+        requests = [self.comm.Irecv(piece, source, recvtag) for piece in _pieces(recvbuf)]
+        requests += [self.comm.Isend(piece, dest, sendtag) for piece in _pieces(sendbuf)]
+        wait_for_transfer(requests)
 
     def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
         self.comm.Allreduce(sendbuf, recvbuf, op)

@@ -16,6 +16,7 @@ from mpiddp.buffers import backend_for
 from mpiddp.buffers.dtypes import dtype_named
 from mpiddp.collectives.hierarchical import hierarchical_allreduce, hierarchical_layout
 from mpiddp.ops import ReduceOp
+from mpiddp.transport.network import SEGMENT_BYTES, NetworkComm
 from mpiddp.torch.views import flat_array
 from reference_data import as64, data
 
@@ -61,6 +62,27 @@ for name in ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uin
                 assert np.allclose(got, want, rtol=tol, atol=tol), \
                     (key, cross_algorithm, np.max(np.abs(got - want)) if count else 0)
                 checked += 1
+# Large buffers with the cross-node ring on NetworkComm, as the engine runs it across nodes:
+# ring steps above its polite threshold, cut into several messages (SEGMENT_BYTES) with an
+# uneven last piece.
+network = NetworkComm(cross)
+for name in ("float32", "float64"):
+    dtype = dtype_named(name)
+    for op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        count = 3 * SEGMENT_BYTES // dtype.itemsize * cross.Get_size() + 13
+        key = f"net.{name}.{op.name}"
+        tensor = data(RANK, key, (count,), getattr(torch, name), op).contiguous()
+        scratch = host.empty(-(-count // PER_NODE), dtype)
+        finish = None
+        if op == ReduceOp.AVERAGE:
+            finish = lambda part, d=dtype: host.scale_(part, 1.0 / SIZE, d)  # noqa
+        hierarchical_allreduce(local, network, flat_array(tensor), scratch, dtype, op,
+                               host.reduce_into, "ring", finish)
+        stacked = np.stack([as64(data(r, key, (count,), getattr(torch, name), op))
+                            for r in range(SIZE)])
+        want = stacked.mean(0) if op == ReduceOp.AVERAGE else stacked.sum(0)
+        assert np.allclose(as64(tensor), want, rtol=1e-5, atol=1e-5), (key, count)
+        checked += 1
 _, _, usable = hierarchical_layout(world)     # one real node here: never usable
 assert not usable
 world.Barrier()
