@@ -65,7 +65,7 @@ _OWNER_ATTR = "_mpiddp_optimizer"   # on a parameter: weakref to the state reduc
 class _Pending:
     """One gradient reduction in flight."""
 
-    __slots__ = ("handle", "wire", "ctx", "local_zeros", "sparse", "cast_back", "seq")
+    __slots__ = ("handle", "wire", "ctx", "local_zeros", "sparse", "cast_back")
 
     def __init__(self, handle, wire, ctx, local_zeros, sparse=False, cast_back=False):
         self.handle = handle          # TensorHandle of the all-reduce
@@ -74,7 +74,6 @@ class _Pending:
         self.local_zeros = local_zeros  # this rank had no gradient: it contributed zeros
         self.sparse = sparse          # a sparse gradient reduced as dense: give back sparse
         self.cast_back = cast_back    # wire is a reused cast of param.grad: copy it back
-        self.seq = 0                  # submission order (set when submitted)
 
 
 class _GradientSync:
@@ -109,7 +108,6 @@ class _GradientSync:
         # Built-in cast compression: each parameter's wire tensor, reused from step to step
         # (a fresh cast per step would allocate and page-fault its memory every time).
         self.wire_buffers: dict[torch.Tensor, torch.Tensor] = {}
-        self.submissions = itertools.count()
         self.synchronized = False
         self.skip_synchronize = False
         self.end_of_backward_queued = False
@@ -209,15 +207,12 @@ class _GradientSync:
                     return
                 grad = grad.to_dense()
         sparse = not zeros and param.grad.is_sparse
-        wire = self._cast_for_wire(param, grad) if not (zeros or sparse) else None
-        if wire is not None:
-            ctx = grad.dtype
-        else:
-            wire, ctx = self.compression.compress(grad)
+        cast = None if zeros or sparse else self._cast_for_wire(param, grad)
+        wire, ctx = (cast, grad.dtype) if cast is not None else self.compression.compress(grad)
         if not wire.is_contiguous():     # reduce a contiguous copy; synchronize copies back
             wire = wire.contiguous()
         self.pending[param] = _Pending(None, wire, ctx, zeros, sparse,
-                                       cast_back=wire is self.wire_buffers.get(param))
+                                       cast_back=cast is not None)
         self.bucket.append(param)
         self.bucket_bytes += wire.numel() * wire.element_size()
 
@@ -254,7 +249,6 @@ class _GradientSync:
         handles = submit_together(entries + list(extra), self.process_set)
         for item, handle in zip(items, handles):
             item.handle = handle
-            item.seq = next(self.submissions)
         return handles[len(items):]
 
     # ---- synchronize ----------------------------------------------------------------------
@@ -270,25 +264,30 @@ class _GradientSync:
                     # no gradient on this rank (zeros), or fewer than backward_passes_per_step
                     self._queue(param, zeros=param.grad is None)
             usage, usage_handle = self._flush_with_usage(params)
-            pending = [(param, self.pending[param]) for param in params]
+            position = {param: i for i, param in enumerate(params)}   # in ``usage``
+            # In the order of submission (the order ``pending`` was filled, bucket by bucket):
+            # the order the reductions finish.
+            pending = list(self.pending.items())
             self.pending = {}
             self.passes = {}
             self.trainable = sum(1 for p in params if p.requires_grad)
         error = None
         with torch.no_grad():
-            # Wait in the order of submission, which is the order reductions finish, and
-            # write each result back at once: the casts and copies of the early ones overlap
-            # the later ones' transfers. Gradients this rank did not have wait for the usage
-            # vector, submitted last, which says whether any rank had one.
-            order = sorted(range(len(pending)), key=lambda i: pending[i][1].seq)
-            for i in [i for i in order if not pending[i][1].local_zeros]:
-                error = self._write_back(*pending[i], None, error)
+            # Wait in the order of submission and write each result back at once: the casts
+            # and copies of the early ones overlap the later ones' transfers. Gradients this
+            # rank did not have wait for the usage vector, submitted last, which says whether
+            # any rank had one.
+            for param, item in pending:
+                if not item.local_zeros:
+                    error = self._write_back(param, item, None, error)
             try:
                 _wait(usage_handle)      # submitted with the last gradients: done with them
             except BaseException as exc:
                 error = error or exc
-            for i in [i for i in order if pending[i][1].local_zeros]:
-                error = self._write_back(*pending[i], usage[i] if error is None else 0, error)
+            for param, item in pending:
+                if item.local_zeros:
+                    used = error is None and bool(usage[position[param]])
+                    error = self._write_back(param, item, used, error)
         self.synchronized = error is None
         if error is not None:
             raise error

@@ -78,16 +78,14 @@ def wait_for_transfer(requests: list) -> None:
             time.sleep(min(max(waited / 10, FIRST_SLEEP_SECONDS), MAX_TRANSFER_SLEEP_SECONDS))
 
 
-def _nbytes(spec) -> int:
-    """Bytes of an mpi4py buffer specification ([array, datatype] or an array)."""
+def _byte_view(spec) -> memoryview:
+    """The bytes of an mpi4py buffer specification ([array, datatype] or an array)."""
     array = spec[0] if isinstance(spec, (list, tuple)) else spec
-    return memoryview(array).nbytes
+    return memoryview(array).cast("B")
 
 
-def _pieces(spec) -> list:
-    """The bytes of a buffer specification as messages of at most ``SEGMENT_BYTES``."""
-    array = spec[0] if isinstance(spec, (list, tuple)) else spec
-    data = memoryview(array).cast("B")
+def _pieces(data: memoryview) -> list:
+    """``data`` as messages of at most ``SEGMENT_BYTES``."""
     return [[data[i:i + SEGMENT_BYTES], MPI.BYTE] for i in range(0, len(data), SEGMENT_BYTES)]
 
 
@@ -97,13 +95,14 @@ class NetworkComm(CommWrapper):
 
     def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=MPI.ANY_SOURCE,
                  recvtag=MPI.ANY_TAG, status=None) -> None:
-        if max(_nbytes(sendbuf), _nbytes(recvbuf)) < POLITE_MIN_BYTES:
+        send, recv = _byte_view(sendbuf), _byte_view(recvbuf)
+        if max(len(send), len(recv)) < POLITE_MIN_BYTES:
             self.comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
             return
         # Pieces of the same source, tag and communicator match in the order they were
         # posted (MPI's non-overtaking rule), so both sides need only cut alike.
-        requests = [self.comm.Irecv(piece, source, recvtag) for piece in _pieces(recvbuf)]
-        requests += [self.comm.Isend(piece, dest, sendtag) for piece in _pieces(sendbuf)]
+        requests = [self.comm.Irecv(piece, source, recvtag) for piece in _pieces(recv)]
+        requests += [self.comm.Isend(piece, dest, sendtag) for piece in _pieces(send)]
         wait_for_transfer(requests)
 
     def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
