@@ -270,3 +270,45 @@ def test_ring_threshold_default_depends_on_whether_ranks_span_nodes():
     assert (one_node.ring_threshold, one_node.cross_ring_threshold) == (2 << 20, 256 << 10)
     explicit = executor({"MPIDDP_RING_THRESHOLD": "4096"})                    # set: wins
     assert (explicit.ring_threshold, explicit.cross_ring_threshold) == (4096, 4096)
+
+
+@pytest.mark.parametrize("nbytes,overlapping,threshold,expected", [
+    (64 << 20, True, 256 << 10, 16),      # 4 MiB segments, at most 16
+    (256 << 20, True, 256 << 10, 16),
+    (16 << 20, True, 256 << 10, 4),
+    (6 << 20, True, 256 << 10, 1),        # under two segments: not worth it
+    (64 << 20, False, 256 << 10, 1),      # blocking cross transport: nothing to overlap
+    (64 << 20, True, 2 << 20, 1),         # a segment's cross chunk would go native
+    (64 << 20, True, 1 << 20, 16),        # 2 MiB cross chunks (2 ranks per node) take the ring
+])
+def test_pipeline_segments_of_the_hierarchical_all_reduce(nbytes, overlapping, threshold,
+                                                           expected):
+    from mpiddp.collectives.hierarchical import pipeline_segments
+
+    class Overlapping:
+        def start_sendrecv(self, *args):
+            raise AssertionError("not called")
+
+    cross = Overlapping() if overlapping else object()
+    assert pipeline_segments(nbytes, 2, cross, threshold) == expected
+
+
+@pytest.mark.parametrize("count,local_size,cross_size,segments", [
+    (1000, 2, 2, 1), (1000, 2, 2, 3), (1001, 3, 4, 16), (7, 2, 3, 5), (16, 4, 1, 2)])
+def test_hierarchical_scratch_covers_every_phase(count, local_size, cross_size, segments):
+    """The scratch holds the largest node-local chunk of any segment and, pipelined, the
+    cross-node ring's largest chunk beside it."""
+    from mpiddp.collectives.hierarchical import scratch_elements
+
+    need = scratch_elements(count, local_size, cross_size, segments)
+    seg = chunk_bounds(count, segments)
+    for s in range(segments):
+        local = chunk_bounds(seg[s + 1] - seg[s], local_size)
+        largest_local = max(b - a for a, b in zip(local, local[1:]))
+        if segments == 1:
+            assert need >= largest_local
+            continue
+        cross = chunk_bounds(largest_local, cross_size)
+        largest_cross = max(b - a for a, b in zip(cross, cross[1:]))
+        local_part = -(-(-(-count // segments)) // local_size)
+        assert local_part >= largest_local and need - local_part >= largest_cross

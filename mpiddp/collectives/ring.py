@@ -7,13 +7,18 @@ circulates the finished chunks for ``size - 1`` more steps. Each rank sends
 ``2 (size-1)/size`` of the buffer in all, the bandwidth optimum.
 
 Buffers move as raw bytes; the arithmetic is the ``reduce_into(dst, src)`` callable, so the
-same code serves host (NumPy) and device (CuPy) buffers and every dtype.
+same code serves host (NumPy) and device (CuPy) buffers and every dtype. The steps are
+generators: each yields its started transfer, so a caller can interleave other work with a
+ring whose transport leaves transfers in flight (``transport.start_sendrecv``), as the
+pipelined hierarchical all-reduce does.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from mpi4py import MPI
+
+from ..transport import Transfer, start_sendrecv
 
 ReduceInto = Callable[[object, object], None]
 _TAG_REDUCE_SCATTER = 17
@@ -34,9 +39,17 @@ def _bytes(array):
     return [array, MPI.BYTE]
 
 
-def reduce_scatter_steps(comm: MPI.Comm, buf, scratch, bounds: Sequence[int],
-                         reduce_into: ReduceInto, owner_shift: int) -> None:
-    """Run the reduce-scatter half of the ring in place on ``buf``.
+def complete(steps: Iterator[Transfer]) -> None:
+    """Run a generator of ring steps to the end, waiting for each step's transfer."""
+    for transfer in steps:
+        transfer.wait()
+
+
+def reduce_scatter_steps(comm, buf, scratch, bounds: Sequence[int], reduce_into: ReduceInto,
+                         owner_shift: int) -> Iterator[Transfer]:
+    """The reduce-scatter half of the ring, in place on ``buf``, one step at a time: each
+    step is started and yielded; the caller waits for it (``complete``, or later, with other
+    work in between) before asking for the next, which first folds the received chunk in.
 
     Afterwards rank ``r`` holds the fully reduced chunk ``(r + 1 + owner_shift) % size``.
     ``scratch`` must hold at least the largest chunk.
@@ -49,13 +62,14 @@ def reduce_scatter_steps(comm: MPI.Comm, buf, scratch, bounds: Sequence[int],
         send = buf[bounds[send_index]:bounds[send_index + 1]]
         lo, hi = bounds[recv_index], bounds[recv_index + 1]
         incoming = scratch[:hi - lo]
-        comm.Sendrecv(_bytes(send), right, _TAG_REDUCE_SCATTER,
-                      _bytes(incoming), left, _TAG_REDUCE_SCATTER)
+        yield start_sendrecv(comm, _bytes(send), right, _bytes(incoming), left,
+                             _TAG_REDUCE_SCATTER)
         reduce_into(buf[lo:hi], incoming)
 
 
-def allgather_steps(comm: MPI.Comm, buf, bounds: Sequence[int], owner_shift: int) -> None:
-    """Circulate finished chunks until every rank holds the whole reduced buffer."""
+def allgather_steps(comm, buf, bounds: Sequence[int], owner_shift: int) -> Iterator[Transfer]:
+    """Circulate finished chunks until every rank holds the whole reduced buffer (steps
+    yielded as in ``reduce_scatter_steps``)."""
     size, rank = comm.Get_size(), comm.Get_rank()
     right, left = (rank + 1) % size, (rank - 1) % size
     for step in range(size - 1):
@@ -63,25 +77,32 @@ def allgather_steps(comm: MPI.Comm, buf, bounds: Sequence[int], owner_shift: int
         recv_index = (rank - step + owner_shift) % size
         send = buf[bounds[send_index]:bounds[send_index + 1]]
         recv = buf[bounds[recv_index]:bounds[recv_index + 1]]
-        comm.Sendrecv(_bytes(send), right, _TAG_ALLGATHER, _bytes(recv), left, _TAG_ALLGATHER)
+        yield start_sendrecv(comm, _bytes(send), right, _bytes(recv), left, _TAG_ALLGATHER)
 
 
-def ring_allreduce(comm: MPI.Comm, buf, scratch, reduce_into: ReduceInto,
-                   finish_chunk: Callable[[object], None] | None = None) -> None:
-    """All-reduce the flat ``buf`` in place. ``scratch`` holds ``ceil(len/size)`` elements.
-    ``finish_chunk(chunk)`` (e.g. the 1/size of an Average) runs on the one chunk this rank
-    finished reducing, before the all-gather spreads it: 1/size of the work of scaling all."""
+def ring_allreduce_steps(comm, buf, scratch, reduce_into: ReduceInto,
+                         finish_chunk: Callable[[object], None] | None = None
+                         ) -> Iterator[Transfer]:
+    """``ring_allreduce`` one step at a time (see ``reduce_scatter_steps``)."""
     size = comm.Get_size()
     if size == 1 or len(buf) == 0:
         if finish_chunk is not None:
             finish_chunk(buf)
         return
     bounds = chunk_bounds(len(buf), size)
-    reduce_scatter_steps(comm, buf, scratch, bounds, reduce_into, owner_shift=0)
+    yield from reduce_scatter_steps(comm, buf, scratch, bounds, reduce_into, owner_shift=0)
     if finish_chunk is not None:
         owned = (comm.Get_rank() + 1) % size
         finish_chunk(buf[bounds[owned]:bounds[owned + 1]])
-    allgather_steps(comm, buf, bounds, owner_shift=0)
+    yield from allgather_steps(comm, buf, bounds, owner_shift=0)
+
+
+def ring_allreduce(comm, buf, scratch, reduce_into: ReduceInto,
+                   finish_chunk: Callable[[object], None] | None = None) -> None:
+    """All-reduce the flat ``buf`` in place. ``scratch`` holds ``ceil(len/size)`` elements.
+    ``finish_chunk(chunk)`` (e.g. the 1/size of an Average) runs on the one chunk this rank
+    finished reducing, before the all-gather spreads it: 1/size of the work of scaling all."""
+    complete(ring_allreduce_steps(comm, buf, scratch, reduce_into, finish_chunk))
 
 
 def ring_reduce_scatter(comm: MPI.Comm, buf, scratch, bounds: Sequence[int],
@@ -90,4 +111,4 @@ def ring_reduce_scatter(comm: MPI.Comm, buf, scratch, bounds: Sequence[int],
     (in place; the other chunks hold partial sums afterwards)."""
     if comm.Get_size() == 1:
         return
-    reduce_scatter_steps(comm, buf, scratch, bounds, reduce_into, owner_shift=-1)
+    complete(reduce_scatter_steps(comm, buf, scratch, bounds, reduce_into, owner_shift=-1))

@@ -21,7 +21,8 @@ from mpi4py import MPI
 from ..buffers import backend_for
 from ..buffers.dtypes import DType, dtype_named, identity_value
 from ..collectives.allreduce import allreduce_buffer, choose_algorithm
-from ..collectives.hierarchical import hierarchical_allreduce, hierarchical_layout
+from ..collectives.hierarchical import (hierarchical_allreduce, hierarchical_layout,
+                                        pipeline_segments, scratch_elements)
 from ..collectives.native import allgatherv, alltoallv, broadcast
 from ..collectives.ring import chunk_bounds, ring_reduce_scatter
 from ..config import Settings
@@ -74,7 +75,7 @@ class Job:
     """What one operation carries from ``prepare`` to ``unpack`` (fields as each kind needs)."""
 
     __slots__ = ("request", "dtype", "entries", "counts", "buf", "scratch", "output", "bounds",
-                 "row_bounds", "algorithm", "infos")
+                 "row_bounds", "algorithm", "cross_algorithm", "segments", "infos")
 
     def __init__(self, request, dtype: Optional[DType], entries: list):
         self.request = request
@@ -123,23 +124,28 @@ class Allreduce(Operation):
         backend.scale_(job.buf, request.prescale, dtype)
         job.algorithm = ex.choose(total * dtype.itemsize)
         job.scratch = None
-        if job.algorithm in ("ring", "hierarchical"):
-            parts = ex.local.Get_size() if job.algorithm == "hierarchical" else ex.size
+        if job.algorithm == "ring":
             job.scratch = ex.pool.get(backend, request.device, dtype, "scratch",
-                                      math.ceil(total / parts))
+                                      math.ceil(total / ex.size))
+        elif job.algorithm == "hierarchical":
+            nbytes, local_size = total * dtype.itemsize, ex.local.Get_size()
+            job.segments = pipeline_segments(nbytes, local_size, ex.cross_transport(backend),
+                                             ex.cross_ring_threshold)
+            job.cross_algorithm = choose_algorithm(
+                "auto", nbytes // job.segments // local_size, ex.cross_ring_threshold)
+            job.scratch = ex.pool.get(backend, request.device, dtype, "scratch",
+                                      scratch_elements(total, local_size, ex.cross.Get_size(),
+                                                       job.segments))
         return job
 
     def communicate(self, ex, job, comm, backend):
         request, dtype = job.request, job.dtype
         finish = _postscale(backend, request, ex.size, dtype)
         if job.algorithm == "hierarchical":
-            chunk_bytes = len(job.buf) * dtype.itemsize // ex.local.Get_size()
-            hierarchical_allreduce(transport_for(ex.local, backend),
-                                   transport_for(ex.cross, backend, across_nodes=True),
-                                   job.buf, job.scratch,
-                                   dtype, request.op, backend.reduce_into,
-                                   choose_algorithm("auto", chunk_bytes, ex.cross_ring_threshold),
-                                   finish)
+            hierarchical_allreduce(transport_for(ex.local, backend), ex.cross_transport(backend),
+                                   job.buf, job.scratch, dtype, request.op,
+                                   backend.reduce_into, job.cross_algorithm, finish,
+                                   job.segments)
             return
         allreduce_buffer(comm, job.buf, job.scratch, dtype, request.op, job.algorithm,
                          backend.reduce_into, finish)
@@ -262,6 +268,10 @@ class Executor:
         self.cross_ring_threshold = explicit if explicit is not None else \
             NETWORK_RING_THRESHOLD
         self.hierarchical = settings.hierarchical_allreduce
+
+    def cross_transport(self, backend):
+        """The transport of the hierarchical all-reduce's cross-node part."""
+        return transport_for(self.cross, backend, across_nodes=True)
 
     def choose(self, nbytes: int) -> str:
         """The algorithm for one fused buffer of ``nbytes`` (the same on every rank: the

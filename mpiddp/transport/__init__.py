@@ -3,6 +3,9 @@ either the same calls on device pointers (CUDA-aware MPI) or host staging (``sta
 
 The collectives in ``mpiddp/collectives`` only use the calls of ``Transport``, so anything
 that offers them (an ``MPI.Comm``, ``staging.DirectComm``, ``staging.StagedComm``) works.
+They start each ring step with ``start_sendrecv``: a transport that can leave a transfer in
+flight (``network.NetworkComm``) returns it pending, so the caller can work while the network
+moves the bytes (the pipelined hierarchical all-reduce); any other completes it at once.
 """
 from __future__ import annotations
 
@@ -26,6 +29,37 @@ class Transport(Protocol):
     def Allgatherv(self, sendbuf: Any, recvbuf: Any) -> None: ...
 
     def Alltoallv(self, sendbuf: Any, recvbuf: Any) -> None: ...
+
+
+class Transfer(Protocol):
+    """A started exchange; ``wait()`` completes it."""
+
+    def wait(self) -> None: ...
+
+
+class _Completed:
+    """An exchange that finished when it was started."""
+
+    def wait(self) -> None:
+        pass
+
+
+COMPLETED: Transfer = _Completed()
+
+
+def overlaps_transfers(transport) -> bool:
+    """Whether ``start_sendrecv`` on ``transport`` can return before the bytes have moved."""
+    return hasattr(transport, "start_sendrecv")
+
+
+def start_sendrecv(transport, sendbuf: Any, dest: int, recvbuf: Any, source: int,
+                   tag: int) -> Transfer:
+    """Send ``sendbuf`` to ``dest`` and receive ``recvbuf`` from ``source`` (same ``tag``):
+    left in flight where the transport can (``overlaps_transfers``), else done here."""
+    if overlaps_transfers(transport):
+        return transport.start_sendrecv(sendbuf, dest, recvbuf, source, tag)
+    transport.Sendrecv(sendbuf, dest, tag, recvbuf, source, tag)
+    return COMPLETED
 
 
 class CommWrapper:

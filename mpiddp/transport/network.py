@@ -41,7 +41,7 @@ from typing import Iterator
 
 from mpi4py import MPI
 
-from . import CommWrapper
+from . import COMPLETED, CommWrapper, Transfer
 
 POLITE_MIN_BYTES = 256 * 1024
 SEGMENT_BYTES = 1024 * 1024
@@ -89,21 +89,41 @@ def _pieces(data: memoryview) -> list:
     return [[data[i:i + SEGMENT_BYTES], MPI.BYTE] for i in range(0, len(data), SEGMENT_BYTES)]
 
 
+class PendingTransfer:
+    """Posted pieces of one exchange; ``wait`` completes them politely."""
+
+    __slots__ = ("requests",)
+
+    def __init__(self, requests: list):
+        self.requests = requests
+
+    def wait(self) -> None:
+        wait_for_transfer(self.requests)
+
+
 class NetworkComm(CommWrapper):
-    """``Transport`` on an MPI communicator that spans nodes: the ring's large steps wait
-    without spinning; the collectives are MPI's own."""
+    """``Transport`` on an MPI communicator that spans nodes: the ring's large steps are left
+    in flight (``start_sendrecv``) and waited for without spinning; the collectives are MPI's
+    own."""
+
+    def start_sendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int) -> Transfer:
+        """Post the exchange as pieces and return it pending (small ones: done here)."""
+        return self._start(sendbuf, dest, tag, recvbuf, source, tag)
 
     def Sendrecv(self, sendbuf, dest, sendtag=0, recvbuf=None, source=MPI.ANY_SOURCE,
                  recvtag=MPI.ANY_TAG, status=None) -> None:
+        self._start(sendbuf, dest, sendtag, recvbuf, source, recvtag).wait()
+
+    def _start(self, sendbuf, dest, sendtag, recvbuf, source, recvtag) -> Transfer:
         send, recv = _byte_view(sendbuf), _byte_view(recvbuf)
         if max(len(send), len(recv)) < POLITE_MIN_BYTES:
-            self.comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag, status)
-            return
+            self.comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag)
+            return COMPLETED
         # Pieces of the same source, tag and communicator match in the order they were
         # posted (MPI's non-overtaking rule), so both sides need only cut alike.
         requests = [self.comm.Irecv(piece, source, recvtag) for piece in _pieces(recv)]
         requests += [self.comm.Isend(piece, dest, sendtag) for piece in _pieces(send)]
-        wait_for_transfer(requests)
+        return PendingTransfer(requests)
 
     def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
         self.comm.Allreduce(sendbuf, recvbuf, op)

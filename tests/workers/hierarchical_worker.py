@@ -1,8 +1,8 @@
 """The hierarchical all-reduce on emulated nodes: the world is cut into "nodes" of
 ``ranks_per_node`` consecutive ranks (local and cross communicators built by hand, as
 ``hierarchical_layout`` builds them from shared memory on a real cluster). Every op, dtype,
-odd and empty sizes, both cross-node algorithms and Average's per-chunk scaling, against a
-float64 NumPy reference.
+odd and empty sizes, both cross-node algorithms, the pipelined schedule and Average's
+per-chunk scaling, against a float64 NumPy reference.
 
 Usage: hierarchical_worker.py <ranks_per_node>. Prints 'OK ...' on rank 0.
 """
@@ -14,7 +14,8 @@ from mpi4py import MPI
 
 from mpiddp.buffers import backend_for
 from mpiddp.buffers.dtypes import dtype_named
-from mpiddp.collectives.hierarchical import hierarchical_allreduce, hierarchical_layout
+from mpiddp.collectives.hierarchical import (hierarchical_allreduce, hierarchical_layout,
+                                            scratch_elements)
 from mpiddp.ops import ReduceOp
 from mpiddp.transport.network import SEGMENT_BYTES, NetworkComm
 from mpiddp.torch.views import flat_array
@@ -27,6 +28,7 @@ PER_NODE = int(sys.argv[1])
 assert SIZE % PER_NODE == 0
 local = world.Split(color=RANK // PER_NODE, key=RANK)
 cross = world.Split(color=local.Get_rank(), key=RANK)
+CROSS = cross.Get_size()
 host = backend_for("cpu")
 OPS = {ReduceOp.SUM: np.sum, ReduceOp.MIN: np.min, ReduceOp.MAX: np.max,
        ReduceOp.PRODUCT: np.prod}
@@ -37,16 +39,18 @@ for name in ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uin
     torch_dtype = getattr(torch, name)
     for op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
         for count in (0, 1, 3, SIZE - 1, 97, 4099):
-            for cross_algorithm in ("native", "ring"):
+            # segments > 1: the pipelined schedule (here with blocking transfers)
+            for cross_algorithm, segments in (("native", 1), ("ring", 1), ("ring", 3)):
                 key = f"h.{name}.{op.name}.{count}"
                 tensor = data(RANK, key, (count,), torch_dtype, op).contiguous()
                 buf = flat_array(tensor)
-                scratch = host.empty(max(1, -(-count // PER_NODE)), dtype)
+                scratch = host.empty(max(1, scratch_elements(count, PER_NODE, CROSS, segments)),
+                                     dtype)
                 finish = None
                 if op == ReduceOp.AVERAGE:
                     finish = lambda part, d=dtype: host.scale_(part, 1.0 / SIZE, d)  # noqa
                 hierarchical_allreduce(local, cross, buf, scratch, dtype, op, host.reduce_into,
-                                       cross_algorithm, finish)
+                                       cross_algorithm, finish, segments)
                 stacked = np.stack([as64(data(r, key, (count,), torch_dtype, op))
                                     for r in range(SIZE)])
                 if op == ReduceOp.AVERAGE:
@@ -60,29 +64,31 @@ for name in ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uin
                     # per-chunk truncation of the same float64 value: exact
                     tol = 0.0
                 assert np.allclose(got, want, rtol=tol, atol=tol), \
-                    (key, cross_algorithm, np.max(np.abs(got - want)) if count else 0)
+                    (key, cross_algorithm, segments, np.max(np.abs(got - want)) if count else 0)
                 checked += 1
 # Large buffers with the cross-node ring on NetworkComm, as the engine runs it across nodes:
 # ring steps above its polite threshold, cut into several messages (SEGMENT_BYTES) with an
-# uneven last piece.
+# uneven last piece; pipelined too, with uneven segments whose ring steps stay in flight
+# while the node-local phases of the next and previous segments run.
 network = NetworkComm(cross)
 for name in ("float32", "float64"):
     dtype = dtype_named(name)
     for op in (ReduceOp.SUM, ReduceOp.AVERAGE):
-        count = 3 * SEGMENT_BYTES // dtype.itemsize * cross.Get_size() + 13
+        count = 3 * SEGMENT_BYTES // dtype.itemsize * CROSS + 13
         key = f"net.{name}.{op.name}"
-        tensor = data(RANK, key, (count,), getattr(torch, name), op).contiguous()
-        scratch = host.empty(-(-count // PER_NODE), dtype)
-        finish = None
-        if op == ReduceOp.AVERAGE:
-            finish = lambda part, d=dtype: host.scale_(part, 1.0 / SIZE, d)  # noqa
-        hierarchical_allreduce(local, network, flat_array(tensor), scratch, dtype, op,
-                               host.reduce_into, "ring", finish)
         stacked = np.stack([as64(data(r, key, (count,), getattr(torch, name), op))
                             for r in range(SIZE)])
         want = stacked.mean(0) if op == ReduceOp.AVERAGE else stacked.sum(0)
-        assert np.allclose(as64(tensor), want, rtol=1e-5, atol=1e-5), (key, count)
-        checked += 1
+        for segments in (1, 3):
+            tensor = data(RANK, key, (count,), getattr(torch, name), op).contiguous()
+            scratch = host.empty(scratch_elements(count, PER_NODE, CROSS, segments), dtype)
+            finish = None
+            if op == ReduceOp.AVERAGE:
+                finish = lambda part, d=dtype: host.scale_(part, 1.0 / SIZE, d)  # noqa
+            hierarchical_allreduce(local, network, flat_array(tensor), scratch, dtype, op,
+                                   host.reduce_into, "ring", finish, segments)
+            assert np.allclose(as64(tensor), want, rtol=1e-5, atol=1e-5), (key, segments)
+            checked += 1
 _, _, usable = hierarchical_layout(world)     # one real node here: never usable
 assert not usable
 world.Barrier()
