@@ -380,7 +380,9 @@ def engine_stats() -> dict[str, int]:
         bit-vector all-reduce), ``slow_cycles`` (cycles that went through rank 0),
         ``tensors`` (requests completed, errors included), ``errors``, ``cache_hits``,
         ``allreduce_batches``, ``fused_batches``, ``fused_tensors``, ``max_batch_tensors``,
-        ``allreduce_bytes``, ``ring_batches``, ``native_batches``, ``reducescatter_bytes``.
+        ``allreduce_bytes``, ``ring_batches``, ``native_batches``, ``hierarchical_batches``,
+        ``pipelined_batches`` (hierarchical batches cut into pipelined segments),
+        ``reducescatter_bytes``.
 
     Raises:
         NotInitializedError: before ``init()``.

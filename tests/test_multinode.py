@@ -56,7 +56,7 @@ def cluster_command(layout: str, worker: str, *args, env: dict | None = None) ->
 def test_topology_and_hierarchical_allreduce_across_nodes(cluster, nodes, per_node):
     result = run_on_cluster(f"{nodes}x{per_node}", "multinode_worker.py", nodes, per_node,
                             env={"MPIDDP_HIERARCHICAL_ALLREDUCE": "1"})
-    assert_ok(result, expect_lines=4)
+    assert_ok(result, expect_lines=5)
 
 
 def test_every_collective_across_nodes(cluster):

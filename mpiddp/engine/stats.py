@@ -23,6 +23,7 @@ class EngineStats:
     ring_batches: int = 0           # batches reduced by the ring
     native_batches: int = 0         # batches reduced by MPI_Allreduce
     hierarchical_batches: int = 0   # batches reduced by the hierarchical all-reduce
+    pipelined_batches: int = 0      # of those, batches cut into pipelined segments
     reducescatter_bytes: int = 0    # bytes of reduce-scattered tensors
 
     def record(self, kind: str, tensors: int, job) -> None:
@@ -40,6 +41,7 @@ class EngineStats:
                 self.ring_batches += 1
             elif job.algorithm == "hierarchical":
                 self.hierarchical_batches += 1
+                self.pipelined_batches += job.segments > 1
             else:
                 self.native_batches += 1
         elif kind == "reducescatter":

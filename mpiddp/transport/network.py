@@ -8,9 +8,10 @@ of CPU per step against DDP's 398 ms, the difference being the wire time, and th
 coordinator took the core from backward, so nothing was hidden (docs/benchmarks.md).
 
 ``NetworkComm`` gives the collectives the same calls (``Transport``) on a communicator whose
-ranks sit on different nodes. The ring's point-to-point steps (``Sendrecv``) of
+ranks sit on different nodes. The ring's point-to-point steps (``start_sendrecv``) of
 ``POLITE_MIN_BYTES`` or more, where nearly all the bytes of a large all-reduce go, become
-``Irecv`` + ``Isend`` completed by ``wait_for_transfer``: a short spin, then tests separated by
+``Irecv`` + ``Isend`` left in flight (the pipelined hierarchical all-reduce works within the
+node meanwhile) and completed by ``wait_for_transfer``: a short spin, then tests separated by
 sleeps of a tenth of the time waited so far, at most ``MAX_TRANSFER_SLEEP_SECONDS`` (short,
 because MPI pushes more bytes into the socket only when tested), so a transfer finishes a
 little late at most while the core is free for computing. Only while it is: once a user

@@ -42,6 +42,19 @@ if rank == 0:
     print(f"OK all-reduce across {NODES} nodes, hierarchical: {stats['hierarchical_batches']} "
           f"batches", flush=True)
 
+# A large buffer (16 MiB) where the hierarchical all-reduce applies goes in pipelined segments
+# whose cross-node ring steps stay in flight over the real network; exact sums of integers
+# held in float32.
+before = mpiddp.engine_stats()
+tensor = (torch.arange(4 << 20, dtype=torch.float32) % 1000) * (rank + 1)
+got = mpiddp.allreduce(tensor, op=mpiddp.Sum, name="pipelined.16m")
+assert torch.equal(got, (torch.arange(4 << 20, dtype=torch.float32) % 1000)
+                   * (size * (size + 1) // 2))
+pipelined = mpiddp.engine_stats()["pipelined_batches"] - before["pipelined_batches"]
+assert pipelined == (1 if expected else 0), pipelined
+if rank == 0:
+    print(f"OK a 16 MiB all-reduce across nodes, pipelined: {bool(pipelined)}", flush=True)
+
 # Across nodes, with MPIDDP_RING_THRESHOLD unset, a 512 KiB buffer takes the ring (or the
 # hierarchical all-reduce), not native MPI_Allreduce: the network threshold is 256 KiB.
 before = mpiddp.engine_stats()
