@@ -1,6 +1,7 @@
 """Run Horovod's PyTorch example scripts, unchanged, against mpiddp.
 
     python scripts/horovod_examples.py --horovod /path/to/horovod [--ranks 2] [--timeout 600]
+    python scripts/horovod_examples.py --horovod /path/to/horovod --cluster 2x2   # across nodes
 
 ``/path/to/horovod`` is a checkout of github.com/horovod/horovod; nothing is fetched at run
 time. The examples import ``horovod.torch`` (a package that only re-exports mpiddp, as in
@@ -152,10 +153,18 @@ def write_digits_as_mnist(data_dir: Path, train_count: int = 1500) -> tuple[int,
     return train_count, len(labels) - train_count
 
 
-def run_example(script: Path, args: list[str], ranks: int, env: dict, cwd: Path,
+def launcher(ranks: int, cluster: str | None) -> list[str]:
+    """The command that starts the ranks: ``mpiexec -n RANKS`` on this machine, or across
+    the nodes of an emulated cluster that is up (``scripts/local_cluster.sh run NxP``)."""
+    if cluster is None:
+        return [mpiexec(), "-n", str(ranks)]
+    return ["bash", str(ROOT / "scripts" / "local_cluster.sh"), "run", cluster, "--"]
+
+
+def run_example(script: Path, args: list[str], launch: list[str], env: dict, cwd: Path,
                 timeout: float) -> tuple[int | None, str]:
     """(exit status or None if it hit the timeout, combined output)."""
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, str(script), *args]
+    cmd = [*launch, sys.executable, str(script), *args]
     print("$ " + " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, cwd=cwd, start_new_session=True)
@@ -189,12 +198,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--horovod", required=True, type=Path, help="a checkout of horovod")
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--cluster", metavar="NxP", default=None,
+                   help="run across the emulated cluster's nodes instead (N nodes x P ranks; "
+                        "as root, after `scripts/local_cluster.sh up N`; docs/multinode.md)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per example launch")
     p.add_argument("--full", action="store_true",
                    help="the examples' own batch counts and epochs (slow on a CPU)")
     p.add_argument("--min-accuracy", type=float, default=80.0,
                    help="pytorch_mnist.py's final test accuracy must reach this (percent)")
     args = p.parse_args(argv)
+    if args.cluster is not None:
+        match = re.fullmatch(r"([1-9][0-9]*)x([1-9][0-9]*)", args.cluster)
+        if match is None:
+            p.error(f"--cluster {args.cluster!r}: expected NxP, e.g. 2x2")
+        args.ranks = int(match[1]) * int(match[2])
     example_dir = (args.horovod / "examples" / "pytorch").resolve()
     if not (example_dir / "pytorch_mnist.py").exists():
         p.error(f"{example_dir} has no pytorch_mnist.py: --horovod must be a horovod checkout")
@@ -215,8 +232,9 @@ def main(argv=None) -> int:
         if args.ranks > (os.cpu_count() or 1):
             env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"
         for name, example_args in examples(tmp_path / "data", quick=not args.full):
-            status, out = run_example(example_dir / name, example_args, args.ranks, env,
-                                      tmp_path, args.timeout)
+            status, out = run_example(example_dir / name, example_args,
+                                      launcher(args.ranks, args.cluster), env, tmp_path,
+                                      args.timeout)
             shown = [line for line in out.splitlines()
                      if re.search(r"Img/sec|Test set|Error|error|Traceback", line)]
             print("\n".join(shown[-8:]) or out[-2000:])
