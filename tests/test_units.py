@@ -272,24 +272,30 @@ def test_ring_threshold_default_depends_on_whether_ranks_span_nodes():
     assert (explicit.ring_threshold, explicit.cross_ring_threshold) == (4096, 4096)
 
 
-@pytest.mark.parametrize("nbytes,overlapping,threshold,expected", [
-    (64 << 20, True, 256 << 10, 16),      # 4 MiB segments, at most 16
-    (256 << 20, True, 256 << 10, 16),
-    (16 << 20, True, 256 << 10, 4),
-    (6 << 20, True, 256 << 10, 1),        # under two segments: not worth it
-    (64 << 20, False, 256 << 10, 1),      # blocking cross transport: nothing to overlap
-    (64 << 20, True, 2 << 20, 1),         # a segment's cross chunk would go native
-    (64 << 20, True, 1 << 20, 16),        # 2 MiB cross chunks (2 ranks per node) take the ring
+@pytest.mark.parametrize("nbytes,nodes,overlapping,threshold,expected", [
+    (64 << 20, 2, True, 256 << 10, 16),      # 4 MiB segments, at most 16
+    (256 << 20, 2, True, 256 << 10, 16),
+    (16 << 20, 2, True, 256 << 10, 4),
+    (6 << 20, 2, True, 256 << 10, 1),        # under two segments: not worth it
+    (64 << 20, 2, False, 256 << 10, 1),      # blocking cross transport: nothing to overlap
+    (64 << 20, 2, True, 2 << 20, 1),         # a segment's cross chunk would go native
+    (64 << 20, 2, True, 1 << 20, 16),        # 2 MiB cross chunks (2 ranks per node): the ring
+    (64 << 20, 8, True, 256 << 10, 4),       # ring steps of at least 1 MiB: fewer segments
+    (64 << 20, 64, True, 256 << 10, 1),      # many nodes: the steps are small already
 ])
-def test_pipeline_segments_of_the_hierarchical_all_reduce(nbytes, overlapping, threshold,
-                                                           expected):
+def test_pipeline_segments_of_the_hierarchical_all_reduce(nbytes, nodes, overlapping,
+                                                           threshold, expected):
     from mpiddp.collectives.hierarchical import pipeline_segments
 
-    class Overlapping:
+    class Cross:
+        def Get_size(self):
+            return nodes
+
+    class Overlapping(Cross):
         def start_sendrecv(self, *args):
             raise AssertionError("not called")
 
-    cross = Overlapping() if overlapping else object()
+    cross = Overlapping() if overlapping else Cross()
     assert pipeline_segments(nbytes, 2, cross, threshold) == expected
 
 

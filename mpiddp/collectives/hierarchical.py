@@ -29,11 +29,15 @@ from .ring import (allgather_steps, chunk_bounds, complete, reduce_scatter_steps
                    ring_allreduce_steps)
 
 # Pipelining: segments of at least this many bytes, at most this many of them. Measured on
-# the emulated cluster (2 nodes x 2 ranks, 1 Gbit/s, 64 MiB, docs/benchmarks.md): one
-# segment 588-610 ms (the node-local phases, 30-60 ms, add to the wire time); 4 segments
-# 568-573 ms; 8 and 16 segments 563-571 ms (561 ms is TCP's rate).
+# the emulated cluster (2 nodes x 2 ranks, 1 Gbit/s, docs/benchmarks.md): 64 MiB in 1 / 4 / 8
+# / 16 segments 588-610 / 575-590 / 567-572 / 563-571 ms (561 ms is TCP's rate); 16 MiB in 1 /
+# 2 / 4 segments 149-153 / 144-147 / 142 ms.
 PIPELINE_SEGMENT_BYTES = 4 * 1024 * 1024
 MAX_PIPELINE_SEGMENTS = 16
+# Every segment costs a full set of ring steps, each with a fixed cost in Python and MPI
+# (tens of microseconds): segments stop where a cross-node ring step would carry less than
+# this, so that on a fast network with many ranks the steps stay large next to their cost.
+MIN_CROSS_STEP_BYTES = 1024 * 1024
 
 
 def hierarchical_layout(comm: MPI.Comm) -> tuple[MPI.Comm, MPI.Comm, bool]:
@@ -52,10 +56,14 @@ def pipeline_segments(nbytes: int, local_size: int, cross, cross_ring_threshold:
 
     Pipelining needs a cross-node transport that leaves transfers in flight
     (``overlaps_transfers``), and segments whose cross-node chunk still takes the ring
-    (above ``cross_ring_threshold``): native ``MPI_Allreduce`` would block."""
+    (above ``cross_ring_threshold``): native ``MPI_Allreduce`` would block. Segments are at
+    least ``PIPELINE_SEGMENT_BYTES``, at most ``MAX_PIPELINE_SEGMENTS``, and each cross-node
+    ring step carries at least ``MIN_CROSS_STEP_BYTES``."""
     if not overlaps_transfers(cross):
         return 1
-    segments = min(MAX_PIPELINE_SEGMENTS, nbytes // PIPELINE_SEGMENT_BYTES)
+    ranks = local_size * cross.Get_size()
+    segments = min(MAX_PIPELINE_SEGMENTS, nbytes // PIPELINE_SEGMENT_BYTES,
+                   nbytes // (ranks * MIN_CROSS_STEP_BYTES))
     if segments < 2 or nbytes // segments // local_size <= cross_ring_threshold:
         return 1
     return segments
