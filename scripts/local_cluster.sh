@@ -3,6 +3,8 @@
 #
 #   sudo scripts/local_cluster.sh up 2 [RATE]      # 2 nodes, links shaped to RATE (default 1gbit)
 #   scripts/local_cluster.sh run 2x2 -- python scripts/benchmark_allreduce.py ...
+#   scripts/local_cluster.sh exec 1 -- hostname     # any command in node 1 (mpiddp-n1)
+#   scripts/local_cluster.sh address 1              # node 1's address (10.211.7.2)
 #   scripts/local_cluster.sh status
 #   sudo scripts/local_cluster.sh down
 #
@@ -79,13 +81,22 @@ status() {
   done
 }
 
+# Run COMMAND in node INDEX: its network namespace, with its hostname (a UTS namespace of
+# its own). The same process all the way (exec), so its pid is the command's.
+in_node() {  # in_node INDEX COMMAND...
+  local index="$1"; shift
+  [ -n "$(ip netns list 2>/dev/null | awk '{print $1}' | grep -x "${PREFIX}${index}")" ] ||
+    die "no node ${PREFIX}${index} (is the cluster up?)"
+  exec ip netns exec "${PREFIX}${index}" unshare --uts sh -c \
+    "hostname ${PREFIX}${index}; exec \"\$@\"" sh "$@"
+}
+
 # Hydra's launcher: called as `ssh [options] HOST COMMAND...`; runs COMMAND in HOST's node.
 ssh_standin() {
   while [[ "${1:-}" == -* ]]; do shift; done
   local host="${1:?no host}"; shift
   local index="${host##*.}"; index=$((index - 1))
-  exec ip netns exec "${PREFIX}${index}" unshare --uts sh -c \
-    "hostname ${PREFIX}${index}; exec \"\$@\"" sh sh -c "$*"
+  in_node "$index" sh -c "$*"
 }
 
 run() {
@@ -95,8 +106,7 @@ run() {
   [ "$(nodes | wc -l)" -ge "$n" ] || die "only $(nodes | wc -l) node(s) up, $layout asked"
   for ((i = 0; i < n; i++)); do hosts+="${hosts:+,}${SUBNET}.$((i + 1)):$p"; done
   local mpiexec; mpiexec="$(command -v mpiexec)"
-  exec ip netns exec "${PREFIX}0" unshare --uts sh -c "hostname ${PREFIX}0; exec \"\$@\"" sh \
-    "$mpiexec" -launcher ssh -launcher-exec "$ME" -hosts "$hosts" -n $((n * p)) \
+  in_node 0 "$mpiexec" -launcher ssh -launcher-exec "$ME" -hosts "$hosts" -n $((n * p)) \
     -genv UCX_TLS tcp,self -genv MASTER_ADDR "${SUBNET}.1" -genv GLOO_SOCKET_IFNAME eth0 \
     -genv PATH "$PATH" -genv PYTHONPATH "${PYTHONPATH:-}" \
     -genv OMP_NUM_THREADS "${OMP_NUM_THREADS:-1}" "$@"
@@ -107,6 +117,9 @@ case "${1:-}" in
   down) down ;;
   status) status ;;
   run) shift; run "$@" ;;
-  "") die "usage: $0 up K [RATE] | run NxP -- command... | status | down" ;;
+  exec) shift; index="${1:?usage: exec I -- command...}"; shift; [ "${1:-}" = "--" ] && shift
+        in_node "$index" "$@" ;;
+  address) echo "${SUBNET}.$((${2:?usage: address I} + 1))" ;;
+  "") die "usage: $0 up K [RATE] | run NxP -- command... | exec I -- command... | address I | status | down" ;;
   *) ssh_standin "$@" ;;      # hydra calls us as its ssh: [options] HOST COMMAND...
 esac

@@ -10,11 +10,19 @@
 # Everything it writes lives in one scratch directory, LOCAL_SLURM_DIR (default
 # /tmp/mpiddp-slurm): configuration, munge key and socket, state, spool, logs and pid files.
 # The node has the CPUs slurmd finds; LOCAL_SLURM_CPUS=N at start pretends it has N.
+#
+# LOCAL_SLURM_NODES=K at start: a K-node cluster on the nodes of scripts/local_cluster.sh
+# (which must be up with K nodes or more): slurmctld in node 0, one slurmd in each node under
+# its own name and address, so that jobs span nodes over the emulated network. Slurm's
+# commands must then run in a node: scripts/local_cluster.sh exec 0 -- sbatch ...
 # Nothing under /etc is written and no system service is started, so `stop` leaves the machine
 # as it was, except for the packages `start` installed (it says so).
 set -euo pipefail
 
 DIR="${LOCAL_SLURM_DIR:-/tmp/mpiddp-slurm}"
+# 0: this machine is the one node; K: K emulated nodes (recorded at start for stop/status).
+NODES="${LOCAL_SLURM_NODES:-$(cat "$DIR/nodes" 2>/dev/null || echo 0)}"
+CLUSTER="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/local_cluster.sh"
 CONF="$DIR/slurm.conf"
 MARK="$DIR/.made-by-local_slurm"     # stop removes only a directory this script made
 export SLURM_CONF="$CONF"            # every Slurm command (and daemon) reads this config
@@ -25,6 +33,28 @@ die() { say "error: $*"; exit 1; }
 need_root() {
   [ "$(id -u)" = 0 ] || die "must run as root: it installs packages and runs slurmctld/slurmd \
 as root (SlurmUser=root). Run: sudo bash $0 $1"
+}
+
+# Run a command where the cluster's daemons and clients live: on this machine, or (emulated
+# nodes) in node I of scripts/local_cluster.sh, under that node's name and address.
+in_node() {  # in_node I COMMAND...
+  local index="$1"; shift
+  if [ "$NODES" = 0 ]; then "$@"; else bash "$CLUSTER" exec "$index" -- "$@"; fi
+}
+
+# Shell commands that mount this machine's cgroup file systems again, as they are mounted
+# here (cgroup v1 controllers on a tmpfs, or cgroup v2), for a slurmd in an emulated node.
+cgroup_mounts() {
+  awk '$2 ~ "^/sys/fs/cgroup" && ($3 == "tmpfs" || $3 == "cgroup" || $3 == "cgroup2") {
+         printf "mkdir -p %s && mount -t %s -o %s %s %s && ", $2, $3, $4, $1, $2 }' /proc/self/mounts
+}
+
+# Slurm's commands, where they reach the controller: here, or in emulated node 0.
+client() { in_node 0 "$@"; }
+
+# The slurmd daemons' tags: slurmd (this machine), or slurmd-I for emulated node I.
+slurmd_tags() {
+  if [ "$NODES" = 0 ]; then echo slurmd; else seq -f 'slurmd-%g' 0 $((NODES - 1)); fi
 }
 
 # The pid in a pid file, if that process is alive and is the program we expect. The daemons
@@ -57,7 +87,7 @@ install_packages() {
 }
 
 write_config() {
-  local host node overrides=""
+  local host node overrides="" controller nodes_lines i name
   host="$(hostname -s)"
   # slurmd reports this machine's CPUs, sockets, cores and memory; use them as they are.
   node="$(slurmd -C | head -n 1)"
@@ -69,10 +99,23 @@ write_config() {
     node="NodeName=$host CPUs=$LOCAL_SLURM_CPUS $(grep -o 'RealMemory=[0-9]*' <<< "$node")"
     overrides="SlurmdParameters=config_overrides"
   fi
+  if [ "$NODES" = 0 ]; then
+    controller="$host(127.0.0.1)"
+    nodes_lines="$node NodeAddr=127.0.0.1 State=UNKNOWN"
+  else
+    # Every emulated node is this machine's CPUs and memory over again (they share them).
+    node="${node#NodeName=* }"
+    controller="$(in_node 0 hostname)($(bash "$CLUSTER" address 0))"
+    nodes_lines=""
+    for i in $(seq 0 $((NODES - 1))); do
+      name="$(in_node "$i" hostname)"
+      nodes_lines+="NodeName=$name $node NodeAddr=$(bash "$CLUSTER" address "$i") State=UNKNOWN"$'\n'
+    done
+  fi
   cat > "$CONF" <<EOF
 # Written by scripts/local_slurm.sh: a one-node cluster for testing; removed by its 'stop'.
 ClusterName=mpiddp-local
-SlurmctldHost=$host(127.0.0.1)
+SlurmctldHost=$controller
 SlurmUser=root
 SlurmdUser=root
 # munged of this cluster, with its own key and socket (nothing in /etc/munge is used).
@@ -91,11 +134,12 @@ SelectTypeParameters=CR_Core
 # Like many sites: srun starts no PMI unless asked (--mpi=pmi2), so srun without it is testable.
 MpiDefault=none
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
+# %n: the node's name, so that several slurmd (emulated nodes) keep their files apart.
+SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/state/slurmctld.pid
-SlurmdPidFile=$DIR/state/slurmd.pid
+SlurmdPidFile=$DIR/state/slurmd-%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ReturnToService=2
@@ -106,7 +150,7 @@ KillWait=5
 # Schedule pending jobs every few seconds (default 60), e.g. a requeued job once eligible.
 SchedulerParameters=sched_interval=2
 $overrides
-$node NodeAddr=127.0.0.1 State=UNKNOWN
+$nodes_lines
 # More tasks than CPUs: submit with --overcommit (-O), or start with LOCAL_SLURM_CPUS=N.
 PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
@@ -122,9 +166,14 @@ abandon() {  # a failed start: show the logs, undo what was started, fail
 # Run a daemon in the foreground of its own session and record its pid ourselves: a detaching
 # daemon writes its pid file late or not at all when it fails (slurmd writes it only once it has
 # registered), and then nothing could stop it.
-launch() {  # launch PROGRAM ARGS...
-  setsid "$@" >> "$DIR/log/$1.out" 2>&1 < /dev/null &
-  echo $! > "$DIR/$1.pid"
+launch() {  # launch TAG NODE PROGRAM ARGS...: NODE "" is this machine, else an emulated node
+  local tag="$1" at="$2"; shift 2
+  if [ -z "$at" ]; then
+    setsid "$@" >> "$DIR/log/$tag.out" 2>&1 < /dev/null &
+  else    # the same process through to the daemon (local_cluster.sh exec execs it)
+    setsid bash "$CLUSTER" exec "$at" -- "$@" >> "$DIR/log/$tag.out" 2>&1 < /dev/null &
+  fi
+  echo $! > "$DIR/$tag.pid"
 }
 
 # Wait up to $2 seconds for the command $1 to succeed; slurm commands get 5 s each.
@@ -147,32 +196,56 @@ start() {
     [ -e "$MARK" ] || die "$DIR exists and was not made by this script; set LOCAL_SLURM_DIR"
     stop
   fi
+  NODES="${LOCAL_SLURM_NODES:-0}"
+  if [ "$NODES" != 0 ]; then
+    [[ "$NODES" =~ ^[1-9][0-9]*$ ]] || die "LOCAL_SLURM_NODES must be a number"
+    bash "$CLUSTER" exec $((NODES - 1)) -- true ||
+      die "LOCAL_SLURM_NODES=$NODES needs scripts/local_cluster.sh up with $NODES nodes or more"
+  fi
   install_packages
   # Readable by all (the configuration, munge's socket), so that other users can submit too.
   mkdir -p "$DIR" && chmod 755 "$DIR" && touch "$MARK"
   mkdir -m 755 "$DIR/munge" && mkdir -m 700 "$DIR/state" "$DIR/spool" "$DIR/log"
+  echo "$NODES" > "$DIR/nodes"
   # munged refuses to run as root without --force, and wants its socket directory to exist.
   dd if=/dev/urandom of="$DIR/munge/munge.key" bs=1024 count=1 status=none
   chmod 400 "$DIR/munge/munge.key"
-  launch munged --foreground --force --key-file="$DIR/munge/munge.key" \
+  launch munged "" munged --foreground --force --key-file="$DIR/munge/munge.key" \
     --socket="$DIR/munge/munge.socket" --pid-file="$DIR/munge/munged.pid" \
     --seed-file="$DIR/munge/munged.seed"
   wait_for "[ -S '$DIR/munge/munge.socket' ]" 10 || abandon "munged did not start"
   write_config
-  launch slurmctld -D
-  wait_for "timeout 5 scontrol ping | grep -q UP" 30 || abandon "slurmctld did not start"
-  launch slurmd -D
-  wait_for "[ \"\$(timeout 5 sinfo -h -o %T)\" = idle ]" 30 ||
-    abandon "slurmd did not bring the node up"
-  say "running: $(sinfo -h -o '%N %c CPUs, partition %P')"
+  local controller_node="" expected_nodes=1
+  [ "$NODES" = 0 ] || { controller_node=0; expected_nodes="$NODES"; }
+  launch slurmctld "$controller_node" slurmctld -D
+  wait_for "client timeout 5 scontrol ping | grep -q UP" 30 || abandon "slurmctld did not start"
+  local tag node
+  for tag in $(slurmd_tags); do
+    if [ "$tag" = slurmd ]; then
+      mkdir -m 700 "$DIR/spool/$(hostname -s)"
+      launch slurmd "" slurmd -D
+      continue
+    fi
+    node="${tag#slurmd-}"                       # slurmd-I runs in node I, under its name
+    mkdir -m 700 "$DIR/spool/$(in_node "$node" hostname)"
+    # `ip netns exec` gives the node a /sys of its own, without the cgroup mounts slurmd
+    # needs to start: mount the machine's again there (its private mount namespace only).
+    launch "$tag" "$node" sh -c "$(cgroup_mounts) exec slurmd -D"
+  done
+  # Every node idle: sinfo lists one state per line (one line when all agree).
+  wait_for "[ \"\$(client timeout 5 sinfo -h -o %T | sort -u)\" = idle ] &&
+            [ \"\$(client timeout 5 sinfo -h -N -o %N | sort -u | wc -l)\" = $expected_nodes ]" 30 ||
+    abandon "slurmd did not bring the node(s) up"
+  say "running: $(client sinfo -h -o '%D node(s) %N, %c CPUs each, partition %P')"
   echo "export SLURM_CONF=$CONF"
+  [ "$NODES" = 0 ] || say "commands in node 0: bash $CLUSTER exec 0 -- sbatch ..."
 }
 
-stop_daemon() {  # stop_daemon PROGRAM: SIGTERM, then SIGKILL after 10 s
-  local pid
-  pid="$(alive "$DIR/$1.pid" "$1")" || return 0
+stop_daemon() {  # stop_daemon TAG [PROGRAM]: SIGTERM, then SIGKILL after 10 s
+  local pid program="${2:-$1}"
+  pid="$(alive "$DIR/$1.pid" "$program")" || return 0
   kill "$pid" 2>/dev/null || true
-  for _ in $(seq 50); do [ -n "$(alive "$DIR/$1.pid" "$1")" ] || return 0; sleep 0.2; done
+  for _ in $(seq 50); do [ -n "$(alive "$DIR/$1.pid" "$program")" ] || return 0; sleep 0.2; done
   say "$1 ($pid) did not stop on SIGTERM; killing it"
   kill -KILL "$pid" 2>/dev/null || true
 }
@@ -184,15 +257,18 @@ stop() {
   if [ -n "$(alive "$DIR/slurmctld.pid" slurmctld)" ]; then
     # Jobs first, so that slurmd's step daemons end their tasks before the daemons go.
     local jobs
-    jobs="$(timeout 10 squeue -h -o %i 2>/dev/null || true)"
+    jobs="$(client timeout 10 squeue -h -o %i 2>/dev/null || true)"
     if [ -n "$jobs" ]; then
       say "cancelling jobs: $(echo $jobs)"
       # shellcheck disable=SC2086
-      timeout 10 scancel $jobs || true
-      wait_for '[ -z "$(timeout 5 squeue -h -o %i)" ]' 20 || say "jobs still listed; going on"
+      client timeout 10 scancel $jobs || true
+      wait_for '[ -z "$(client timeout 5 squeue -h -o %i)" ]' 20 || say "jobs still listed; going on"
     fi
   fi
-  stop_daemon slurmd
+  local tag
+  for tag in "$DIR"/slurmd*.pid; do
+    [ -e "$tag" ] && stop_daemon "$(basename "$tag" .pid)" slurmd
+  done
   stop_daemon slurmctld
   stop_daemon munged
   rm -rf "$DIR"
@@ -201,19 +277,19 @@ stop() {
 }
 
 status() {
-  local up=0 daemon pid
-  for daemon in munged slurmctld slurmd; do
-    if pid="$(alive "$DIR/$daemon.pid" "$daemon")"; then
-      say "$daemon: running (pid $pid)"; up=$((up + 1))
+  local down=0 tag pid
+  for tag in munged slurmctld $(slurmd_tags); do
+    if pid="$(alive "$DIR/$tag.pid" "${tag%%-*}")"; then
+      say "$tag: running (pid $pid)"
     else
-      say "$daemon: not running"
+      say "$tag: not running"; down=$((down + 1))
     fi
   done
-  if [ "$up" = 3 ]; then
-    sinfo >&2 && squeue >&2
+  if [ "$down" = 0 ]; then
+    client sinfo >&2 && client squeue >&2
     echo "export SLURM_CONF=$CONF"
   fi
-  [ "$up" = 3 ]
+  [ "$down" = 0 ]
 }
 
 case "${1:-}" in

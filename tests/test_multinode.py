@@ -1,11 +1,13 @@
 """Across nodes, on an emulated cluster: network namespaces joined by shaped veth links, MPI
-over TCP (scripts/local_cluster.sh, docs/multinode.md). These tests change the machine (root,
-namespaces, a bridge), so they run only with MPIDDP_SYSTEM_TESTS=1, and are skipped with the
-reason where the cluster cannot be built. Every launch has a timeout and is killed as a
+over TCP (scripts/local_cluster.sh, docs/multinode.md), and a real Slurm across two of its nodes
+(scripts/local_slurm.sh with LOCAL_SLURM_NODES). These tests change the machine (root,
+namespaces, a bridge, Slurm's daemons), so they run only with MPIDDP_SYSTEM_TESTS=1, and are
+skipped with the reason where the cluster cannot be built. Every launch has a timeout and is killed as a
 process group; the cluster is torn down at the end."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +18,7 @@ import torch
 
 from mpi_launch import (ROOT, WORKERS, Job, MPIResult, assert_ok, process_gone,
                         wait_for_files)
+from slurm_jobs import job as slurm_job, srun, wait_for_job
 
 pytestmark = [pytest.mark.system]
 CLUSTER = ROOT / "scripts" / "local_cluster.sh"
@@ -149,3 +152,77 @@ def test_a_node_losing_its_link_ends_the_job_naming_its_ranks(cluster, tmp_path)
         subprocess.run(["ip", "link", "set", link, "up"], check=True)
     assert "ranks 2, 3 on mpiddp-n1 did not answer" in result.output, result.output
     assert_ended_cleanly(result, elapsed, step_before, tmp_path)
+
+
+# ---- Slurm across the nodes -----------------------------------------------------------------
+# Last in this module: its daemons live in nodes 0 and 1, where the fault tests above expect no
+# process but their own once a job has ended.
+LOCAL_SLURM = ROOT / "scripts" / "local_slurm.sh"
+IN_NODE_0 = ("bash", str(CLUSTER), "exec", "0", "--")     # Slurm's commands run in node 0
+
+
+@pytest.fixture(scope="module")
+def slurm_on_nodes(cluster, tmp_path_factory):
+    """Slurm on two of the cluster's nodes (scripts/local_slurm.sh, LOCAL_SLURM_NODES=2):
+    slurmctld in node 0, a slurmd in each node under its own name and address."""
+    env = dict(os.environ, LOCAL_SLURM_NODES="2",
+               LOCAL_SLURM_DIR=str(tmp_path_factory.mktemp("slurm") / "cluster"))
+    start = subprocess.run(["bash", str(LOCAL_SLURM), "start"], env=env, capture_output=True,
+                           text=True, timeout=600)
+    if "apt-get could not install" in start.stderr:
+        pytest.skip("Slurm is not installed and could not be:\n" + start.stderr[-2000:])
+    assert start.returncode == 0, start.stderr[-3000:]
+    conf = re.search(r"export SLURM_CONF=(\S+)", start.stdout).group(1)
+    try:
+        yield dict(os.environ, SLURM_CONF=conf, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+                   # over the shaped links, as between real nodes (docs/multinode.md)
+                   UCX_TLS="tcp,self", MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
+    finally:
+        subprocess.run(["bash", str(LOCAL_SLURM), "stop"], env=env, timeout=180)
+
+
+def test_srun_across_nodes(slurm_on_nodes):
+    """srun --mpi=pmi2 over 2 nodes x 2 tasks makes one MPI job with the nodes' topology and
+    the pipelined hierarchical all-reduce; without a PMI every task stops with the fix."""
+    env = dict(slurm_on_nodes, MPIDDP_HIERARCHICAL_ALLREDUCE="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), str(WORKERS)]))
+    layout = ("--nodes=2", "--ntasks-per-node=2")
+    with slurm_job(env, IN_NODE_0) as name:
+        result = srun(env, name, "--mpi=pmi2", *layout, sys.executable, "-m", "mpi4py",
+                      str(WORKERS / "multinode_worker.py"), "2", "2", where=IN_NODE_0,
+                      timeout=240)
+    assert result.returncode == 0, result.stdout
+    assert_ok(MPIResult(result.returncode, result.stdout, False), expect_lines=5)
+    assert "hosts ['mpiddp-n0', 'mpiddp-n1']" in result.stdout, result.stdout
+    with slurm_job(env, IN_NODE_0) as name:
+        alone = srun(env, name, "--mpi=none", *layout, sys.executable, "-c",
+                     "import mpiddp; mpiddp.init(); print('TRAINING ALONE', flush=True)",
+                     where=IN_NODE_0)
+    assert alone.returncode != 0, alone.stdout
+    assert alone.stdout.count("srun started 4 tasks but MPI sees 1 process per task") == 4, \
+        alone.stdout
+    assert "TRAINING ALONE" not in alone.stdout
+
+
+def test_sbatch_job_script_trains_across_nodes(slurm_on_nodes, tmp_path):
+    """The job script users submit (scripts/slurm.sbatch), on 2 nodes x 2 ranks."""
+    env = dict(slurm_on_nodes)
+    if sys.prefix != sys.base_prefix:
+        env["MPIDDP_VENV"] = sys.prefix
+    out = tmp_path / "job.out"
+    with slurm_job(env, IN_NODE_0) as name:
+        submit = subprocess.run(
+            [*IN_NODE_0, "sbatch", "--parsable", f"--job-name={name}", "--nodes=2",
+             "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10", "--no-requeue",
+             f"--output={out}", "scripts/slurm.sbatch", "--epochs", "8",
+             "--min-accuracy", "0.95", "--no-progress",
+             "--checkpoint", str(tmp_path / "digits.pt")],
+            env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+        assert submit.returncode == 0, submit.stderr
+        fields = wait_for_job(env, submit.stdout.strip().split(";")[0], timeout=300,
+                              where=IN_NODE_0)
+    text = out.read_text() if out.exists() else "(no output file)"
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert "2 node(s), 4 rank(s) on mpiddp-n[0-1]" in text, text
+    assert "training on 4 rank(s)" in text and "target accuracy 0.95: reached" in text, text

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
-import uuid
-from contextlib import contextmanager
 
 import pytest
 
 from mpi_launch import ROOT
+from slurm_jobs import job, srun, wait_for_job
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(900)]   # the first one may install Slurm
 LOCAL_SLURM = ROOT / "scripts" / "local_slurm.sh"
@@ -47,44 +45,6 @@ def slurm_env():
     finally:
         if started_here:
             subprocess.run(["bash", str(LOCAL_SLURM), "stop"], timeout=180)
-
-
-@contextmanager
-def job(env):
-    """A unique job name; whatever still runs under it is cancelled at the end."""
-    name = f"mpiddp-test-{uuid.uuid4().hex[:8]}"
-    try:
-        yield name
-    finally:
-        subprocess.run(["scancel", f"--name={name}"], env=env, timeout=60)
-
-
-def srun(env, name: str, *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """Run srun (its own allocation, a 5-minute limit); kill it and fail on timeout."""
-    cmd = ["srun", f"--job-name={name}", "--time=5", "--kill-on-bad-exit=0", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=str(ROOT), start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"srun timed out after {timeout} s:\n{output}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, output)
-
-
-def wait_for_job(env, job_id: str, timeout: float) -> dict:
-    """The job's fields from ``scontrol show job`` once it has ended (accounting is off)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env,
-                               capture_output=True, text=True, timeout=60).stdout
-        fields = dict(re.findall(r"(\w+)=(\S*)", shown))
-        if fields.get("JobState") not in (None, "PENDING", "CONFIGURING", "RUNNING",
-                                          "COMPLETING"):
-            return fields
-        assert time.monotonic() < deadline, f"job {job_id} did not end in {timeout} s:\n{shown}"
-        time.sleep(1)
 
 
 def test_sbatch_job_script_trains_on_two_ranks(slurm_env, tmp_path):
