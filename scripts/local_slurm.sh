@@ -113,7 +113,7 @@ write_config() {
     done
   fi
   cat > "$CONF" <<EOF
-# Written by scripts/local_slurm.sh: a one-node cluster for testing; removed by its 'stop'.
+# Written by scripts/local_slurm.sh: a cluster for testing; removed by its 'stop'.
 ClusterName=mpiddp-local
 SlurmctldHost=$controller
 SlurmUser=root
@@ -219,18 +219,13 @@ start() {
   [ "$NODES" = 0 ] || { controller_node=0; expected_nodes="$NODES"; }
   launch slurmctld "$controller_node" slurmctld -D
   wait_for "client timeout 5 scontrol ping | grep -q UP" 30 || abandon "slurmctld did not start"
-  local tag node
+  local tag node=""
   for tag in $(slurmd_tags); do
-    if [ "$tag" = slurmd ]; then
-      mkdir -m 700 "$DIR/spool/$(hostname -s)"
-      launch slurmd "" slurmd -D
-      continue
-    fi
-    node="${tag#slurmd-}"                       # slurmd-I runs in node I, under its name
-    mkdir -m 700 "$DIR/spool/$(in_node "$node" hostname)"
-    # `ip netns exec` gives the node a /sys of its own, without the cgroup mounts slurmd
-    # needs to start: mount the machine's again there (its private mount namespace only).
-    launch "$tag" "$node" sh -c "$(cgroup_mounts) exec slurmd -D"
+    [ "$tag" = slurmd ] || node="${tag#slurmd-}"         # slurmd-I runs in node I
+    mkdir -m 700 "$DIR/spool/$(in_node "${node:-0}" hostname -s)"     # SlurmdSpoolDir's %n
+    # `ip netns exec` gives a node a /sys of its own, without the cgroup mounts slurmd needs
+    # to start: mount the machine's again there (in the node's private mount namespace).
+    launch "$tag" "$node" sh -c "${node:+$(cgroup_mounts)} exec slurmd -D"
   done
   # Every node idle: sinfo lists one state per line (one line when all agree).
   wait_for "[ \"\$(client timeout 5 sinfo -h -o %T | sort -u)\" = idle ] &&
