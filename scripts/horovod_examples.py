@@ -212,6 +212,11 @@ def main(argv=None) -> int:
         if match is None:
             p.error(f"--cluster {args.cluster!r}: expected NxP, e.g. 2x2")
         args.ranks = int(match[1]) * int(match[2])
+        up = subprocess.run(["bash", str(ROOT / "scripts" / "local_cluster.sh"), "status"],
+                            capture_output=True, text=True)
+        if up.returncode != 0 or len(up.stdout.splitlines()) < int(match[1]):
+            p.error(f"--cluster {args.cluster} needs an emulated cluster of {match[1]} nodes: "
+                    f"sudo scripts/local_cluster.sh up {match[1]} (docs/multinode.md)")
     example_dir = (args.horovod / "examples" / "pytorch").resolve()
     if not (example_dir / "pytorch_mnist.py").exists():
         p.error(f"{example_dir} has no pytorch_mnist.py: --horovod must be a horovod checkout")
