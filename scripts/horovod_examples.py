@@ -36,6 +36,8 @@ SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS))
 from horovod_suite import ROOT, make_shim, mpiexec  # noqa: E402
 
+CLUSTER = ROOT / "scripts" / "local_cluster.sh"      # --cluster: the emulated nodes
+
 TORCHVISION_STANDIN = {
     "__init__.py": '"""Stand-in for torchvision, made by mpiddp\'s scripts/horovod_examples.py: '
                    'only what Horovod\'s PyTorch examples use."""\n'
@@ -158,7 +160,7 @@ def launcher(ranks: int, cluster: str | None) -> list[str]:
     the nodes of an emulated cluster that is up (``scripts/local_cluster.sh run NxP``)."""
     if cluster is None:
         return [mpiexec(), "-n", str(ranks)]
-    return ["bash", str(ROOT / "scripts" / "local_cluster.sh"), "run", cluster, "--"]
+    return ["bash", str(CLUSTER), "run", cluster, "--"]
 
 
 def run_example(script: Path, args: list[str], launch: list[str], env: dict, cwd: Path,
@@ -212,8 +214,7 @@ def main(argv=None) -> int:
         if match is None:
             p.error(f"--cluster {args.cluster!r}: expected NxP, e.g. 2x2")
         args.ranks = int(match[1]) * int(match[2])
-        up = subprocess.run(["bash", str(ROOT / "scripts" / "local_cluster.sh"), "status"],
-                            capture_output=True, text=True)
+        up = subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True, text=True)
         if up.returncode != 0 or len(up.stdout.splitlines()) < int(match[1]):
             p.error(f"--cluster {args.cluster} needs an emulated cluster of {match[1]} nodes: "
                     f"sudo scripts/local_cluster.sh up {match[1]} (docs/multinode.md)")

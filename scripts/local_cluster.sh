@@ -27,6 +27,7 @@ ME="$(readlink -f "${BASH_SOURCE[0]}")"
 
 die() { echo "[local_cluster] $*" >&2; exit 1; }
 nodes() { ip netns list 2>/dev/null | awk '{print $1}' | grep "^${PREFIX}[0-9]*$" | sort -V || true; }
+address() { echo "${SUBNET}.$(($1 + 1))"; }     # node I's address
 need_root() {
   [ "$(id -u)" -eq 0 ] || die "needs root (network namespaces, veth pairs, a bridge, tc)"
   command -v ip >/dev/null || die "needs iproute2 (ip)"
@@ -49,7 +50,7 @@ up() {
     ip link set "$host" master "$BRIDGE"
     ip link set "$host" up
     ip -n "$ns" link set lo up
-    ip -n "$ns" addr add "${SUBNET}.$((i + 1))/24" dev eth0
+    ip -n "$ns" addr add "$(address "$i")/24" dev eth0
     ip -n "$ns" link set eth0 up
     # Shape both directions: the node's sending side, and the bridge's side towards it.
     ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "$rate" burst 256kb latency 50ms
@@ -85,8 +86,7 @@ status() {
 # its own). The same process all the way (exec), so its pid is the command's.
 in_node() {  # in_node INDEX COMMAND...
   local index="$1"; shift
-  [ -n "$(ip netns list 2>/dev/null | awk '{print $1}' | grep -x "${PREFIX}${index}")" ] ||
-    die "no node ${PREFIX}${index} (is the cluster up?)"
+  nodes | grep -qx "${PREFIX}${index}" || die "no node ${PREFIX}${index} (is the cluster up?)"
   exec ip netns exec "${PREFIX}${index}" unshare --uts sh -c \
     "hostname ${PREFIX}${index}; exec \"\$@\"" sh "$@"
 }
@@ -104,10 +104,10 @@ run() {
   [ "${1:-}" = "--" ] && shift
   local n="${layout%x*}" p="${layout#*x}" hosts=""
   [ "$(nodes | wc -l)" -ge "$n" ] || die "only $(nodes | wc -l) node(s) up, $layout asked"
-  for ((i = 0; i < n; i++)); do hosts+="${hosts:+,}${SUBNET}.$((i + 1)):$p"; done
+  for ((i = 0; i < n; i++)); do hosts+="${hosts:+,}$(address "$i"):$p"; done
   local mpiexec; mpiexec="$(command -v mpiexec)"
   in_node 0 "$mpiexec" -launcher ssh -launcher-exec "$ME" -hosts "$hosts" -n $((n * p)) \
-    -genv UCX_TLS tcp,self -genv MASTER_ADDR "${SUBNET}.1" -genv GLOO_SOCKET_IFNAME eth0 \
+    -genv UCX_TLS tcp,self -genv MASTER_ADDR "$(address 0)" -genv GLOO_SOCKET_IFNAME eth0 \
     -genv PATH "$PATH" -genv PYTHONPATH "${PYTHONPATH:-}" \
     -genv OMP_NUM_THREADS "${OMP_NUM_THREADS:-1}" "$@"
 }
@@ -119,7 +119,7 @@ case "${1:-}" in
   run) shift; run "$@" ;;
   exec) shift; index="${1:?usage: exec I -- command...}"; shift; [ "${1:-}" = "--" ] && shift
         in_node "$index" "$@" ;;
-  address) echo "${SUBNET}.$((${2:?usage: address I} + 1))" ;;
+  address) address "${2:?usage: address I}" ;;
   "") die "usage: $0 up K [RATE] | run NxP -- command... | exec I -- command... | address I | status | down" ;;
   *) ssh_standin "$@" ;;      # hydra calls us as its ssh: [options] HOST COMMAND...
 esac

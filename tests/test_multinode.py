@@ -2,8 +2,8 @@
 over TCP (scripts/local_cluster.sh, docs/multinode.md), and a real Slurm across two of its nodes
 (scripts/local_slurm.sh with LOCAL_SLURM_NODES). These tests change the machine (root,
 namespaces, a bridge, Slurm's daemons), so they run only with MPIDDP_SYSTEM_TESTS=1, and are
-skipped with the reason where the cluster cannot be built. Every launch has a timeout and is killed as a
-process group; the cluster is torn down at the end."""
+skipped with the reason where the cluster cannot be built. Every launch has a timeout and is
+killed as a process group; the cluster is torn down at the end."""
 from __future__ import annotations
 
 import os
