@@ -75,9 +75,9 @@ class RecordingExecutor:
     """Runs nothing: records the agreed order and completes (or fails) every handle, the way
     the real executor reports agreed errors."""
 
-    def __init__(self, rank, finish):
+    def __init__(self, rank, complete):
         self.rank = rank
-        self.finish = finish
+        self.complete = complete
         self.log: list = []          # (name, error or None), in execution order
 
     def run(self, responses, entries) -> None:
@@ -86,9 +86,9 @@ class RecordingExecutor:
             entry = entries.get(response.name)
             if response.error is not None:
                 if entry is not None:
-                    self.finish(entry, error=error_for(response, entry.rejected))
+                    self.complete(entry, error=error_for(response, entry.rejected))
             elif entry is not None:
-                self.finish(entry)
+                self.complete(entry)
             elif response.request.kind != ALLREDUCE:
                 raise MpiddpError(f"rank {self.rank} has no entry for agreed "
                                   f"{response.request.kind} '{response.name}'")
@@ -104,8 +104,8 @@ class FakeCluster:
         self.executors: list = [None] * size
 
         def factory(rank):
-            def make(stats, timeline, finish):
-                self.executors[rank] = RecordingExecutor(rank, finish)
+            def make(stats, timeline, complete):
+                self.executors[rank] = RecordingExecutor(rank, complete)
                 return self.executors[rank]
             return make
 

@@ -265,7 +265,7 @@ def test_protocol_alone_encodes_and_agrees_without_threads():
         if bits[0].slow:
             slow = [p.slow_message(b, None) for p, b in zip(ranks, bits)]
             plan = ranks[0].make_plan(slow)
-        return [p.finish(b, plan) for p, b in zip(ranks, bits)], bits[0]
+        return [p.conclude(b, plan) for p, b in zip(ranks, bits)], bits[0]
 
     for p in ranks:
         p.add([entry("a"), entry("b")])

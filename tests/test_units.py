@@ -240,20 +240,22 @@ def test_identity_values_leave_reductions_unchanged():
 ])
 def test_algorithm_choice_with_the_hierarchical_all_reduce(algorithm, hierarchical, usable,
                                                            nbytes, expected):
-    from types import SimpleNamespace
+    from mpiddp.collectives.algorithms import AlgorithmChoice
+    from mpiddp.collectives.topology import Topology
 
-    from mpiddp.engine.executor import Executor
-
-    executor = SimpleNamespace(algorithm=algorithm, hierarchical=hierarchical,
-                               hierarchical_usable=usable, ring_threshold=2 << 20)
-    assert Executor.choose(executor, nbytes) == expected
+    # 2 nodes x 2 ranks (usable), or 3 ranks spread unevenly over 2 nodes
+    topology = Topology(0, 4, 0, 2, 0, 2, True) if usable else Topology(0, 3, 0, 2, 0, 2, False)
+    assert topology.hierarchical_usable == usable
+    choice = AlgorithmChoice(algorithm, 2 << 20, hierarchical, topology)
+    assert choice.choose(nbytes).name == expected
 
 
 def test_ring_threshold_default_depends_on_whether_ranks_span_nodes():
     from mpi4py import MPI
 
+    from mpiddp.collectives.algorithms import default_ring_threshold
     from mpiddp.config import read_settings
-    from mpiddp.engine.executor import Executor, default_ring_threshold
+    from mpiddp.engine.executor import Executor
     from mpiddp.engine.stats import EngineStats
     from mpiddp.engine.timeline import Timeline
 
@@ -266,9 +268,9 @@ def test_ring_threshold_default_depends_on_whether_ranks_span_nodes():
         return Executor(MPI.COMM_SELF, read_settings(environ), EngineStats(), Timeline(),
                         lambda *args, **kwargs: None)
 
-    one_node = executor({})
+    one_node = executor({}).algorithms
     assert (one_node.ring_threshold, one_node.cross_ring_threshold) == (2 << 20, 256 << 10)
-    explicit = executor({"MPIDDP_RING_THRESHOLD": "4096"})                    # set: wins
+    explicit = executor({"MPIDDP_RING_THRESHOLD": "4096"}).algorithms         # set: wins
     assert (explicit.ring_threshold, explicit.cross_ring_threshold) == (4096, 4096)
 
 

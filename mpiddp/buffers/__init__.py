@@ -1,7 +1,11 @@
 """Buffers: host (NumPy) and device (CuPy) storage, reduction kernels and transfers."""
 from __future__ import annotations
 
+from .backend import BufferBackend
 from .host import HostBackend
+
+__all__ = ["BufferBackend", "HostBackend", "backend_for", "set_default_device",
+           "default_device"]
 
 _backends: dict = {"cpu": HostBackend()}
 _default_device = None
@@ -17,7 +21,7 @@ def default_device():
     return _default_device
 
 
-def backend_for(device: str):
+def backend_for(device: str) -> BufferBackend:
     """The buffer backend for a device string such as 'cpu' or 'cuda:1'."""
     device_type = device.split(":")[0]
     backend = _backends.get(device_type)

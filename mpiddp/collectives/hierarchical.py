@@ -13,18 +13,16 @@ wire while the node-local phases of its neighbours run (``pipeline_segments``), 
 node-local work hides behind the network instead of adding to it.
 
 It needs the same number of ranks on every node (then the cross-node groups line up with the
-chunks); ``hierarchical_layout`` says whether a communicator qualifies.
+chunks): ``Topology.hierarchical_usable`` says whether a communicator qualifies.
 """
 from __future__ import annotations
 
 import math
 
-from mpi4py import MPI
-
 from ..buffers.dtypes import DType
 from ..ops import ReduceOp
 from ..transport import overlaps_transfers
-from .allreduce import allreduce_buffer
+from .flat import NATIVE, RING, flat_allreduce
 from .ring import (allgather_steps, chunk_bounds, complete, reduce_scatter_steps,
                    ring_allreduce_steps)
 
@@ -38,17 +36,6 @@ MAX_PIPELINE_SEGMENTS = 16
 # (tens of microseconds): segments stop where a cross-node ring step would carry less than
 # this, so that on a fast network with many ranks the steps stay large next to their cost.
 MIN_CROSS_STEP_BYTES = 1024 * 1024
-
-
-def hierarchical_layout(comm: MPI.Comm) -> tuple[MPI.Comm, MPI.Comm, bool]:
-    """(node-local communicator, cross-node communicator of the ranks with this local rank,
-    whether the hierarchical algorithm applies: several nodes, several ranks on each, the same
-    number on every node). A collective of ``comm``."""
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
-    sizes = set(comm.allgather(local.Get_size()))
-    usable = len(sizes) == 1 and local.Get_size() > 1 and comm.Get_size() > local.Get_size()
-    return local, cross, usable
 
 
 def pipeline_segments(nbytes: int, local_size: int, cross, cross_ring_threshold: int) -> int:
@@ -80,27 +67,29 @@ def scratch_elements(count: int, local_size: int, cross_size: int, segments: int
 
 
 def hierarchical_allreduce(local, cross, buf, scratch, dtype: DType, op: ReduceOp,
-                           reduce_kernel, cross_algorithm: str = "native", finish=None,
+                           reduce_kernel, cross_algorithm: str = NATIVE, postprocess=None,
                            segments: int = 1) -> None:
     """All-reduce the flat ``buf`` in place over ``local`` x ``cross`` (see the module
-    docstring). ``scratch`` holds ``scratch_elements(len(buf), ...)``. ``finish(chunk)``
-    (Average's scaling) runs on the one chunk this rank owns, before the all-gather.
-    ``cross_algorithm`` ('native' or 'ring') reduces the chunk across nodes; ``segments`` > 1
-    (ring only) pipelines the phases (``pipeline_segments``)."""
+    docstring). ``scratch`` holds ``scratch_elements(len(buf), ...)``.
+    ``postprocess(chunk)`` (Average's scaling) runs on the one chunk this rank owns, before
+    the all-gather. ``cross_algorithm`` (``flat.NATIVE`` or ``flat.RING``) reduces the chunk
+    across nodes; ``segments`` > 1 (ring only) pipelines the phases (``pipeline_segments``)."""
     size, rank = local.Get_size(), local.Get_rank()
     if size == 1 or len(buf) == 0:
-        allreduce_buffer(cross, buf, scratch, dtype, op, cross_algorithm, reduce_kernel, finish)
+        flat_allreduce(cross, buf, scratch, dtype, op, cross_algorithm, reduce_kernel,
+                       postprocess)
         return
     reduce_into = lambda dst, src: reduce_kernel(dst, src, op, dtype)   # noqa: E731
     if segments > 1:
-        if cross_algorithm != "ring":
+        if cross_algorithm != RING:
             raise ValueError("a pipelined hierarchical all-reduce needs the cross-node ring")
-        _pipelined(local, cross, buf, scratch, reduce_into, finish, segments)
+        _pipelined(local, cross, buf, scratch, reduce_into, postprocess, segments)
         return
     bounds = chunk_bounds(len(buf), size)
     complete(reduce_scatter_steps(local, buf, scratch, bounds, reduce_into, owner_shift=-1))
     mine = buf[bounds[rank]:bounds[rank + 1]]          # this node's sum of chunk ``rank``
-    allreduce_buffer(cross, mine, scratch, dtype, op, cross_algorithm, reduce_kernel, finish)
+    flat_allreduce(cross, mine, scratch, dtype, op, cross_algorithm, reduce_kernel,
+                   postprocess)
     complete(allgather_steps(local, buf, bounds, owner_shift=-1))
 
 
@@ -114,18 +103,18 @@ class _Segment:
         self.steps = None
         self.transfer = None
 
-    def start_cross(self, cross, rank: int, scratch, reduce_into, finish) -> None:
+    def start_cross(self, cross, rank: int, scratch, reduce_into, postprocess) -> None:
         mine = self.part[self.bounds[rank]:self.bounds[rank + 1]]
-        self.steps = ring_allreduce_steps(cross, mine, scratch, reduce_into, finish)
+        self.steps = ring_allreduce_steps(cross, mine, scratch, reduce_into, postprocess)
         self.transfer = next(self.steps, None)
 
-    def finish_cross(self) -> None:
+    def wait_cross(self) -> None:
         while self.transfer is not None:
             self.transfer.wait()
             self.transfer = next(self.steps, None)
 
 
-def _pipelined(local, cross, buf, scratch, reduce_into, finish, segments: int) -> None:
+def _pipelined(local, cross, buf, scratch, reduce_into, postprocess, segments: int) -> None:
     """The three phases per segment, overlapped: segment s's cross-node ring is in flight
     while this rank reduce-scatters segment s + 1 and all-gathers segment s - 1 within the
     node, so the network is busy nearly all the time (one segment on the wire at once)."""
@@ -139,10 +128,10 @@ def _pipelined(local, cross, buf, scratch, reduce_into, finish, segments: int) -
         complete(reduce_scatter_steps(local, segment.part, local_scratch, segment.bounds,
                                       reduce_into, owner_shift=-1))
         if previous is not None:
-            previous.finish_cross()
-        segment.start_cross(cross, rank, cross_scratch, reduce_into, finish)
+            previous.wait_cross()
+        segment.start_cross(cross, rank, cross_scratch, reduce_into, postprocess)
         if previous is not None:
             complete(allgather_steps(local, previous.part, previous.bounds, owner_shift=-1))
         previous = segment
-    previous.finish_cross()
+    previous.wait_cross()
     complete(allgather_steps(local, previous.part, previous.bounds, owner_shift=-1))

@@ -81,28 +81,28 @@ def allgather_steps(comm, buf, bounds: Sequence[int], owner_shift: int) -> Itera
 
 
 def ring_allreduce_steps(comm, buf, scratch, reduce_into: ReduceInto,
-                         finish_chunk: Callable[[object], None] | None = None
+                         postprocess: Callable[[object], None] | None = None
                          ) -> Iterator[Transfer]:
     """``ring_allreduce`` one step at a time (see ``reduce_scatter_steps``)."""
     size = comm.Get_size()
     if size == 1 or len(buf) == 0:
-        if finish_chunk is not None:
-            finish_chunk(buf)
+        if postprocess is not None:
+            postprocess(buf)
         return
     bounds = chunk_bounds(len(buf), size)
     yield from reduce_scatter_steps(comm, buf, scratch, bounds, reduce_into, owner_shift=0)
-    if finish_chunk is not None:
+    if postprocess is not None:
         owned = (comm.Get_rank() + 1) % size
-        finish_chunk(buf[bounds[owned]:bounds[owned + 1]])
+        postprocess(buf[bounds[owned]:bounds[owned + 1]])
     yield from allgather_steps(comm, buf, bounds, owner_shift=0)
 
 
 def ring_allreduce(comm, buf, scratch, reduce_into: ReduceInto,
-                   finish_chunk: Callable[[object], None] | None = None) -> None:
+                   postprocess: Callable[[object], None] | None = None) -> None:
     """All-reduce the flat ``buf`` in place. ``scratch`` holds ``ceil(len/size)`` elements.
-    ``finish_chunk(chunk)`` (e.g. the 1/size of an Average) runs on the one chunk this rank
+    ``postprocess(chunk)`` (e.g. the 1/size of an Average) runs on the one chunk this rank
     finished reducing, before the all-gather spreads it: 1/size of the work of scaling all."""
-    complete(ring_allreduce_steps(comm, buf, scratch, reduce_into, finish_chunk))
+    complete(ring_allreduce_steps(comm, buf, scratch, reduce_into, postprocess))
 
 
 def ring_reduce_scatter(comm: MPI.Comm, buf, scratch, bounds: Sequence[int],

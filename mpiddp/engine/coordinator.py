@@ -30,7 +30,7 @@ log = logging.getLogger("mpiddp")
 
 _WAKE = object()   # inbox token: "look at the flags" (join, shutdown)
 
-# make_executor(stats, timeline, finish) -> an object with run(responses, entries).
+# make_executor(stats, timeline, complete) -> an object with run(responses, entries).
 ExecutorFactory = Callable[[EngineStats, Timeline, Callable[..., None]], object]
 
 
@@ -42,8 +42,8 @@ def start_engine(comm: MPI.Comm, settings: Settings) -> "Engine":
 
     private = comm.Dup()
     engine = Engine(MPIChannel(private), settings,
-                    lambda stats, timeline, finish: Executor(private, settings, stats, timeline,
-                                                             finish))
+                    lambda stats, timeline, complete: Executor(private, settings, stats, timeline,
+                                                               complete))
     # The watchdog calls MPI from a thread of its own: only with MPI_THREAD_MULTIPLE.
     if private.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
         hosts = private.allgather(MPI.Get_processor_name())
@@ -63,7 +63,7 @@ class Engine:
         self.timeline = Timeline(bool(settings.timeline))
         self.protocol = CycleProtocol(self.rank, self.size, settings)
         self.policy = WaitPolicy(settings.cycle_time / 1000)
-        self.executor = make_executor(self.stats, self.timeline, self._finish)
+        self.executor = make_executor(self.stats, self.timeline, self._complete)
         self.on_stop: list[Callable[[], None]] = []   # run on the coordinator when it stops
 
         self._lock = threading.Lock()
@@ -194,7 +194,7 @@ class Engine:
             stats.slow_cycles += 1
         else:
             stats.cached_cycles += 1
-        result = protocol.finish(bits, plan)
+        result = protocol.conclude(bits, plan)
         stats.cache_hits += len(bits.ready)
         if self.timeline.enabled:
             for name in result.entries:
@@ -206,17 +206,17 @@ class Engine:
             self._stopped_reason = result.stop_reason
             return False
         if result.join_complete:
-            self._finish_join()
+            self._complete_join()
         return True
 
-    def _finish_join(self) -> None:
+    def _complete_join(self) -> None:
         # The last rank to join is the one that joined in the latest cycle (ties: highest).
         last_rank = self.channel.max((self.protocol.join_cycle, self.rank))[1]
         with self._lock:
             handle, self._join_handle = self._join_handle, None
         handle.complete(last_rank)
 
-    def _finish(self, entry: Entry, info=None, error: BaseException | None = None) -> None:
+    def _complete(self, entry: Entry, info=None, error: BaseException | None = None) -> None:
         """Release the entry's name (so it may be submitted again) and complete its handle."""
         with self._lock:
             self._in_flight.discard(entry.request.name)

@@ -20,11 +20,10 @@ from mpi4py import MPI
 
 from ..buffers import backend_for
 from ..buffers.dtypes import DType, dtype_named, identity_value
-from ..collectives.allreduce import allreduce_buffer, choose_algorithm
-from ..collectives.hierarchical import (hierarchical_allreduce, hierarchical_layout,
-                                        pipeline_segments, scratch_elements)
+from ..collectives.algorithms import AlgorithmChoice, Links
 from ..collectives.native import allgatherv, alltoallv, broadcast
 from ..collectives.ring import chunk_bounds, ring_reduce_scatter
+from ..collectives.topology import node_layout
 from ..config import Settings
 from ..errors import MpiddpError
 from ..ops import ReduceOp
@@ -35,29 +34,10 @@ from .request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCE
 from .stats import EngineStats
 from .timeline import Timeline
 
-# finish(entry, result_info=None, error=None): releases the name and completes the handle.
-Finish = Callable[..., None]
+# complete(entry, info=None, error=None): releases the name and completes the handle.
+Complete = Callable[..., None]
 
-# Where MPIDDP_RING_THRESHOLD is unset, ``auto`` takes the ring above these sizes. Within a
-# node MPI's shared-memory algorithms win up to about 2 MiB. On a communicator with one rank
-# per node (one rank per node in the job, or the cross-node part of the hierarchical
-# all-reduce) the ring ties native MPI_Allreduce from 256 KiB (docs/benchmarks.md, "Across
-# nodes") and, unlike it, waits for the network without busy-polling the core that backward
-# needs (transport/network.py): ResNet-18 on 2 nodes, its 2 MB fc gradient took 48-52 ms
-# natively during backward, 20 ms in the ring. Where the hierarchical all-reduce applies, the
-# choice on the whole communicator is hierarchical against native, and native stays ahead up
-# to 2 MiB (2 nodes x 2 ranks, 1 MiB: 0.71x native hierarchically).
-LOCAL_RING_THRESHOLD = 2 * 1024 * 1024
-NETWORK_RING_THRESHOLD = 256 * 1024
-
-
-def default_ring_threshold(flat_across_nodes: bool) -> int:
-    """The ring threshold where the user set none: smaller for a communicator whose ring
-    runs straight over the network (ranks on several nodes, no hierarchical all-reduce)."""
-    return NETWORK_RING_THRESHOLD if flat_across_nodes else LOCAL_RING_THRESHOLD
-
-
-def _postscale(backend, request, size: int, dtype):
+def result_scaling(backend, request, size: int, dtype):
     """The scaling after a reduction, as a function of one chunk (None: nothing to do): the
     user's postscale factor, then Average's division by ``size`` (rounded once)."""
     post, average = request.postscale, request.op == ReduceOp.AVERAGE
@@ -75,14 +55,15 @@ class Job:
     """What one operation carries from ``prepare`` to ``unpack`` (fields as each kind needs)."""
 
     __slots__ = ("request", "dtype", "entries", "counts", "buf", "scratch", "output", "bounds",
-                 "row_bounds", "algorithm", "cross_algorithm", "segments", "infos")
+                 "row_bounds", "algorithm", "segments", "infos")
 
     def __init__(self, request, dtype: Optional[DType], entries: list):
         self.request = request
         self.dtype = dtype
         self.entries = entries       # this rank's entries in batch order (None: joined)
         self.infos = None            # per-entry extra results for the handles
-        self.algorithm = None
+        self.algorithm = None        # allreduce: the strategy (collectives/algorithms.py)
+        self.segments = 1            # allreduce: the pieces the algorithm cut the buffer in
 
 
 class Operation:
@@ -122,33 +103,17 @@ class Allreduce(Operation):
                     backend.copy(part, entry.input)
                 offset += count
         backend.scale_(job.buf, request.prescale, dtype)
-        job.algorithm = ex.choose(total * dtype.itemsize)
-        job.scratch = None
-        if job.algorithm == "ring":
-            job.scratch = ex.pool.get(backend, request.device, dtype, "scratch",
-                                      math.ceil(total / ex.size))
-        elif job.algorithm == "hierarchical":
-            nbytes, local_size = total * dtype.itemsize, ex.local.Get_size()
-            job.segments = pipeline_segments(nbytes, local_size, ex.cross_transport(backend),
-                                             ex.cross_ring_threshold)
-            job.cross_algorithm = choose_algorithm(
-                "auto", nbytes // job.segments // local_size, ex.cross_ring_threshold)
-            job.scratch = ex.pool.get(backend, request.device, dtype, "scratch",
-                                      scratch_elements(total, local_size, ex.cross.Get_size(),
-                                                       job.segments))
+        job.algorithm = ex.algorithms.choose(total * dtype.itemsize)
+        scratch = job.algorithm.scratch_elements(total, dtype.itemsize, ex.links(backend))
+        job.scratch = ex.pool.get(backend, request.device, dtype, "scratch", scratch) \
+            if scratch else None
         return job
 
     def communicate(self, ex, job, comm, backend):
         request, dtype = job.request, job.dtype
-        finish = _postscale(backend, request, ex.size, dtype)
-        if job.algorithm == "hierarchical":
-            hierarchical_allreduce(transport_for(ex.local, backend), ex.cross_transport(backend),
-                                   job.buf, job.scratch, dtype, request.op,
-                                   backend.reduce_into, job.cross_algorithm, finish,
-                                   job.segments)
-            return
-        allreduce_buffer(comm, job.buf, job.scratch, dtype, request.op, job.algorithm,
-                         backend.reduce_into, finish)
+        job.segments = job.algorithm.run(ex.links(backend), job.buf, job.scratch, dtype,
+                                         request.op, backend.reduce_into,
+                                         result_scaling(backend, request, ex.size, dtype))
 
     def unpack(self, ex, job, backend):
         offset = 0
@@ -224,9 +189,9 @@ class Reducescatter(Operation):
         rows = job.row_bounds[rank + 1] - job.row_bounds[rank]
         output = job.entries[0].allocate((rows,) + tuple(request.shape[1:]))
         backend.copy(output, mine)
-        finish = _postscale(backend, request, ex.size, job.dtype)
-        if finish is not None:
-            finish(output)
+        scale = result_scaling(backend, request, ex.size, job.dtype)
+        if scale is not None:
+            scale(output)
 
 
 class Barrier(Operation):
@@ -246,50 +211,37 @@ OPERATIONS = {ALLREDUCE: Allreduce(), BROADCAST: Broadcast(), ALLGATHER: Allgath
 
 class Executor:
     def __init__(self, comm: MPI.Comm, settings: Settings, stats: EngineStats,
-                 timeline: Timeline, finish: Finish):
+                 timeline: Timeline, complete: Complete):
         self.comm = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.settings = settings
         self.stats = stats
         self.timeline = timeline
-        self.finish = finish
+        self.complete = complete
         self.pool = BufferPool()
-        # Adjustable at run time (set_allreduce_algorithm); start from the settings.
-        self.algorithm = settings.allreduce_algorithm
         # Node-local and cross-node communicators (collective: every rank builds its engine).
-        self.local, self.cross, self.hierarchical_usable = hierarchical_layout(comm)
-        # Ranks on several nodes: transfers wait without spinning (transport/network.py).
-        self.across_nodes = self.local.Get_size() < self.size
-        # The threshold for the whole communicator, and for the cross-node part of the
-        # hierarchical all-reduce (one rank per node: a network ring).
-        explicit = settings.ring_threshold
-        self.ring_threshold = explicit if explicit is not None else default_ring_threshold(
-            self.across_nodes and not self.hierarchical_usable)
-        self.cross_ring_threshold = explicit if explicit is not None else \
-            NETWORK_RING_THRESHOLD
-        self.hierarchical = settings.hierarchical_allreduce
+        self.local, self.cross, self.topology = node_layout(comm)
+        # Adjustable at run time (set_allreduce_algorithm); start from the settings.
+        self.algorithms = AlgorithmChoice(settings.allreduce_algorithm, settings.ring_threshold,
+                                          settings.hierarchical_allreduce, self.topology)
+        self._links: dict = {}
 
-    def cross_transport(self, backend):
-        """The transport of the hierarchical all-reduce's cross-node part."""
-        return transport_for(self.cross, backend, across_nodes=True)
-
-    def choose(self, nbytes: int) -> str:
-        """The algorithm for one fused buffer of ``nbytes`` (the same on every rank: the
-        inputs are agreed settings and the layout every rank computed alike)."""
-        algorithm = choose_algorithm(self.algorithm, nbytes, self.ring_threshold)
-        if not self.hierarchical_usable or self.hierarchical == "0":
-            return "ring" if algorithm == "hierarchical" else algorithm
-        if algorithm == "hierarchical" or (self.algorithm == "auto" and (
-                self.hierarchical == "1" or algorithm == "ring")):
-            return "hierarchical"
-        return algorithm
+    def links(self, backend) -> Links:
+        """The transports for buffers of ``backend``: the whole, node-local and cross-node
+        communicators. Where ranks span nodes, transfers wait without spinning
+        (``transport/network.py``)."""
+        links = self._links.get(backend.device_type)
+        if links is None:
+            links = self._links[backend.device_type] = Links(
+                transport_for(self.comm, backend, self.topology.spans_nodes),
+                transport_for(self.local, backend),
+                transport_for(self.cross, backend, across_nodes=True))
+        return links
 
     def configure(self, algorithm: str, ring_threshold: Optional[int] = None) -> None:
         """Switch the fused all-reduce algorithm (run it at an agreed point: a barrier's
         action, so that every rank switches between the same two batches)."""
-        self.algorithm = algorithm
-        if ring_threshold is not None:
-            self.ring_threshold = self.cross_ring_threshold = int(ring_threshold)
+        self.algorithms.configure(algorithm, ring_threshold)
 
     def run(self, responses: list[Response], entries: dict) -> None:
         """Execute ``responses`` in order; ``entries`` maps names to this rank's entries
@@ -299,7 +251,7 @@ class Executor:
             if first.error is not None:
                 entry = entries.get(first.name)
                 if entry is not None:
-                    self.finish(entry, error=error_for(first, entry.rejected))
+                    self.complete(entry, error=error_for(first, entry.rejected))
                 self.stats.record_error()
                 continue
             members = [entries.get(r.name) for r in batch]
@@ -324,19 +276,18 @@ class Executor:
                 timeline.record(entry.request.name, "start")
         job = operation.prepare(self, backend, batch, members)
         backend.before_mpi(device)
-        operation.communicate(self, job, transport_for(self.comm, backend, self.across_nodes),
-                              backend)
+        operation.communicate(self, job, self.links(backend).whole, backend)
         operation.unpack(self, job, backend)
         backend.after_unpack(device)
         if timeline:
             end = time.perf_counter()
             for entry in present:
                 timeline.record(entry.request.name, "end", end)
-        finish, infos = self.finish, job.infos
+        complete, infos = self.complete, job.infos
         if infos is None:
             for entry in present:
-                finish(entry)
+                complete(entry)
         else:
             for entry, info in zip(present, infos):
-                finish(entry, info=info)
+                complete(entry, info=info)
         return job

@@ -13,7 +13,7 @@ A cycle, on every rank:
    gathered on rank 0, whose ``make_plan()`` checks agreement, fixes the order of newly
    complete names, assigns cache slots, decides shutdown and stall reports; the ``Plan`` is
    broadcast.
-5. ``finish()``: cached ready names and the plan's responses, in that order, become the
+5. ``conclude()``: cached ready names and the plan's responses, in that order, become the
    ``CycleResult`` that every rank executes identically.
 """
 from __future__ import annotations
@@ -265,8 +265,8 @@ class CycleProtocol:
                     shutdown="; ".join(shutdown) if shutdown else None, stall=stall_text,
                     joined=tuple(sorted(joined)), table_waiting=len(self.table) > 0)
 
-    # ---- 5. finish ------------------------------------------------------------------------
-    def finish(self, bits: CycleBits, plan: Optional[Plan]) -> CycleResult:
+    # ---- 5. conclude ----------------------------------------------------------------------
+    def conclude(self, bits: CycleBits, plan: Optional[Plan]) -> CycleResult:
         """The ordered list to execute: cached ready names (slot order), then the plan's."""
         ready = bits.ready
         if plan is not None:

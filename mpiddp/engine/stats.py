@@ -37,13 +37,10 @@ class EngineStats:
                 self.fused_batches += 1
                 self.fused_tensors += tensors
             self.max_batch_tensors = max(self.max_batch_tensors, tensors)
-            if job.algorithm == "ring":
-                self.ring_batches += 1
-            elif job.algorithm == "hierarchical":
-                self.hierarchical_batches += 1
-                self.pipelined_batches += job.segments > 1
-            else:
-                self.native_batches += 1
+            # ring_batches, native_batches, hierarchical_batches: by the strategy's name
+            name = f"{job.algorithm.name}_batches"
+            setattr(self, name, getattr(self, name) + 1)
+            self.pipelined_batches += job.segments > 1
         elif kind == "reducescatter":
             self.reducescatter_bytes += job.request.numel * job.dtype.itemsize
 

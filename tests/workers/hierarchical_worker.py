@@ -1,6 +1,6 @@
 """The hierarchical all-reduce on emulated nodes: the world is cut into "nodes" of
 ``ranks_per_node`` consecutive ranks (local and cross communicators built by hand, as
-``hierarchical_layout`` builds them from shared memory on a real cluster). Every op, dtype,
+``node_layout`` builds them from shared memory on a real cluster). Every op, dtype,
 odd and empty sizes, both cross-node algorithms, the pipelined schedule and Average's
 per-chunk scaling, against a float64 NumPy reference.
 
@@ -14,8 +14,9 @@ from mpi4py import MPI
 
 from mpiddp.buffers import backend_for
 from mpiddp.buffers.dtypes import dtype_named
-from mpiddp.collectives.hierarchical import (hierarchical_allreduce, hierarchical_layout,
-                                            scratch_elements)
+from mpiddp.collectives.flat import NATIVE, RING
+from mpiddp.collectives.hierarchical import hierarchical_allreduce, scratch_elements
+from mpiddp.collectives.topology import node_layout
 from mpiddp.ops import ReduceOp
 from mpiddp.transport.network import SEGMENT_BYTES, NetworkComm
 from mpiddp.torch.views import flat_array
@@ -40,17 +41,17 @@ for name in ("float32", "float64", "float16", "bfloat16", "int32", "int64", "uin
     for op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
         for count in (0, 1, 3, SIZE - 1, 97, 4099):
             # segments > 1: the pipelined schedule (here with blocking transfers)
-            for cross_algorithm, segments in (("native", 1), ("ring", 1), ("ring", 3)):
+            for cross_algorithm, segments in ((NATIVE, 1), (RING, 1), (RING, 3)):
                 key = f"h.{name}.{op.name}.{count}"
                 tensor = data(RANK, key, (count,), torch_dtype, op).contiguous()
                 buf = flat_array(tensor)
                 scratch = host.empty(max(1, scratch_elements(count, PER_NODE, CROSS, segments)),
                                      dtype)
-                finish = None
+                postprocess = None
                 if op == ReduceOp.AVERAGE:
-                    finish = lambda part, d=dtype: host.scale_(part, 1.0 / SIZE, d)  # noqa
+                    postprocess = lambda part, d=dtype: host.scale_(part, 1.0 / SIZE, d)  # noqa
                 hierarchical_allreduce(local, cross, buf, scratch, dtype, op, host.reduce_into,
-                                       cross_algorithm, finish, segments)
+                                       cross_algorithm, postprocess, segments)
                 stacked = np.stack([as64(data(r, key, (count,), torch_dtype, op))
                                     for r in range(SIZE)])
                 if op == ReduceOp.AVERAGE:
@@ -82,15 +83,15 @@ for name in ("float32", "float64"):
         for segments in (1, 3):
             tensor = data(RANK, key, (count,), getattr(torch, name), op).contiguous()
             scratch = host.empty(scratch_elements(count, PER_NODE, CROSS, segments), dtype)
-            finish = None
+            postprocess = None
             if op == ReduceOp.AVERAGE:
-                finish = lambda part, d=dtype: host.scale_(part, 1.0 / SIZE, d)  # noqa
+                postprocess = lambda part, d=dtype: host.scale_(part, 1.0 / SIZE, d)  # noqa
             hierarchical_allreduce(local, network, flat_array(tensor), scratch, dtype, op,
-                                   host.reduce_into, "ring", finish, segments)
+                                   host.reduce_into, RING, postprocess, segments)
             assert np.allclose(as64(tensor), want, rtol=1e-5, atol=1e-5), (key, segments)
             checked += 1
-_, _, usable = hierarchical_layout(world)     # one real node here: never usable
-assert not usable
+layout = node_layout(world)     # one real node here: never usable
+assert not layout.topology.hierarchical_usable and layout.topology.local_size == SIZE
 world.Barrier()
 if RANK == 0:
     print(f"OK hierarchical all-reduce on {SIZE // PER_NODE} nodes x {PER_NODE} ranks: "

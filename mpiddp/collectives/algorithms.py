@@ -1,0 +1,173 @@
+"""The all-reduce algorithms as strategies, and the one place that chooses among them.
+
+Each algorithm says whether it ``applies()`` to a topology, how much ``scratch_elements()`` it
+needs for a buffer and how it ``run()``s, over ``Links`` (the transports of one engine for one
+kind of buffer memory). ``AlgorithmChoice.choose`` picks one per fused buffer from agreed
+inputs only (settings, the buffer's size, the topology), so every rank picks the same.
+
+To add an algorithm: a class with these three methods and a ``name`` (the value of
+``MPIDDP_ALLREDUCE_ALGORITHM`` that forces it, and the ``<name>_batches`` counter of
+``engine_stats()``), registered in ``AlgorithmChoice``.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+from ..buffers.dtypes import DType
+from ..ops import ReduceOp
+from .flat import NATIVE, RING
+from .hierarchical import hierarchical_allreduce, pipeline_segments, scratch_elements
+from .native import native_allreduce
+from .ring import ring_allreduce
+from .topology import Topology
+
+AUTO, HIERARCHICAL = "auto", "hierarchical"
+
+# Where MPIDDP_RING_THRESHOLD is unset, ``auto`` takes the ring above these sizes. Within a
+# node MPI's shared-memory algorithms win up to about 2 MiB. On a communicator with one rank
+# per node (one rank per node in the job, or the cross-node part of the hierarchical
+# all-reduce) the ring ties native MPI_Allreduce from 256 KiB (docs/benchmarks.md, "Across
+# nodes") and, unlike it, waits for the network without busy-polling the core that backward
+# needs (transport/network.py): ResNet-18 on 2 nodes, its 2 MB fc gradient took 48-52 ms
+# natively during backward, 20 ms in the ring. Where the hierarchical all-reduce applies, the
+# choice on the whole communicator is hierarchical against native, and native stays ahead up
+# to 2 MiB (2 nodes x 2 ranks, 1 MiB: 0.71x native hierarchically).
+LOCAL_RING_THRESHOLD = 2 * 1024 * 1024
+NETWORK_RING_THRESHOLD = 256 * 1024
+
+
+def default_ring_threshold(flat_across_nodes: bool) -> int:
+    """The ring threshold where the user set none: smaller for a communicator whose ring
+    runs straight over the network (ranks on several nodes, no hierarchical all-reduce)."""
+    return NETWORK_RING_THRESHOLD if flat_across_nodes else LOCAL_RING_THRESHOLD
+
+
+class Links(NamedTuple):
+    """The transports an algorithm runs over (``transport.Transport``): the whole
+    communicator, the node-local one and the cross-node one."""
+
+    whole: object
+    local: object
+    cross: object
+
+
+class RingAllreduce:
+    """Reduce-scatter then all-gather around a ring of all the ranks (``ring.py``)."""
+
+    name = RING
+
+    def applies(self, topology: Topology) -> bool:
+        return True
+
+    def scratch_elements(self, count: int, itemsize: int, links: Links) -> int:
+        return math.ceil(count / links.whole.Get_size())
+
+    def run(self, links: Links, buf, scratch, dtype: DType, op: ReduceOp, reduce_kernel,
+            postprocess=None) -> int:
+        """All-reduce ``buf`` in place; returns the number of pieces it went in (1)."""
+        ring_allreduce(links.whole, buf, scratch,
+                       lambda dst, src: reduce_kernel(dst, src, op, dtype), postprocess)
+        return 1
+
+
+class NativeAllreduce:
+    """The MPI library's own ``MPI_Allreduce`` (latency-bound sizes: recursive doubling)."""
+
+    name = NATIVE
+
+    def applies(self, topology: Topology) -> bool:
+        return True
+
+    def scratch_elements(self, count: int, itemsize: int, links: Links) -> int:
+        return 0
+
+    def run(self, links: Links, buf, scratch, dtype: DType, op: ReduceOp, reduce_kernel,
+            postprocess=None) -> int:
+        native_allreduce(links.whole, buf, dtype, op, reduce_kernel)
+        if postprocess is not None:
+            postprocess(buf)
+        return 1
+
+
+class HierarchicalAllreduce:
+    """Node-local reduce-scatter, cross-node all-reduce, node-local all-gather, pipelined in
+    segments for large buffers (``hierarchical.py``). The cross-node part takes the ring or
+    native ``MPI_Allreduce`` by the size of its chunk against ``cross_ring_threshold``."""
+
+    name = HIERARCHICAL
+
+    def __init__(self, cross_ring_threshold: int):
+        self.cross_ring_threshold = cross_ring_threshold
+
+    def applies(self, topology: Topology) -> bool:
+        return topology.hierarchical_usable
+
+    def segments(self, nbytes: int, links: Links) -> int:
+        """Into how many pipelined segments a buffer of ``nbytes`` goes (1: none)."""
+        return pipeline_segments(nbytes, links.local.Get_size(), links.cross,
+                                 self.cross_ring_threshold)
+
+    def scratch_elements(self, count: int, itemsize: int, links: Links) -> int:
+        return scratch_elements(count, links.local.Get_size(), links.cross.Get_size(),
+                                self.segments(count * itemsize, links))
+
+    def run(self, links: Links, buf, scratch, dtype: DType, op: ReduceOp, reduce_kernel,
+            postprocess=None) -> int:
+        """All-reduce ``buf`` in place; returns the number of pipelined segments."""
+        nbytes = len(buf) * dtype.itemsize
+        segments = self.segments(nbytes, links)
+        cross_chunk = nbytes // segments // links.local.Get_size()
+        cross = RING if cross_chunk > self.cross_ring_threshold else NATIVE
+        hierarchical_allreduce(links.local, links.cross, buf, scratch, dtype, op, reduce_kernel,
+                               cross, postprocess, segments)
+        return segments
+
+
+class AlgorithmChoice:
+    """Which algorithm all-reduces a fused buffer, from the settings every rank agreed on
+    (``MPIDDP_ALLREDUCE_ALGORITHM``, ``MPIDDP_RING_THRESHOLD``,
+    ``MPIDDP_HIERARCHICAL_ALLREDUCE``) and the communicator's topology.
+
+    ``auto``: native ``MPI_Allreduce`` up to the ring threshold, the ring above it; where the
+    hierarchical all-reduce applies, it replaces the ring (``hierarchical=auto``) or every
+    algorithm (``hierarchical=1``). A forced algorithm wins, except one that cannot apply
+    (hierarchical on one node): the ring then, never a wrong result."""
+
+    def __init__(self, setting: str, ring_threshold: Optional[int], hierarchical: str,
+                 topology: Topology):
+        self.setting = setting
+        self.hierarchical_setting = hierarchical
+        self.topology = topology
+        # The threshold for the whole communicator, and for the cross-node part of the
+        # hierarchical all-reduce (one rank per node: a network ring). An explicit one wins.
+        self.ring_threshold = ring_threshold if ring_threshold is not None else \
+            default_ring_threshold(topology.spans_nodes and not topology.hierarchical_usable)
+        self.ring = RingAllreduce()
+        self.native = NativeAllreduce()
+        self.hierarchical = HierarchicalAllreduce(
+            ring_threshold if ring_threshold is not None else NETWORK_RING_THRESHOLD)
+        self._by_name = {a.name: a for a in (self.ring, self.native, self.hierarchical)}
+
+    @property
+    def cross_ring_threshold(self) -> int:
+        return self.hierarchical.cross_ring_threshold
+
+    def configure(self, setting: str, ring_threshold: Optional[int] = None) -> None:
+        """Switch at run time (``set_allreduce_algorithm``; at an agreed point of the order)."""
+        self.setting = setting
+        if ring_threshold is not None:
+            self.ring_threshold = self.hierarchical.cross_ring_threshold = int(ring_threshold)
+
+    def choose(self, nbytes: int):
+        """The algorithm for one fused buffer of ``nbytes``."""
+        if self.setting != AUTO:
+            chosen = self._by_name[self.setting]
+            if chosen is self.hierarchical and self.hierarchical_setting == "0":
+                return self.ring
+            return chosen if chosen.applies(self.topology) else self.ring
+        by_size = self.native if nbytes <= self.ring_threshold else self.ring
+        if self.hierarchical_setting != "0" and self.hierarchical.applies(self.topology) and \
+                (self.hierarchical_setting == "1" or by_size is self.ring):
+            return self.hierarchical
+        return by_size
