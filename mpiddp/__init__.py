@@ -10,21 +10,23 @@ from .runtime import (cross_rank, cross_size, engine_stats, init, is_initialized
                       local_rank, local_size, mpi_threads_supported, rank, reset_engine_stats,
                       set_allreduce_algorithm, shutdown, size, start_timeline,
                       stop_timeline, timeline_events)
-from .ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
+from .reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from .build_info import (ccl_built, cuda_built, ddl_built, gloo_built,  # noqa: F401
                          gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
 from .transport.cuda_aware import mpi_cuda_aware  # noqa: F401
 from .errors import (DuplicateNameError, EngineShutdownError, HorovodInternalError,  # noqa: F401
                      InvalidInputError, InvalidInputTypeError, LaunchError, MpiddpError,
                      NotInitializedError, TensorMismatchError)
-from .torch.ops import (allgather, allgather_async, allreduce, allreduce_,  # noqa: F401
-                        allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier,
-                        broadcast, broadcast_, broadcast_async, broadcast_async_,
-                        grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-                        grouped_allreduce_async_, join, poll, reducescatter,
-                        reducescatter_async, synchronize, grouped_allgather,
-                        grouped_allgather_async, grouped_reducescatter,
-                        grouped_reducescatter_async, sparse_allreduce_async)
+from .torch.async_ops import (allgather_async, allreduce_async, allreduce_async_,  # noqa: F401
+                              alltoall_async, broadcast_async, broadcast_async_,
+                              grouped_allgather_async, grouped_allreduce_async,
+                              grouped_allreduce_async_, grouped_reducescatter_async,
+                              reducescatter_async, sparse_allreduce_async)
+from .torch.collectives import (allgather, allreduce, allreduce_, alltoall,  # noqa: F401
+                                barrier, broadcast, broadcast_, grouped_allgather,
+                                grouped_allreduce, grouped_allreduce_, grouped_reducescatter,
+                                join, reducescatter)
+from .torch.handles import poll, synchronize  # noqa: F401
 
 __version__ = "0.1.0"
 from .process_sets import (ProcessSet, add_process_set, global_process_set,  # noqa: F401

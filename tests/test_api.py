@@ -10,11 +10,12 @@ import pytest
 
 import mpiddp
 from mpiddp import build_info, process_sets, runtime
-from mpiddp.torch import compression, functions, optimizer, ops, sync_batch_norm
+from mpiddp.torch import (async_ops, collectives, compression, functions, handles, optimizer,
+                          requests, sync_batch_norm)
 
 ROOT = Path(__file__).parent.parent
-PUBLIC_MODULES = [mpiddp, runtime, ops, functions, optimizer, compression, build_info,
-                  process_sets, sync_batch_norm]
+PUBLIC_MODULES = [mpiddp, runtime, handles, async_ops, collectives, requests, functions,
+                  optimizer, compression, build_info, process_sets, sync_batch_norm]
 
 # Functions that raise nothing of their own (no "Raises:" section needed).
 RAISES_NOTHING = {"is_initialized", "mpi_threads_supported", "shutdown",
@@ -84,7 +85,7 @@ def test_public_modules_declare_existing_documented_names(module):
 def test_reexports_come_from_the_public_modules():
     # Every top-level name is declared public where it is defined (or is an exception/op).
     declared = set().union(*(set(m.__all__) for m in PUBLIC_MODULES[1:]))
-    from mpiddp import errors, ops as reduce_ops
+    from mpiddp import errors, reduce_ops
     from mpiddp.transport import cuda_aware
     for name in mpiddp.__all__:
         home = getattr(mpiddp, name)
@@ -135,3 +136,36 @@ def test_package_ships_py_typed():
     assert (ROOT / "mpiddp" / "py.typed").is_file()
     setup_cfg = (ROOT / "setup.cfg").read_text()
     assert "[options.package_data]" in setup_cfg and "py.typed" in setup_cfg
+
+
+def public_api_lines() -> list[str]:
+    """Every name of ``mpiddp.__all__`` with its signature (functions), its public methods'
+    signatures (classes) or its value (constants)."""
+    lines = []
+    for name in sorted(mpiddp.__all__):
+        obj = getattr(mpiddp, name)
+        if inspect.isfunction(obj):
+            lines.append(f"{name}{inspect.signature(obj)}")
+        elif inspect.isclass(obj):
+            lines.append(f"class {name}")
+            for attr in sorted(vars(obj)):
+                member = getattr(obj, attr)
+                if attr.startswith("_") or not callable(member) or inspect.isclass(member):
+                    continue
+                try:
+                    lines.append(f"  {name}.{attr}{inspect.signature(member)}")
+                except (TypeError, ValueError):
+                    pass
+        else:
+            lines.append(f"{name} = {obj!r}")
+    return lines
+
+
+def test_public_api_matches_the_recorded_one():
+    """Names and signatures as recorded in tests/data/public_api.txt: a change to the public
+    API is deliberate (update the file in the same commit), never a side effect."""
+    recorded = (ROOT / "tests" / "data" / "public_api.txt").read_text().splitlines()
+    current = public_api_lines()
+    added, removed = sorted(set(current) - set(recorded)), sorted(set(recorded) - set(current))
+    assert not added and not removed, f"added: {added}\nremoved: {removed}"
+

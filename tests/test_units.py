@@ -212,7 +212,7 @@ def test_identity_values_leave_reductions_unchanged():
 
     from mpiddp.buffers.dtypes import DTYPES, identity_value
     from mpiddp.buffers.host_reduce import reduce_into
-    from mpiddp.ops import ReduceOp
+    from mpiddp.reduce_ops import ReduceOp
 
     for dtype in DTYPES.values():
         for op in ReduceOp:

@@ -2,23 +2,13 @@
 from __future__ import annotations
 
 from .backend import BufferBackend
+from .default_device import default_device, set_default_device
 from .host import HostBackend
 
 __all__ = ["BufferBackend", "HostBackend", "backend_for", "set_default_device",
            "default_device"]
 
 _backends: dict = {"cpu": HostBackend()}
-_default_device = None
-
-
-def set_default_device(index) -> None:
-    """The CUDA device that plain 'cuda' requests use (chosen by ``mpiddp.gpu`` at init)."""
-    global _default_device
-    _default_device = index
-
-
-def default_device():
-    return _default_device
 
 
 def backend_for(device: str) -> BufferBackend:

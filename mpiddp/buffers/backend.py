@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Protocol, runtime_checkable
 
-from ..ops import ReduceOp
+from ..reduce_ops import ReduceOp
 from .dtypes import DType
 
 

@@ -30,7 +30,8 @@ import numpy as np
 from cupy.cuda import runtime
 
 from ..errors import MpiddpError
-from ..ops import ReduceOp, combine_function
+from ..reduce_ops import ReduceOp, combine_function
+from .default_device import default_device
 from .device_kernels import KERNEL_SOURCE, THREADS_PER_BLOCK, launch_blocks
 from .dtypes import DType
 from .host_reduce import reduce_into as host_reduce_into
@@ -129,9 +130,7 @@ class DeviceBackend:
             return int(device.split(":", 1)[1])
         if self._fixed_device is not None:
             return self._fixed_device
-        from . import default_device    # set by mpiddp.gpu at init()
-
-        chosen = default_device()
+        chosen = default_device()      # set by mpiddp.gpu at init()
         return chosen if chosen is not None else runtime.getDevice()
 
     def state(self, device_id: int) -> _DeviceState:

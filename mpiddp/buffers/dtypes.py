@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from ..reduce_ops import ReduceOp
+
 
 @dataclass(frozen=True)
 class DType:
@@ -56,8 +58,6 @@ def identity_value(dtype: DType, op: int):
     """The value a rank that has joined contributes to a reduction: it leaves every other
     rank's values unchanged (0 for sums, 1 for products, the type's extremes for min/max).
     Returned as a scalar of the storage type."""
-    from ..ops import ReduceOp
-
     op = ReduceOp(op)
     if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
         return dtype.storage.type(0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..ops import ReduceOp, combine_function
+from ..reduce_ops import ReduceOp, combine_function
 from .dtypes import DType
 
 # ops.combine_function's table resolved to NumPy functions once (this runs per reduction).

@@ -15,7 +15,7 @@ import math
 from typing import NamedTuple, Optional
 
 from ..buffers.dtypes import DType
-from ..ops import ReduceOp
+from ..reduce_ops import ReduceOp
 from .flat import NATIVE, RING
 from .hierarchical import hierarchical_allreduce, pipeline_segments, scratch_elements
 from .native import native_allreduce

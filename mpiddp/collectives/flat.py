@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..buffers.dtypes import DType
-from ..ops import ReduceOp
+from ..reduce_ops import ReduceOp
 from .native import native_allreduce
 from .ring import ring_allreduce
 

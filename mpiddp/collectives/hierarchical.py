@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 from ..buffers.dtypes import DType
-from ..ops import ReduceOp
+from ..reduce_ops import ReduceOp
 from ..transport import overlaps_transfers
 from .flat import NATIVE, RING, flat_allreduce
 from .ring import (allgather_steps, chunk_bounds, complete, reduce_scatter_steps,

@@ -8,7 +8,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..buffers.dtypes import DType
-from ..ops import ReduceOp, combine_function
+from ..reduce_ops import ReduceOp, combine_function
 
 # MPI's predefined op for each elementwise function of ``ops.combine_function``.
 _MPI_OPS = {"add": MPI.SUM, "minimum": MPI.MIN, "maximum": MPI.MAX, "multiply": MPI.PROD,

@@ -19,7 +19,9 @@ from mpi4py import MPI
 from ..config import Settings
 from ..errors import DuplicateNameError, EngineShutdownError, MpiddpError
 from .channel import ControlChannel, MPIChannel
+from .executor import Executor
 from .handle import Handle
+from .liveness import Watchdog
 from .protocol import CycleProtocol
 from .request import BARRIER, Entry, Request
 from .stats import EngineStats
@@ -37,9 +39,6 @@ ExecutorFactory = Callable[[EngineStats, Timeline, Callable[..., None]], object]
 def start_engine(comm: MPI.Comm, settings: Settings) -> "Engine":
     """The production engine: on a private duplicate of ``comm`` (user traffic can never
     interleave with ours), MPI control channel, MPI executor."""
-    from .executor import Executor
-    from .liveness import Watchdog
-
     private = comm.Dup()
     engine = Engine(MPIChannel(private), settings,
                     lambda stats, timeline, complete: Executor(private, settings, stats, timeline,

@@ -26,7 +26,7 @@ from ..collectives.ring import chunk_bounds, ring_reduce_scatter
 from ..collectives.topology import node_layout
 from ..config import Settings
 from ..errors import MpiddpError
-from ..ops import ReduceOp
+from ..reduce_ops import ReduceOp
 from ..transport import transport_for
 from .fusion import BufferPool, plan_batches
 from .request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER,

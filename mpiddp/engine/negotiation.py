@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Iterable
 
-from ..ops import ReduceOp
+from ..reduce_ops import ReduceOp
 from .request import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, CACHEABLE, INVALID,
                       REDUCESCATTER, REFUSED, Request, Response)
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 
 from .. import runtime
-from ..ops import ReduceOp
-from ..process_sets import set_size
-from .ops import (allgather_async, allreduce_async, alltoall_async, broadcast_async,
-                  grouped_allgather_async, grouped_allreduce_async,
-                  grouped_reducescatter_async, reducescatter_async, synchronize)
+from ..reduce_ops import ReduceOp
+from .async_ops import (allgather_async, allreduce_async, alltoall_async, broadcast_async,
+                        grouped_allgather_async, grouped_allreduce_async,
+                        grouped_reducescatter_async, reducescatter_async)
+from .handles import synchronize
 
 __all__: list[str] = []      # used through mpiddp.allreduce & co.
 
@@ -173,15 +173,15 @@ def _scaled_for_gather(ctx, grads) -> list:
     they are gathered back: by the forward's factors, and by the set's size for Sum."""
     factor = ctx.prescale * ctx.postscale
     if ctx.op == ReduceOp.SUM:
-        factor *= set_size(ctx.process_set)
+        factor *= runtime.set_size(ctx.process_set)
     return [(g * factor if factor != 1.0 else g).contiguous() for g in grads]
 
 
 def _rank_in(process_set) -> int:
-    return runtime.rank() if process_set is None else process_set.rank()
+    return runtime.set_rank(process_set)
 
 
 def _even_splits(tensor: torch.Tensor, process_set) -> list[int]:
-    size = set_size(process_set)
+    size = runtime.set_size(process_set)
     rows = tensor.shape[0] if tensor.dim() else 0
     return [rows // size] * size if rows % size == 0 else None

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 __all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor"]
+# WireCasts: framework glue (DistributedOptimizer), not public API.
 
 
 class Compressor(ABC):
@@ -146,3 +147,27 @@ class Compression:
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+
+
+class WireCasts:
+    """For the built-in casts (``Compression.fp16``/``.bf16``): each gradient cast into a wire
+    tensor of its own, reused from step to step (a fresh cast per step would allocate and
+    page-fault its memory every time). Other compressors keep their own ``compress``."""
+
+    def __init__(self, compression):
+        builtin = compression in (Compression.fp16, Compression.bf16)
+        self.wire_dtype = compression.wire_dtype if builtin else None
+        self.buffers: dict = {}     # key (the parameter) -> its wire tensor
+
+    def cast(self, key, grad: torch.Tensor):
+        """``grad`` cast into ``key``'s wire tensor, or None where no reused cast applies
+        (other compressors, and gradients that are not cast)."""
+        if self.wire_dtype is None or not grad.dtype.is_floating_point \
+                or grad.dtype == self.wire_dtype:
+            return None
+        wire = self.buffers.get(key)
+        if wire is None or wire.shape != grad.shape or wire.device != grad.device:
+            wire = self.buffers[key] = torch.empty(grad.shape, dtype=self.wire_dtype,
+                                                   device=grad.device)
+        wire.copy_(grad)
+        return wire

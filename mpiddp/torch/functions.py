@@ -14,9 +14,11 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from .. import runtime
-from ..process_sets import ProcessSet, set_id, set_size
+from ..runtime import ProcessSet
+from .async_ops import broadcast_async_
+from .collectives import allgather, broadcast_
+from .handles import synchronize
 from .naming import collective_name, root_rank as root_rank_of
-from .ops import allgather, broadcast_, broadcast_async_, synchronize
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
            "allgather_object"]
@@ -62,7 +64,7 @@ def broadcast_object(obj: Any = None, root_rank: int = 0, name: str | None = Non
     """
     runtime.require("broadcast_object()")
     root_rank = root_rank_of(root_rank, runtime.size(), "broadcast_object")
-    base = collective_name("broadcast_object", name, prefixed=True, scope=set_id(process_set))
+    base = collective_name("broadcast_object", name, process_set, prefixed=True)
     is_root = runtime.rank() == root_rank
     payload = _dumps(obj) if is_root else None
     length = torch.tensor([payload.numel() if is_root else 0], dtype=torch.int64)
@@ -102,13 +104,13 @@ def allgather_object(obj: Any, name: str | None = None,
         DuplicateNameError: a collective of the same name is in flight on this rank.
     """
     runtime.require("allgather_object()")
-    base = collective_name("allgather_object", name, prefixed=True, scope=set_id(process_set))
+    base = collective_name("allgather_object", name, process_set, prefixed=True)
     payload = _dumps(obj)
     header = torch.tensor([payload.numel()], dtype=torch.int64).view(torch.uint8)
     gathered = allgather(torch.cat([header, payload]), name=f"{base}.data",
                          process_set=process_set).numpy().tobytes()
     result, offset = [], 0
-    for _ in range(set_size(process_set)):
+    for _ in range(runtime.set_size(process_set)):
         n = int.from_bytes(gathered[offset:offset + 8], sys.byteorder)
         result.append(pickle.loads(gathered[offset + 8:offset + 8 + n]))
         offset += 8 + n
@@ -274,7 +276,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, not "
                         f"{type(optimizer).__name__}")
-    base = collective_name(prefix, None, scope=set_id(process_set))
+    base = collective_name(prefix, None, process_set)
     is_root = runtime.rank() == root_rank
     state_dict = optimizer.state_dict()
     local_groups = [len(g["params"]) for g in state_dict["param_groups"]]

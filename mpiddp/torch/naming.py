@@ -1,35 +1,29 @@
 """The rules every collective call shares: how it is named and which root ranks it accepts.
 
 Names identify a collective across ranks: ranks that make the same calls in the same order
-get the same generated names (``<kind>.noname.<n>``, one counter per kind).
+get the same generated names (``<kind>.noname.<n>``, one counter per kind and process set,
+kept by the running runtime's process-set table).
 """
 from __future__ import annotations
 
-import itertools
 import operator
-import threading
 from typing import Optional
 
+from .. import runtime
+from ..runtime import ProcessSet
 
-_counters: dict = {}
-_counter_lock = threading.Lock()
 
-
-def collective_name(kind: str, name: Optional[str], prefixed: bool = False,
-                    scope: Optional[int] = 0) -> str:
+def collective_name(kind: str, name: Optional[str], process_set: Optional[ProcessSet],
+                    prefixed: bool = False) -> str:
     """The engine name of one call of ``kind``: the caller's ``name`` (``<kind>.<name>`` when
-    ``prefixed``, for calls made of several collectives), or the next generated one. Generated
-    names count per ``scope`` (the process set's id): collectives of a set are matched among
-    its ranks only, so calls in one set must not shift the names of another's."""
+    ``prefixed``, for calls made of several collectives), or the next generated one in
+    ``process_set`` (None: the global set). Collectives of a set are matched among its ranks
+    only, so calls in one set never shift the names of another's."""
     if name is not None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, not {name!r}")
         return f"{kind}.{name}" if prefixed else name
-    with _counter_lock:
-        counter = _counters.get((kind, scope))
-        if counter is None:
-            counter = _counters[kind, scope] = itertools.count()
-        return f"{kind}.noname.{next(counter)}"
+    return runtime.require(f"{kind}()").process_sets.next_name(process_set, kind)
 
 
 def root_rank(root, size: int, what: str) -> int:

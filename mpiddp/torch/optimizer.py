@@ -1,348 +1,42 @@
-"""DistributedOptimizer: average gradients across ranks while backward is still running.
+"""DistributedOptimizer: wrap the user's optimizer so that it steps on gradients averaged
+across ranks.
 
 ``DistributedOptimizer(optimizer, named_parameters=model.named_parameters())`` returns an
 optimizer that *is* the user's optimizer (same class, ``isinstance`` holds; it shares the
 original's ``__dict__``, so ``param_groups``, ``state``, ``state_dict()``/``load_state_dict()``
 and LR schedulers keep working) with four methods changed:
 
-* a ``post_accumulate_grad`` hook on every trainable parameter queues an in-place all-reduce
-  of its gradient the moment the gradient is final (after ``backward_passes_per_step``
-  backward passes). Queued gradients go to the engine together as soon as they add up to
-  ``bucket_cap_mb`` (and at the last gradient of the step), so the last layers' gradients
-  travel while backward still computes the first layers', and one engine cycle covers
-  several gradients (``bucket_cap_mb=0``: every gradient goes out on its own);
-* at the end of the backward pass that made the step's gradients final, a callback of the
-  autograd engine runs ``synchronize()``: it submits what is still missing (gradients of
-  parameters that got none on this rank: zeros, so that every rank reduces the same names and
-  nothing deadlocks), waits for every reduction and writes the averaged gradients into
-  ``param.grad``. So ``backward()`` returns with averaged gradients, as under DDP, and code
-  that reads or rewrites gradients between ``backward()`` and ``step()`` (GradScaler's
-  ``unscale_`` and inf check, clipping) sees the averaged ones and never races with a
-  reduction still writing into ``param.grad``;
-* ``step()`` synchronizes (only needed when gradients did not come from ``backward()``, or
-  after fewer than ``backward_passes_per_step`` passes) and then runs the wrapped optimizer's
-  own step;
-* ``zero_grad()`` first completes reductions still in flight, so it never races with them.
+* ``step()`` completes the gradients' reductions as the schedule says (only needed when
+  gradients did not come from ``backward()``, or after fewer than
+  ``backward_passes_per_step`` passes) and then runs the wrapped optimizer's own step;
+* ``zero_grad()`` first completes reductions still in flight, so it never races with them;
+* ``add_param_group()`` reduces the new group's gradients too;
+* ``synchronize()``, ``skip_synchronize()`` and ``set_backward_passes_per_step()`` are added.
 
-Parameters that no rank used keep ``grad=None`` (as in a single process, so optimizers skip
-them): a small usage bit-vector is all-reduced next to the last gradients.
-
-Which parameters are reduced is decided at every synchronize: those that require a gradient
-(or have one). A parameter frozen when the optimizer was built and unfrozen later
-(``requires_grad_(True)``, gradual unfreezing) joins the reduction from then on; one frozen
-later stops costing bandwidth. Every rank must freeze and unfreeze the same parameters at the
-same step (a rank that differs is reported by the stall inspector, naming the tensor).
+The gradients themselves (hooks, buckets, reductions, writing averages back, and when that
+happens) are ``GradientSync``'s job (``gradient_sync.py``); this module wraps and sets up.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from .. import runtime
-from ..errors import MpiddpError, TensorMismatchError
-from ..ops import ADASUM_UNSUPPORTED, ReduceOp
-from ..process_sets import ProcessSet, engine_for
+from ..errors import TensorMismatchError
+from ..reduce_ops import ADASUM_UNSUPPORTED, ReduceOp
+from ..runtime import ProcessSet
+from .collectives import allreduce
 from .compression import Compression
 from .functions import allgather_object
-from .ops import (allreduce, allreduce_request_, sparse_allreduce_async, submit_together,
-                  synchronize as _wait)
+from .gradient_sync import OWNER_ATTR, GradientSync
 
 __all__ = ["DistributedOptimizer"]
 
-# The autograd engine: queue_callback() runs a function once the current backward pass
-# has finished (every gradient accumulated), on the thread that ran it.
-_autograd_engine = torch.autograd.Variable._execution_engine
-
-_optimizer_index = itertools.count()
-_OWNER_ATTR = "_mpiddp_optimizer"   # on a parameter: weakref to the state reducing it
-
-
-class _Pending:
-    """One gradient reduction in flight."""
-
-    __slots__ = ("handle", "wire", "ctx", "local_zeros", "sparse", "cast_back")
-
-    def __init__(self, handle, wire, ctx, local_zeros, sparse=False, cast_back=False):
-        self.handle = handle          # TensorHandle of the all-reduce
-        self.wire = wire              # the tensor being reduced (grad itself, or compressed)
-        self.ctx = ctx                # compression context
-        self.local_zeros = local_zeros  # this rank had no gradient: it contributed zeros
-        self.sparse = sparse          # a sparse gradient reduced as dense: give back sparse
-        self.cast_back = cast_back    # wire is a reused cast of param.grad: copy it back
-
-
-class _GradientSync:
-    """The distributed part of a DistributedOptimizer: names, hooks, reductions in flight.
-
-    Lives in the optimizer's ``__dict__`` as ``_mpiddp``. Hooks reach it through a weak
-    reference, so a dropped optimizer leaves only inert hooks behind."""
-
-    def __init__(self, index: int, compression, backward_passes_per_step: int, op: ReduceOp,
-                 gradient_predivide_factor: float, sparse_as_dense: bool, bucket_cap_mb: float):
-        self.index = index
-        self.prefix = f"opt{index}"
-        self.compression = compression
-        self.passes_per_step = backward_passes_per_step
-        self.op = op
-        self.prescale = 1.0 / gradient_predivide_factor
-        self.postscale = gradient_predivide_factor
-        self.sparse_as_dense = sparse_as_dense
-        self.process_set = None                       # ProcessSet the gradients average over
-        self.params: list[torch.Tensor] = []          # hooked parameters, in order
-        self.names: dict[torch.Tensor, str] = {}      # parameter -> tensor name
-        self.frozen: list[tuple[str, torch.Tensor]] = []  # not hooked yet (requires_grad off)
-        self.trainable = 0                            # params reduced at the last synchronize
-        self.extra_names: dict = {}                   # names for add_param_group
-        self.hook_handles: list = []
-        self.lock = threading.Lock()
-        self.passes: dict[torch.Tensor, int] = {}     # backward passes seen this step
-        self.bucket: list[torch.Tensor] = []          # queued, not yet submitted
-        self.bucket_bytes = 0
-        self.bucket_cap = int(bucket_cap_mb * 2 ** 20)
-        self.pending: dict[torch.Tensor, _Pending] = {}
-        # Built-in cast compression: each parameter's wire tensor, reused from step to step
-        # (a fresh cast per step would allocate and page-fault its memory every time).
-        self.wire_buffers: dict[torch.Tensor, torch.Tensor] = {}
-        self.synchronized = False
-        self.skip_synchronize = False
-        self.end_of_backward_queued = False
-
-    # ---- registration -------------------------------------------------------------------
-    def add(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        for name, param in named:
-            if param.requires_grad:
-                self._hook(name, param)
-            else:       # a hook needs requires_grad: hooked when unfrozen (_adopt_unfrozen)
-                self.frozen.append((name, param))
-        self.trainable = sum(1 for p in self.params if p.requires_grad)
-
-    def _hook(self, name: str, param: torch.Tensor) -> None:
-        ref = weakref.ref(self)
-        self.params.append(param)
-        self.names[param] = f"{self.prefix}.grad.{name}"
-        setattr(param, _OWNER_ATTR, ref)
-        self.hook_handles.append(param.register_post_accumulate_grad_hook(_make_hook(ref)))
-
-    def _adopt_unfrozen(self) -> None:
-        """Hook the parameters that were frozen at construction and require a gradient now."""
-        if any(param.requires_grad for _, param in self.frozen):
-            still_frozen = []
-            for name, param in self.frozen:
-                if param.requires_grad:
-                    self._hook(name, param)
-                else:
-                    still_frozen.append((name, param))
-            self.frozen = still_frozen
-
-    def _reduced_params(self) -> list[torch.Tensor]:
-        """The parameters every rank reduces in this synchronize: trainable ones, and frozen
-        ones that still hold a gradient (stepping with it unaveraged would split replicas) or
-        whose reduction has started."""
-        return [p for p in self.params
-                if p.requires_grad or p.grad is not None or p in self.pending]
-
-    # ---- called by the autograd hooks ---------------------------------------------------
-    def on_gradient(self, param: torch.Tensor) -> None:
-        with self.lock:
-            if param in self.pending:
-                # Only two backward passes running at once (threads) get here: each pass
-                # finishes its reductions before it returns.
-                raise RuntimeError(
-                    f"the gradient of '{self.names[param]}' was computed again while its "
-                    "reduction was still in flight: two backward passes through the same "
-                    "parameters ran at the same time. Run them one after the other. This "
-                    "step's gradients are not valid: call optimizer.zero_grad() before going on.")
-            self.synchronized = False
-            count = self.passes.get(param, 0) + 1
-            self.passes[param] = count
-            if count >= self.passes_per_step:
-                self._queue(param)
-                if self.bucket_bytes >= self.bucket_cap or len(self.pending) >= self.trainable:
-                    self._flush()        # bucket full, or the last gradient of this step
-                if not self.end_of_backward_queued:
-                    _autograd_engine.queue_callback(self._end_of_backward)
-                    self.end_of_backward_queued = True
-
-    def _end_of_backward(self) -> None:
-        """Finish this step's reductions before ``backward()`` returns (see the module
-        docstring). Runs once per backward pass in which a gradient became final."""
-        self.end_of_backward_queued = False
-        if self.pending:
-            timeline = self._timeline()
-            if timeline:
-                timeline.record(self.prefix, "backward_end")
-            self.synchronize()
-            if timeline:
-                timeline.record(self.prefix, "synchronized")
-
-    def _timeline(self):
-        """The engine's timeline while it records (the optimizer marks its phases there, for
-        scripts/plot_timeline.py), else None (also on a rank outside the optimizer's process
-        set, where it is a plain local optimizer)."""
-        try:
-            engine = engine_for(self.process_set, "DistributedOptimizer")[0]
-        except ValueError:
-            return None
-        return engine.timeline if engine.timeline.enabled else None
-
-    def _queue(self, param: torch.Tensor, zeros: bool = False) -> None:
-        """Make ``param``'s gradient ready for reduction (it goes out with the next flush)."""
-        name = self.names[param]
-        if zeros:
-            grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
-        else:
-            grad = param.grad
-            if grad.is_sparse:
-                if not self.sparse_as_dense:
-                    # Gather every rank's rows (Horovod's sparse path); it needs a sparse
-                    # gradient on every rank (a rank without one would submit dense zeros).
-                    item = _Pending(sparse_allreduce_async(grad, name, self.op,
-                                                           self.process_set), None, None, False)
-                    self.pending[param] = item
-                    return
-                grad = grad.to_dense()
-        sparse = not zeros and param.grad.is_sparse
-        cast = None if zeros or sparse else self._cast_for_wire(param, grad)
-        wire, ctx = (cast, grad.dtype) if cast is not None else self.compression.compress(grad)
-        if not wire.is_contiguous():     # reduce a contiguous copy; synchronize copies back
-            wire = wire.contiguous()
-        self.pending[param] = _Pending(None, wire, ctx, zeros, sparse,
-                                       cast_back=cast is not None)
-        self.bucket.append(param)
-        self.bucket_bytes += wire.numel() * wire.element_size()
-
-    def _cast_for_wire(self, param: torch.Tensor, grad: torch.Tensor):
-        """For the built-in fp16/bf16 compression: ``grad`` cast into this parameter's reused
-        wire tensor (None where the compressor's own ``compress`` applies: other
-        compressors, and gradients that are not cast)."""
-        if self.compression not in (Compression.fp16, Compression.bf16):
-            return None
-        wire_dtype = self.compression.wire_dtype
-        if not grad.dtype.is_floating_point or grad.dtype == wire_dtype:
-            return None
-        wire = self.wire_buffers.get(param)
-        if wire is None or wire.shape != grad.shape or wire.device != grad.device:
-            wire = self.wire_buffers[param] = torch.empty(grad.shape, dtype=wire_dtype,
-                                                          device=grad.device)
-        wire.copy_(grad)
-        return wire
-
-    def _flush(self, extra: tuple = ()) -> list:
-        """Submit the queued gradients (and ``extra`` entries) in one go: the engine takes them
-        in the same cycle, so one negotiation covers them all and they fuse together. Returns
-        the handles of the ``extra`` entries."""
-        if not self.bucket and not extra:
-            return []
-        entries, items = [], []
-        for param in self.bucket:
-            item = self.pending[param]
-            entries.append(allreduce_request_(item.wire, self.names[param], self.op,
-                                              self.prescale, self.postscale))
-            items.append(item)
-        self.bucket = []
-        self.bucket_bytes = 0
-        handles = submit_together(entries + list(extra), self.process_set)
-        for item, handle in zip(items, handles):
-            item.handle = handle
-        return handles[len(items):]
-
-    # ---- synchronize ----------------------------------------------------------------------
-    def synchronize(self) -> None:
-        with self.lock:
-            self._adopt_unfrozen()
-            params = self._reduced_params()
-            if not params or (self.synchronized and not self.pending and not self.passes):
-                return                   # nothing happened since the last synchronize
-            # Every rank must reduce the same names: submit what the hooks did not.
-            for param in params:
-                if param not in self.pending:
-                    # no gradient on this rank (zeros), or fewer than backward_passes_per_step
-                    self._queue(param, zeros=param.grad is None)
-            usage, usage_handle = self._flush_with_usage(params)
-            position = {param: i for i, param in enumerate(params)}   # in ``usage``
-            # In the order of submission (the order ``pending`` was filled, bucket by bucket):
-            # the order the reductions finish.
-            pending = list(self.pending.items())
-            self.pending = {}
-            self.passes = {}
-            self.trainable = sum(1 for p in params if p.requires_grad)
-        error = None
-        with torch.no_grad():
-            # Wait in the order of submission and write each result back at once: the casts
-            # and copies of the early ones overlap the later ones' transfers. Gradients this
-            # rank did not have wait for the usage vector, submitted last, which says whether
-            # any rank had one.
-            for param, item in pending:
-                if not item.local_zeros:
-                    error = self._write_back(param, item, None, error)
-            try:
-                _wait(usage_handle)      # submitted with the last gradients: done with them
-            except BaseException as exc:
-                error = error or exc
-            for param, item in pending:
-                if item.local_zeros:
-                    used = error is None and bool(usage[position[param]])
-                    error = self._write_back(param, item, used, error)
-        self.synchronized = error is None
-        if error is not None:
-            raise error
-
-    def _write_back(self, param: torch.Tensor, item: _Pending, used, error):
-        """Wait for one reduction and put its result into ``param.grad``. ``used`` (for a
-        gradient this rank did not have) is whether any rank had one. Returns the first
-        error so far: after an error the others are still waited for (no stray writes
-        later), and the first one is raised."""
-        if item.handle is None:          # its submission failed (already raised)
-            return error or MpiddpError(
-                f"the gradient of '{self.names[param]}' was never submitted for "
-                "reduction because of an earlier error")
-        try:
-            if item.wire is None:        # sparse: the handle returns the gradient
-                param.grad = item.handle()
-                return error
-            _wait(item.handle)
-        except BaseException as exc:
-            return error or exc
-        if item.cast_back:               # one pass: cast and copy into the gradient
-            param.grad.copy_(item.wire)
-            return error
-        grad = self.compression.decompress(item.wire, item.ctx)
-        if item.local_zeros:
-            if used:                     # no rank used this parameter: grad stays None
-                param.grad = grad if grad.dtype == param.dtype else grad.to(param.dtype)
-        elif item.sparse:                # sparse_as_dense: optimizers like SparseAdam need
-            param.grad = grad.to_sparse()    # their gradients sparse again
-        elif grad is not param.grad:
-            param.grad.copy_(grad)
-        return error
-
-    def _flush_with_usage(self, params):
-        """Flush the last gradients together with an all-reduce (logical or) of which
-        parameters have a gradient on some rank; returns (usage, its handle)."""
-        usage = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
-        entry = allreduce_request_(usage, f"{self.prefix}.used", ReduceOp.MAX)
-        return usage, self._flush(extra=(entry,))[0]
-
-    def wait_all(self) -> None:
-        """Complete reductions still in flight (the whole matched protocol, so the other
-        ranks' collectives are answered too)."""
-        if self.pending:
-            self.synchronize()
-        with self.lock:
-            self.passes = {}
-
-
-def _make_hook(ref):
-    def hook(param):
-        sync = ref()
-        if sync is not None:
-            sync.on_gradient(param)
-    return hook
+_optimizer_index = itertools.count()   # names gradients opt<i>.grad.*: one per process
 
 
 class _DistributedOptimizer:
@@ -435,17 +129,14 @@ class _DistributedOptimizer:
                 raise RuntimeError(
                     "optimizer.step() inside skip_synchronize() while gradient reductions are "
                     "still in flight: call optimizer.synchronize() before the block")
-        timeline = sync._timeline()
-        if timeline:
-            timeline.record(sync.prefix, "step_begin")
+        sync.marks.record("step_begin")
         if not sync.skip_synchronize and (closure is None or sync.pending or sync.passes):
-            sync.synchronize()
+            sync.schedule.before_step(sync)
         if closure is not None and not sync.skip_synchronize:
             closure = _synchronized_closure(self, closure)
         result = super().step(closure)
         sync.synchronized = False
-        if timeline:
-            timeline.record(sync.prefix, "step_end")
+        sync.marks.record("step_end")
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -564,7 +255,7 @@ def _names_for(optimizer, named_parameters) -> tuple[list, dict]:
     return [(by_param[p], p) for p in params], by_param
 
 
-def _check_same_everywhere(sync: _GradientSync, named, what: str) -> None:
+def _check_same_everywhere(sync: GradientSync, named, what: str) -> None:
     """Collective: every rank must reduce the same parameters with the same settings. Raises
     TensorMismatchError, on every rank, naming the first difference."""
     config = {"backward_passes_per_step": sync.passes_per_step, "op": ReduceOp(sync.op).name,
@@ -687,17 +378,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     # Bad arguments are reported before a missing init(), as Horovod does.
     runtime.require("DistributedOptimizer()")
     for name, param in named:
-        owner = getattr(param, _OWNER_ATTR, None)
+        owner = getattr(param, OWNER_ATTR, None)
         if owner is not None and owner() is not None:
             raise ValueError(
                 f"parameter '{name}' already belongs to another live DistributedOptimizer "
                 f"({owner().prefix}); a gradient must be reduced by one optimizer only")
     if not bucket_cap_mb >= 0:
         raise ValueError(f"bucket_cap_mb must be >= 0, not {bucket_cap_mb!r}")
-    sync = _GradientSync(next(_optimizer_index), compression, backward_passes_per_step, op,
-                         factor, sparse_as_dense, float(bucket_cap_mb))
+    sync = GradientSync(next(_optimizer_index), compression, backward_passes_per_step, op,
+                        factor, sparse_as_dense, float(bucket_cap_mb), process_set)
     sync.extra_names = name_map
-    sync.process_set = process_set
     if process_set is None or process_set.included():
         _check_same_everywhere(sync, named, "construction")     # collective
         sync.add(named)

@@ -42,7 +42,7 @@ from typing import Iterator
 
 from mpi4py import MPI
 
-from . import COMPLETED, CommWrapper, Transfer
+from .base import COMPLETED, CommWrapper, Transfer
 
 POLITE_MIN_BYTES = 256 * 1024
 SEGMENT_BYTES = 1024 * 1024

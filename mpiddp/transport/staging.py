@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 from mpi4py import MPI
 
-from . import CommWrapper
+from .base import CommWrapper
 
 #: Default segment of a pipelined staged transfer. Large enough that per-segment costs
 #: (one MPI message, two copy launches) are small; small enough for the pipeline to fill.

@@ -20,7 +20,7 @@ from mpiddp.buffers.host_reduce import reduce_into
 from mpiddp.transport.staging import DirectComm, StagedComm, device_comm
 from mpiddp.collectives.native import allgatherv, alltoallv, broadcast, native_allreduce
 from mpiddp.collectives.ring import chunk_bounds, ring_allreduce, ring_reduce_scatter
-from mpiddp.ops import ReduceOp
+from mpiddp.reduce_ops import ReduceOp
 
 COMM = MPI.COMM_WORLD.Dup()
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()

@@ -73,7 +73,7 @@ def mode_unit():
     from mpiddp.transport.staging import StagedComm
     from mpiddp.engine.handle import Handle
     from mpiddp.engine.request import ALLREDUCE, Entry, Request
-    from mpiddp.ops import ReduceOp
+    from mpiddp.reduce_ops import ReduceOp
 
     mpiddp.init()
     backend = DeviceBackend()

@@ -17,7 +17,7 @@ from mpiddp.buffers.dtypes import dtype_named
 from mpiddp.collectives.flat import NATIVE, RING
 from mpiddp.collectives.hierarchical import hierarchical_allreduce, scratch_elements
 from mpiddp.collectives.topology import node_layout
-from mpiddp.ops import ReduceOp
+from mpiddp.reduce_ops import ReduceOp
 from mpiddp.transport.network import SEGMENT_BYTES, NetworkComm
 from mpiddp.torch.views import flat_array
 from reference_data import as64, data

@@ -330,7 +330,7 @@ def compression():
         assert_identical_everywhere(model, comp.__name__)
         # The cast of each gradient goes into the same wire tensor every step (no per-step
         # allocation), and that tensor is what the engine reduced.
-        wires = opt._mpiddp.wire_buffers
+        wires = opt._mpiddp.wire_casts.buffers
         before = {name: wires[p].data_ptr() for name, p in model.named_parameters()}
         x, y = batch(STEPS, SIZE * B)
         opt.zero_grad()

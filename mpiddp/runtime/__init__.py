@@ -1,0 +1,48 @@
+"""init/shutdown, the process topology, and the running engines.
+
+``init()`` installs this rank's ``Runtime`` (``lifecycle.py``): the agreed settings, the
+topology, the engine's coordinator thread and the process-set table. Every call that needs a
+running mpiddp goes through ``require()`` (``current.py``), which says clearly when
+``init()`` is missing.
+"""
+from .mpi_environment import prefer_yielding_waits
+
+prefer_yielding_waits()     # before the first import of mpi4py.MPI below initialises MPI
+
+from .api import (cross_rank, cross_size, engine_stats, init, is_initialized,  # noqa: E402
+                  local_rank, local_size, mpi_threads_supported, rank, reset_engine_stats,
+                  set_allreduce_algorithm, shutdown, size, start_timeline, stop_timeline,
+                  timeline_events)
+from .current import require  # noqa: E402
+from .process_set_table import GLOBAL_ID, ProcessSet, global_process_set  # noqa: E402
+
+__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+           "cross_rank", "cross_size", "mpi_threads_supported", "engine_stats",
+           "reset_engine_stats", "set_allreduce_algorithm", "start_timeline", "stop_timeline",
+           "timeline_events"]
+
+
+def require_engine(what: str):
+    """The global engine of the running runtime (raises as ``require``)."""
+    return require(what).engine
+
+
+def engine_for(process_set, what: str):
+    """(engine, set) for a collective ``what`` on ``process_set`` (None: the global set).
+
+    Raises:
+        TypeError: ``process_set`` is not a ProcessSet.
+        ValueError: the set was never added (or was removed), or this rank is not in it.
+        NotInitializedError, EngineShutdownError: as ``require``.
+    """
+    return require(what).process_sets.engine_for(process_set, what)
+
+
+def set_size(process_set) -> int:
+    """The number of ranks in ``process_set`` (None: the global set, every rank)."""
+    return (process_set or global_process_set).size()
+
+
+def set_rank(process_set) -> int:
+    """This rank's rank in ``process_set`` (None: the global set)."""
+    return (process_set or global_process_set).rank()

@@ -1,0 +1,290 @@
+"""The runtime's public calls: start and stop, where this rank sits, engine controls."""
+from __future__ import annotations
+
+import atexit
+from typing import Sequence
+
+from mpi4py import MPI
+
+from ..config import ALGORITHMS
+from ..docstrings import shared_doc
+from . import current
+from .lifecycle import Runtime
+from .process_set_table import ProcessSet
+
+_atexit_registered = False
+
+
+def init(comm: MPI.Comm | None = None, process_sets: Sequence | str | None = None) -> None:
+    """Start mpiddp on this rank: check the launch, read and agree on the ``MPIDDP_*``
+    settings, build the node-local and cross-node communicators, pick this rank's GPU (if
+    any) and start the engine's coordinator thread.
+
+    A collective: every rank of ``comm`` must call it. Calling it again while the engine runs
+    is a no-op; after ``shutdown()`` it starts a new engine. Unless
+    ``MPIDDP_ABORT_ON_EXCEPTION=0``, an uncaught exception on any thread of this rank from
+    now on aborts the whole MPI job (the other ranks would otherwise wait forever).
+
+    Args:
+        comm: the communicator whose ranks train together. Default None:
+            ``MPI.COMM_WORLD``. The engine works on a private duplicate of it.
+        process_sets: ``ProcessSet`` objects (or rank lists) to add right away, as
+            Horovod's static process sets (``add_process_set`` adds more later); None or
+            ``"dynamic"`` adds none.
+
+    Raises:
+        LaunchError: the launcher started several tasks but MPI sees one process per task
+            (e.g. ``srun`` without ``--mpi=pmi2``/``pmix``).
+        RuntimeError: MPI was initialised with less than ``MPI_THREAD_SERIALIZED``.
+        ValueError: an ``MPIDDP_*`` setting is invalid on some rank, or a setting that must
+            agree (fusion threshold, cache capacity, all-reduce algorithm, ring threshold)
+            differs between ranks. Raised on every rank, naming the ranks and values.
+        EngineShutdownError: the engine of an earlier ``init()`` stopped on its own (stall,
+            failure) and ``shutdown()`` has not been called since.
+    """
+    global _atexit_registered
+    running = current.get()
+    if running is not None:
+        running.check_running()
+        return
+    runtime = Runtime.start(MPI.COMM_WORLD if comm is None else comm)
+    current.install(runtime)
+    if not _atexit_registered:
+        atexit.register(_shutdown_at_exit)
+        _atexit_registered = True
+    if process_sets is not None and process_sets != "dynamic":
+        for process_set in process_sets:      # Horovod's static process sets
+            runtime.process_sets.add(process_set if isinstance(process_set, ProcessSet)
+                                     else ProcessSet(process_set))
+
+
+def shutdown() -> None:
+    """Stop the engine, on every rank: a shutdown on one rank is agreed by all ranks in the
+    next engine cycle, so the other ranks' engines stop too.
+
+    Blocks until this rank's coordinator thread has ended. Requests still in flight on any
+    rank fail with ``EngineShutdownError`` naming the cause. Idempotent, and a no-op before
+    ``init()``; it also runs at interpreter exit. Later calls that need the engine raise
+    ``EngineShutdownError`` until ``init()`` is called again.
+    """
+    runtime = current.get()
+    if runtime is None:
+        return
+    runtime.stop()
+    current.clear()
+
+
+def _shutdown_at_exit() -> None:
+    if current.get() is not None and not MPI.Is_finalized():
+        shutdown()
+
+
+def is_initialized() -> bool:
+    """Whether ``init()`` has been called and ``shutdown()`` has not been called since.
+
+    Stays True when the engine stopped on its own (stall timeout, a shutdown agreed from
+    another rank); collectives then raise ``EngineShutdownError``.
+
+    Returns:
+        True between ``init()`` and ``shutdown()`` on this rank.
+    """
+    return current.get() is not None
+
+
+@shared_doc()
+def rank() -> int:
+    """This process's rank in the communicator given to ``init()``.
+
+    Returns:
+        The rank, ``0 <= rank() < size()``.
+
+    Raises:
+        {needs_init}
+    """
+    return current.require("rank()").topology.rank
+
+
+@shared_doc()
+def size() -> int:
+    """The number of ranks in the communicator given to ``init()``.
+
+    Returns:
+        The number of ranks (``>= 1``).
+
+    Raises:
+        {needs_init}
+    """
+    return current.require("size()").topology.size
+
+
+@shared_doc()
+def local_rank() -> int:
+    """This process's rank among the ranks on its node (those sharing memory with it:
+    ``MPI_COMM_TYPE_SHARED``), ordered by global rank. Selects the GPU: see docs/gpu.md.
+
+    Returns:
+        The node-local rank, ``0 <= local_rank() < local_size()``.
+
+    Raises:
+        {needs_init}
+    """
+    return current.require("local_rank()").topology.local_rank
+
+
+@shared_doc()
+def local_size() -> int:
+    """The number of ranks on this process's node.
+
+    Returns:
+        The number of ranks sharing this node (``>= 1``).
+
+    Raises:
+        {needs_init}
+    """
+    return current.require("local_size()").topology.local_size
+
+
+@shared_doc()
+def cross_rank() -> int:
+    """This process's rank among the ranks with the same ``local_rank()`` on all nodes; with
+    the same number of ranks on every node, the index of this node.
+
+    Returns:
+        The cross-node rank, ``0 <= cross_rank() < cross_size()``.
+
+    Raises:
+        {needs_init}
+    """
+    return current.require("cross_rank()").topology.cross_rank
+
+
+@shared_doc()
+def cross_size() -> int:
+    """The number of ranks with the same ``local_rank()`` as this process; with the same
+    number of ranks on every node, the number of nodes.
+
+    Returns:
+        The size of this rank's cross-node group (``>= 1``).
+
+    Raises:
+        {needs_init}
+    """
+    return current.require("cross_size()").topology.cross_size
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI provides ``MPI_THREAD_MULTIPLE``, i.e. whether your own MPI calls may run
+    while mpiddp collectives are in flight. Does not need ``init()``.
+
+    Returns:
+        True with ``MPI_THREAD_MULTIPLE``; False otherwise (mpiddp itself needs only
+        ``MPI_THREAD_SERIALIZED``).
+    """
+    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+
+@shared_doc()
+def engine_stats() -> dict[str, int]:
+    """Counters of what the engine did on this rank since ``init()`` or the last
+    ``reset_engine_stats()``.
+
+    Returns:
+        A new dict of counters: ``cycles``, ``cached_cycles`` (cycles that needed only the
+        bit-vector all-reduce), ``slow_cycles`` (cycles that went through rank 0),
+        ``tensors`` (requests completed, errors included), ``errors``, ``cache_hits``,
+        ``allreduce_batches``, ``fused_batches``, ``fused_tensors``, ``max_batch_tensors``,
+        ``allreduce_bytes``, ``ring_batches``, ``native_batches``, ``hierarchical_batches``,
+        ``pipelined_batches`` (hierarchical batches cut into pipelined segments),
+        ``reducescatter_bytes``.
+
+    Raises:
+        {needs_init}
+    """
+    return current.require("engine_stats()").engine.stats.snapshot()
+
+
+@shared_doc()
+def reset_engine_stats() -> None:
+    """Set every counter of ``engine_stats()`` to zero (this rank only).
+
+    Raises:
+        {needs_init}
+    """
+    current.require("reset_engine_stats()").engine.stats.reset()
+
+
+def set_allreduce_algorithm(algorithm: str, ring_threshold: int | None = None) -> None:
+    """Switch the algorithm for fused all-reduces at run time, as
+    ``MPIDDP_ALLREDUCE_ALGORITHM`` / ``MPIDDP_RING_THRESHOLD`` do at start-up.
+
+    A collective, ordered like a barrier: every rank must call it with the same arguments
+    (different arguments are different barrier names: the ranks stall). The switch happens
+    at the same point of the agreed execution order on every rank, so ranks never pick
+    different algorithms for the same buffer. Blocks until every rank has called it.
+
+    Args:
+        algorithm: ``'auto'`` (native ``MPI_Allreduce`` up to ``ring_threshold`` bytes, the
+            ring above), ``'ring'``, ``'native'`` or ``'hierarchical'``. Case-sensitive.
+        ring_threshold: the new threshold in bytes for ``'auto'``. Default None: keep the
+            current one.
+
+    Raises:
+        ValueError: ``algorithm`` is not one of these (checked before ``init()`` is).
+        NotInitializedError: before ``init()``.
+        EngineShutdownError: after ``shutdown()``, or the engine stopped before the switch.
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm {algorithm!r} is not one of: {', '.join(ALGORITHMS)}")
+    engine = current.require("set_allreduce_algorithm()").engine
+    engine.barrier(f"set_allreduce_algorithm.{algorithm}.{ring_threshold}",
+                   action=lambda: engine.executor.configure(algorithm, ring_threshold)).wait()
+
+
+@shared_doc()
+def start_timeline() -> None:
+    """Start recording, on this rank, when each tensor is submitted, agreed and reduced;
+    discards the events recorded so far (see ``timeline_events``).
+
+    Raises:
+        {needs_init}
+    """
+    current.require("start_timeline()").engine.timeline.start()
+
+
+@shared_doc()
+def stop_timeline(path: str | None = None) -> list[tuple[str, str, float]]:
+    """Stop recording; return the events and optionally write them as a Chrome trace.
+
+    Args:
+        path: where to write the events as a Chrome trace (chrome://tracing, Perfetto): one
+            row per tensor, NEGOTIATE spans (submission to agreement) and REDUCE spans.
+            Written atomically (temporary file, then rename). Default None: write nothing.
+
+    Returns:
+        The recorded events, as ``timeline_events()`` returns them.
+
+    Raises:
+        {needs_init}
+        OSError: ``path`` cannot be written.
+    """
+    runtime = current.require("stop_timeline()")
+    events = runtime.engine.timeline.stop()
+    if path:
+        runtime.engine.timeline.write_chrome_trace(path, runtime.topology.rank)
+    return events
+
+
+@shared_doc()
+def timeline_events() -> list[tuple[str, str, float]]:
+    """The events recorded on this rank since ``start_timeline()`` (or since ``init()`` with
+    ``MPIDDP_TIMELINE=1``), without stopping the recording.
+
+    Returns:
+        A new list of ``(tensor name, phase, time)`` in recording order; phase is one of
+        ``'submit'``, ``'agreed'``, ``'start'``, ``'end'``; time is ``time.perf_counter()``
+        seconds.
+
+    Raises:
+        {needs_init}
+    """
+    return current.require("timeline_events()").engine.timeline.events()

@@ -1,0 +1,130 @@
+"""``Runtime``: everything ``init()`` starts on this rank and ``shutdown()`` stops.
+
+It owns the agreed settings, the communicator and its topology, the global engine, the
+process-set table (every other engine) and the abort hooks. The process holds at most one,
+the current runtime (``current.py``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from mpi4py import MPI
+
+from .. import gpu
+from ..collectives.topology import Topology, node_layout
+from ..config import Settings, read_settings, unknown_settings
+from ..engine.coordinator import Engine, start_engine
+from ..errors import EngineShutdownError
+from ..launch_check import check_launch
+from .abort import ABORT_HOOKS, AbortHooks
+from .process_set_table import ProcessSetTable
+
+log = logging.getLogger("mpiddp")
+
+# Settings every rank must share: they decide message sizes, fusion plans and algorithms.
+PROTOCOL_SETTINGS = ("fusion_threshold", "cache_capacity", "allreduce_algorithm",
+                     "ring_threshold", "hierarchical_allreduce")
+
+
+class Runtime:
+    """The running mpiddp of this rank (see the module docstring); made by ``start``."""
+
+    def __init__(self, comm: MPI.Comm, settings: Settings, topology: Topology, engine: Engine,
+                 abort_hooks: AbortHooks):
+        self.comm = comm
+        self.settings = settings
+        self.topology = topology
+        self.engine = engine
+        self.abort_hooks = abort_hooks
+        self.process_sets = ProcessSetTable(comm, engine, settings, start_engine)
+
+    @classmethod
+    def start(cls, comm: MPI.Comm) -> "Runtime":
+        """The body of ``init()`` (a collective of ``comm``): check the launch and MPI's
+        thread level, agree on the settings, learn the topology, pick the GPU, start the
+        engine. Raises as ``init()`` documents."""
+        # Installed first, so that an error on one rank during start-up (a bad setting, say)
+        # ends the job instead of leaving the others waiting in the collectives below.
+        ABORT_HOOKS.install()
+        check_launch(MPI.COMM_WORLD.Get_size(), os.environ)   # N singletons (srun, no PMI)?
+        provided = MPI.Query_thread()
+        if provided < MPI.THREAD_SERIALIZED:
+            raise RuntimeError(
+                "mpiddp needs MPI initialised with at least MPI_THREAD_SERIALIZED (its "
+                f"coordinator thread calls MPI), but the MPI library provides level {provided}. "
+                "Let mpi4py initialise MPI (its default asks for MPI_THREAD_MULTIPLE).")
+        settings = agreed_settings(comm)
+        _configure_logging(settings)
+        unknown = unknown_settings()
+        if unknown and comm.Get_rank() == 0:                 # once per job, not once per rank
+            log.warning("\n".join(unknown))
+        if provided < MPI.THREAD_MULTIPLE:
+            log.warning("MPI provides only MPI_THREAD_SERIALIZED: do not make MPI calls of "
+                        "your own while mpiddp collectives are in flight")
+        layout = node_layout(comm)
+        layout.local.Free()             # the numbers are all the runtime needs
+        layout.cross.Free()
+        topology = layout.topology
+        gpu.setup(settings, topology.local_rank)   # device selection before any CUDA call
+        runtime = cls(comm, settings, topology, start_engine(comm, settings), ABORT_HOOKS)
+        if not settings.abort_on_exception:
+            ABORT_HOOKS.remove()
+        log.info("mpiddp initialised: rank %d of %d, local rank %d of %d", topology.rank,
+                 topology.size, topology.local_rank, topology.local_size)
+        return runtime
+
+    def check_running(self) -> None:
+        """Raise when the engine stopped on its own (stall, failure) since ``init()``."""
+        if not self.engine.running:
+            raise EngineShutdownError(
+                f"mpiddp's engine has stopped ({self.engine.stopped_reason}); call "
+                "mpiddp.shutdown() on every rank before calling mpiddp.init() again")
+
+    def stop(self) -> None:
+        """Stop every engine (agreed with the other ranks in their next cycle), then write the
+        timeline file if ``MPIDDP_TIMELINE`` names one."""
+        self.process_sets.close("shutdown() was called")
+        self.engine.shutdown("shutdown() was called")
+        self._write_timeline_file()
+
+    def _write_timeline_file(self) -> None:
+        """MPIDDP_TIMELINE=path: every rank writes its events as a Chrome trace at shutdown,
+        rank r to ``<path stem>.rank<r><suffix>`` (one file when there is one rank)."""
+        path = self.settings.timeline
+        if path in ("", "1"):
+            return
+        rank, size = self.topology.rank, self.topology.size
+        if size > 1:
+            stem, dot, suffix = path.rpartition(".")
+            path = f"{stem}.rank{rank}.{suffix}" if dot and "/" not in suffix else \
+                f"{path}.rank{rank}"
+        self.engine.timeline.write_chrome_trace(path, rank)
+
+
+def agreed_settings(comm: MPI.Comm) -> Settings:
+    """Read the settings on every rank and check that the ranks agree; every rank raises the
+    same error otherwise (a collective: no rank is left waiting)."""
+    try:
+        settings, error = read_settings(), None
+    except ValueError as exc:
+        settings, error = None, str(exc)
+    everyone = comm.allgather((settings, error))
+    errors = [f"rank {r}: {e}" for r, (_, e) in enumerate(everyone) if e]
+    if errors:
+        raise ValueError("invalid mpiddp settings: " + "; ".join(errors))
+    for field in PROTOCOL_SETTINGS:
+        values = {r: getattr(s, field) for r, (s, _) in enumerate(everyone)}
+        if len(set(values.values())) > 1:
+            listing = ", ".join(f"rank {r} has {v!r}" for r, v in values.items())
+            raise ValueError(f"MPIDDP_{field.upper()} must be the same on every rank, but "
+                             f"{listing}")
+    return settings
+
+
+def _configure_logging(settings: Settings) -> None:
+    log.setLevel(settings.log_level)
+    if not logging.getLogger().handlers and not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[mpiddp %(levelname)s] %(message)s"))
+        log.addHandler(handler)
