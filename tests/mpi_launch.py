@@ -6,6 +6,7 @@ Workers run under ``python -m mpi4py`` so an exception on one rank aborts the wh
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -88,6 +89,19 @@ def assert_ok(result: MPIResult, expect_lines: int | None = None, prefix: str = 
         got = result.output.count(prefix)
         assert got == expect_lines, (f"expected {expect_lines} '{prefix}' lines, got {got}:\n"
                                      f"{result.output}")
+
+
+def reported(result: MPIResult, *fragments: str) -> list[dict]:
+    """The values of every ``OK`` line whose check contains all ``fragments`` (the workers'
+    ``checks.ok``: ``OK <check> | {json}``), each with its ``check`` text."""
+    found = []
+    for line in result.output.splitlines():
+        if not line.startswith("OK "):
+            continue
+        check, _, values = line[3:].partition(" | ")
+        if all(f in check for f in fragments):
+            found.append({"check": check, **(json.loads(values) if values else {})})
+    return found
 
 
 def wait_for_files(*paths: Path, job: Job, timeout: float = 90) -> None:

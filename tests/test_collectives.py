@@ -2,7 +2,7 @@
 with each all-reduce algorithm, fusion across the (shrunk) fusion threshold and the cache."""
 import pytest
 
-from mpi_launch import assert_ok, run_mpi
+from mpi_launch import assert_ok, reported, run_mpi
 
 CHECKS = 15   # 'OK' lines collectives_worker.py prints on rank 0
 
@@ -16,6 +16,11 @@ def test_every_collective_matches_reference(nprocs, algorithm):
     result = run_mpi("collectives_worker.py", nprocs, timeout=150, env=env)
     assert_ok(result, expect_lines=CHECKS)
     assert "DONE" in result.output
+    batches, = reported(result, "allreduce every op x dtype x size")
+    if nprocs > 1 and algorithm != "auto":      # a forced algorithm carries every batch
+        assert batches[f"{algorithm}_batches"] > 0 and batches["fused_batches"] > 0, batches
+        others = {"ring", "native", "hierarchical"} - {algorithm}
+        assert all(batches[f"{other}_batches"] == 0 for other in others), batches
 
 
 def test_auto_algorithm_uses_both_ring_and_native():
@@ -25,6 +30,8 @@ def test_auto_algorithm_uses_both_ring_and_native():
                      timeout=120, env=env)
     assert_ok(result)
     assert "OK fusion and response cache" in result.output
+    batches, = reported(result, "allreduce every op x dtype x size")
+    assert batches["ring_batches"] > 0 and batches["native_batches"] > 0, batches
 
 
 def test_tiny_cache_evicts_and_stays_correct():

@@ -6,7 +6,7 @@ compares (the reference is one plain-torch process training on the concatenated 
 """
 import pytest
 
-from mpi_launch import assert_ok, run_mpi
+from mpi_launch import assert_ok, reported, run_mpi
 
 ALL = ("equivalence,unused,clip,compression,two_optimizers,mismatch,state,misuse,scheduler,"
        "closure,amp,join,unfreeze")
@@ -40,16 +40,24 @@ def launch(request):
     return request.getfixturevalue({2: "two_ranks", 4: "four_ranks"}[request.param])
 
 
+# Distributed against one process, float32. Adam divides by sqrt(second moment): for
+# elements whose gradient is close to zero it turns float32 rounding differences (another
+# summation order) into visible differences. float64 agrees to rounding.
+TOLERANCES = {("float32", "sgd"): 2e-5, ("float32", "adam"): 1e-3,
+              ("float64", "sgd"): 1e-12, ("float64", "adam"): 1e-12}
+
+
 def test_same_parameters_as_one_process_on_the_concatenated_batch(launch):
-    for dtype in ("float32", "float64"):
-        for opt in ("sgd", "adam"):
-            for passes in (1, 2):
-                expect(launch, f"equivalence {dtype} {opt} backward_passes_per_step={passes} ",
-                       "bitwise-identical-across-ranks")
+    runs = {(r["dtype"], r["optimizer"], r["passes"]): r
+            for r in reported(launch, "equivalence", "bitwise-identical-across-ranks")}
+    assert set(runs) == {(d, o, p) for d, o in TOLERANCES for p in (1, 2)}, runs
+    for (dtype, opt, passes), run in runs.items():
+        assert run["max_diff"] <= TOLERANCES[dtype, opt], run
 
 
 def test_bucket_sizes_do_not_change_the_result(launch):
-    expect(launch, "bucket_cap_mb 0 / 0.001 / 100 give the same result")
+    run, = reported(launch, "bucket_cap_mb 0 / 0.001 / 100 give the same result")
+    assert len(run["max_diffs"]) == 3 and max(run["max_diffs"]) <= 2e-5, run
 
 
 def test_sum_op_predivide_factor_and_generated_names(launch):
@@ -128,5 +136,7 @@ def test_lbfgs_closure_stays_in_lockstep(launch):
 
 
 def test_last_layer_is_reduced_while_backward_runs(two_ranks):
-    line = expect(two_ranks, "overlap: reduction of")[0]
-    print(line)
+    run, = reported(two_ranks, "overlap: reduction of")
+    # Every step but the first (new names negotiate through rank 0); a noisy machine may
+    # miss one more.
+    assert all(n >= run["steps"] - 2 for n in run["overlapped"]), run

@@ -4,11 +4,13 @@ Each rank's data is a pure function of (rank, tensor name), so every rank comput
 reference for all ranks locally. Prints one 'OK <check>' line per passed group on rank 0 and
 exits non-zero (aborting the job) on the first failure.
 """
+import functools
 import sys
 
 import numpy as np
 import torch
 
+import checks
 import mpiddp
 from reference_data import as64, data
 
@@ -44,13 +46,12 @@ def check_close(name, got, want, dtype):
                              f"tolerance {tol})")
 
 
-def ok(check):
-    if RANK == 0:
-        print(f"OK {check}", flush=True)
+ok = functools.partial(checks.ok, rank=RANK)
 
 
 def check_allreduce():
     """Every op x dtype x size, submitted asynchronously all at once (so they fuse)."""
+    before = mpiddp.engine_stats()
     pending = []
     for dtype in DTYPES:
         for op in OPS:
@@ -61,7 +62,10 @@ def check_allreduce():
                                 mpiddp.allreduce_async(tensor, name=name, op=op)))
     for name, dtype, op, n, handle in pending:
         check_close(name, mpiddp.synchronize(handle), reference(name, (n,), dtype, op), dtype)
-    ok("allreduce every op x dtype x size")
+    after = mpiddp.engine_stats()
+    ok("allreduce every op x dtype x size",
+       **{key: after[key] - before[key] for key in ("ring_batches", "native_batches",
+                                                    "hierarchical_batches", "fused_batches")})
     for op in (mpiddp.Min, mpiddp.Max):
         name = f"ar.bool.{op.name}"
         got = mpiddp.allreduce(data(RANK, name, (33,), torch.bool), name=name, op=op)

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+import checks
 import mpiddp
 from checks import expect
 
@@ -14,7 +15,7 @@ torch.set_num_threads(1)
 
 
 def ok(check):
-    print(f"OK {mpiddp.rank() if mpiddp.is_initialized() else '-'} {check}", flush=True)
+    checks.ok(check, rank=mpiddp.rank() if mpiddp.is_initialized() else "-", every_rank=True)
 
 
 def mismatches():

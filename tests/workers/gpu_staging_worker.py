@@ -8,12 +8,14 @@ float16 user op), broadcast, allgatherv and alltoallv through StagedComm with ti
 issue order; and DirectComm (synchronise before every MPI call, user ops staged).
 Prints 'OK <check>' on rank 0.
 """
+import functools
 import sys
 import zlib
 
 import numpy as np
 from mpi4py import MPI
 
+import checks
 from gpu_fakes import FakeCopier, FakeDeviceArray, RecordingComm
 from mpiddp.buffers.dtypes import dtype_named
 from mpiddp.buffers.host_reduce import reduce_into
@@ -28,10 +30,7 @@ SIZES = [0, 1, 2, 3, 7, 31, 100, 1000, 4099]
 SEGMENT = 40          # bytes: not a multiple of 8, so segments split elements in Sendrecv
 
 
-def ok(what):
-    COMM.Barrier()
-    if RANK == 0:
-        print(f"OK {what}", flush=True)
+ok = functools.partial(checks.ok, rank=RANK, barrier=COMM.Barrier)
 
 
 def data(rank, name, count, dtype):

@@ -8,6 +8,7 @@ Each passed check prints 'OK <check>' once (on rank 0) after every rank passed i
 raises, which aborts the job (the worker runs under ``python -m mpi4py``). The reference runs
 are plain torch in one process (inside rank 0), on the concatenation of every rank's batch.
 """
+import functools
 import math
 import sys
 import time
@@ -17,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checks
 import mpiddp
 from checks import expect
 
@@ -28,11 +30,8 @@ STEPS = 20
 IN, OUT = 12, 4
 
 
-def ok(check: str) -> None:
-    """Every rank passed ``check`` (a rank that failed has raised and aborted the job)."""
-    mpiddp.barrier()
-    if RANK == 0:
-        print(f"OK {check}", flush=True)
+# Every rank passed the check (a rank that failed has raised and aborted the job).
+ok = functools.partial(checks.ok, rank=RANK, barrier=mpiddp.barrier)
 
 
 def mlp(seed=1, dims=(IN, 32, 32, OUT)) -> nn.Sequential:
@@ -136,17 +135,19 @@ def equivalence():
                     tol=TOLERANCES[dtype, opt_name])
                 assert_identical_everywhere(model, f"{opt_name}.{passes}.{dtype}")
                 ok(f"equivalence {str(dtype)[6:]} {opt_name} backward_passes_per_step={passes} "
-                   f"ranks={SIZE} steps={STEPS} max_diff={diff:.2e} "
-                   "bitwise-identical-across-ranks")
+                   f"ranks={SIZE} steps={STEPS} bitwise-identical-across-ranks",
+                   dtype=str(dtype)[6:], optimizer=opt_name, passes=passes, max_diff=diff)
     torch.set_default_dtype(torch.float32)
 
     # Submission granularity: every gradient on its own (0), tiny buckets, and one bucket.
     reference = train_reference(OPTIMIZERS["sgd"])
+    diffs = []
     for cap in (0, 0.001, 100):
         model, opt = train_distributed(OPTIMIZERS["sgd"], bucket_cap_mb=cap)
-        diff = assert_close_to_reference(model, reference, f"bucket_cap_mb={cap}", tol=2e-5)
+        diffs.append(assert_close_to_reference(model, reference, f"bucket_cap_mb={cap}",
+                                               tol=2e-5))
         assert_identical_everywhere(model, f"cap{cap}")
-    ok(f"bucket_cap_mb 0 / 0.001 / 100 give the same result (max_diff {diff:.1e})")
+    ok("bucket_cap_mb 0 / 0.001 / 100 give the same result", max_diffs=diffs)
 
     # op=Sum with lr/size, and Average with gradient_predivide_factor, give the same result.
     model, _ = train_distributed(lambda p: torch.optim.SGD(p, lr=0.05 / SIZE, momentum=0.9,
@@ -212,7 +213,9 @@ def overlap():
     text = "; ".join(f"rank {r}: {o}/{steps} steps, before first-layer grad in {e}, median "
                      f"lead {ld * 1e3:.1f} ms of {bt * 1e3:.1f} ms backward"
                      for r, (o, e, ld, bt) in enumerate(leads))
-    ok(f"overlap: reduction of '{last}' started before loss.backward() returned ({text})")
+    ok(f"overlap: reduction of '{last}' started before loss.backward() returned ({text})",
+       steps=steps, overlapped=[o for o, _, _, _ in leads],
+       before_first_layer_gradient=[e for _, e, _, _ in leads])
 
 
 # ---- unused parameters ------------------------------------------------------------------
