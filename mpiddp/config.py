@@ -111,6 +111,10 @@ class Settings:
     # all-gather) where several nodes have the same number (> 1) of ranks: auto = for the
     # messages that take the ring (above ring_threshold), 1 = for every fused buffer, 0 = never.
     hierarchical_allreduce: str = setting("auto", Choice(TRI_STATE))
+    # Bytes of prioritized all-reduces (forward overlap's gradients) a cycle runs at most;
+    # the less urgent rest waits one cycle, so an urgent gradient never queues behind more
+    # than this much on the wire (0 = no limit: a cycle runs everything that is ready).
+    priority_cycle_bytes: int = setting(4 * 1024 * 1024, Number(int))
     # Abort the whole MPI job when a rank dies of an uncaught exception.
     abort_on_exception: bool = setting(True, Boolean())
     # Record a timeline of engine events (negotiation and execution times) from init() on:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -105,9 +106,10 @@ def random_schedule(seed: int, size: int, rounds: int, names_per_round: int,
     return plan
 
 
-def play(cluster: FakeCluster, plan) -> dict:
+def play(cluster: FakeCluster, plan, prioritized: bool = False) -> dict:
     """Every rank submits its schedule round by round and waits for its handles; returns the
-    number of completed and failed handles per rank."""
+    number of completed and failed handles per rank. ``prioritized``: all-reduces carry a
+    priority derived from their name (the same on every rank), 0 for every fifth."""
     def work(rank, engine):
         done = failed = 0
         for round_ in plan[rank]:
@@ -115,7 +117,8 @@ def play(cluster: FakeCluster, plan) -> dict:
             for group, delay in round_:
                 if delay:
                     time.sleep(delay)
-                entries = [entry(name, kind, shape, root=0 if kind == BROADCAST else -1)
+                entries = [entry(name, kind, shape, root=0 if kind == BROADCAST else -1,
+                                 priority=(int(name[1:]) % 5 if prioritized else 0))
                            for name, shape, kind, _ in group]
                 handles += [(h, err) for h, (_, _, _, err)
                             in zip(engine.submit_many(entries), group)]
@@ -145,6 +148,24 @@ def test_random_schedules_execute_identically_everywhere(size):
     assert len(order) == expected, "a name was lost or run twice"
     assert all(done + failed == expected for done, failed in counts)
     assert counts[0][1] > 0, "the schedule should contain mismatches"
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_prioritized_schedules_with_a_tiny_cycle_budget_lose_nothing(size):
+    """Prioritized all-reduces cut by a budget of one tensor per cycle, under constant cache
+    eviction: the cut ones wait and are evicted and renegotiated, yet every name runs once,
+    in the same order on every rank."""
+    cluster = FakeCluster(size, cache_capacity=4, priority_cycle_bytes=1)
+    try:
+        plan = random_schedule(seed=10 + size, size=size, rounds=30, names_per_round=6,
+                               max_delay=0.002)
+        counts = play(cluster, plan, prioritized=True)
+        order = assert_same_order(cluster)
+    finally:
+        cluster.shutdown()
+    expected = sum(len(group) for round_ in plan[0] for group, _ in round_)
+    assert len(order) == expected, "a name was lost or run twice"
+    assert all(done + failed == expected for done, failed in counts)
 
 
 def test_soak_ten_thousand_cycles(soak_cycles):
@@ -277,6 +298,36 @@ def test_protocol_alone_encodes_and_agrees_without_threads():
     results, bits = cycle()
     assert not bits.slow and {r.name for r in results[0].ready} == {"a", "b"}
     assert [r.name for r in results[0].ready] == [r.name for r in results[1].ready]
+
+
+def test_urgent_allreduces_overtake_less_urgent_ones_within_the_cycle_budget():
+    """Three prioritized 1 KiB all-reduces and a budget of 1 KiB: one runs per cycle, most
+    urgent first; one submitted later with a higher urgency overtakes those still waiting.
+    Unprioritized names are never held back."""
+    settings = replace(TEST_SETTINGS, priority_cycle_bytes=1024)
+    ranks = [CycleProtocol(r, 2, settings) for r in range(2)]
+
+    def cycle():
+        messages = [p.encode(shutdown_requested=False) for p in ranks]
+        reduced = int.from_bytes(messages[0], "little") & int.from_bytes(messages[1], "little")
+        bits = [p.decode(reduced.to_bytes(len(messages[0]), "little")) for p in ranks]
+        plan = None
+        if bits[0].slow:
+            plan = ranks[0].make_plan([p.slow_message(b, None) for p, b in zip(ranks, bits)])
+        results = [p.conclude(b, plan) for p, b in zip(ranks, bits)]
+        assert [r.name for r in results[0].ready] == [r.name for r in results[1].ready]
+        return [r.name for r in results[0].ready]
+
+    for p in ranks:
+        p.add([entry(f"layer{i}", shape=(256,), priority=i) for i in (3, 2, 1)]
+              + [entry("plain", shape=(1024,))])
+    assert cycle() == ["plain", "layer1"]
+    for p in ranks:
+        p.add([entry("layer0", shape=(256,), priority=1)])
+    assert cycle() == ["layer0"]
+    assert cycle() == ["layer2"]
+    assert cycle() == ["layer3"]
+    assert all(not p.pending for p in ranks)
 
 
 def test_input_rejected_on_one_rank_fails_on_every_rank():

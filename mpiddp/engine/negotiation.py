@@ -30,6 +30,9 @@ class ResponseCache:
     def response(self, slot: int) -> Response:
         return self._by_slot[slot]
 
+    def holds(self, slot: int) -> bool:
+        return slot in self._by_slot
+
     def put(self, slot: int, response: Response) -> None:
         self.evict(slot)
         old = self._slot_by_name.get(response.name)

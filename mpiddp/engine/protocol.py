@@ -14,7 +14,10 @@ A cycle, on every rank:
    complete names, assigns cache slots, decides shutdown and stall reports; the ``Plan`` is
    broadcast.
 5. ``conclude()``: cached ready names and the plan's responses, in that order, become the
-   ``CycleResult`` that every rank executes identically.
+   ``CycleResult`` that every rank executes identically. Prioritized all-reduces
+   (``Request.priority > 0``) go last, most urgent first, up to ``priority_cycle_bytes``; the
+   rest stay pending for the next cycle. Every rank computes the same cut from the same agreed
+   list, so the ranks never disagree on what runs.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
+from ..buffers.dtypes import dtype_named
 from ..config import Settings
 from .negotiation import RequestTable, ResponseCache, cacheable
 from .request import ALLREDUCE, Entry
@@ -244,7 +248,7 @@ class CycleProtocol:
         for response in responses:
             if cacheable(response):
                 slot = self.cache.next_slot()
-                self.cache.put(slot, response)
+                self._cache_put(slot, response)
                 cache_updates.append((slot, response))
         shutdown = [f"rank {rank}: {message.shutdown}"
                     for rank, message in enumerate(messages) if message.shutdown]
@@ -265,6 +269,17 @@ class CycleProtocol:
                     shutdown="; ".join(shutdown) if shutdown else None, stall=stall_text,
                     joined=tuple(sorted(joined)), table_waiting=len(self.table) > 0)
 
+    def _cache_put(self, slot: int, response) -> None:
+        """Put an agreed response in ``slot``. A name still pending here whose slot is taken
+        (least recently used) goes back through rank 0: without its slot it could never be
+        ready again. Every rank evicts the same slot, so they all send it again."""
+        if self.cache.holds(slot):
+            evicted = self.cache.response(slot).name
+            entry = self.pending.get(evicted)
+            if entry is not None and evicted != response.name:
+                entry.sent = False
+        self.cache.put(slot, response)
+
     # ---- 5. conclude ----------------------------------------------------------------------
     def conclude(self, bits: CycleBits, plan: Optional[Plan]) -> CycleResult:
         """The ordered list to execute: cached ready names (slot order), then the plan's."""
@@ -272,13 +287,14 @@ class CycleProtocol:
         if plan is not None:
             if self.rank != 0:
                 for slot, response in plan.cache:
-                    self.cache.put(slot, response)
+                    self._cache_put(slot, response)
             self._others_joined = bool(plan.joined)
             self._table_waiting = plan.table_waiting
             if plan.stall:
                 # Every rank learns why it waits; rank 0 has already logged the warning.
                 log.debug("stall report from rank 0:\n%s", plan.stall)
             ready = ready + plan.responses
+        ready = self._by_urgency(ready)
         entries = {}
         for response in ready:
             entry = self.pending.pop(response.name, None)
@@ -291,3 +307,25 @@ class CycleProtocol:
         all_known = bool(self.pending) and not self._table_waiting and self._all_pending_cached
         lacking = bool(bits.pending_bits & ~self._my_pending_bits)
         return CycleResult(ready, entries, stop_reason, join_complete, all_known, lacking)
+
+    def _by_urgency(self, ready: list) -> list:
+        """``ready`` with the prioritized all-reduces last, most urgent first, cut after
+        ``priority_cycle_bytes``; the cut ones stay pending (they are cached, so they are
+        ready again in the next cycle, next to anything more urgent submitted meanwhile).
+        Unchanged when nothing in it has a priority (the standard path)."""
+        if not any(response.request.priority for response in ready):
+            return ready
+        def urgent(r):
+            return r.request.priority and r.request.kind == ALLREDUCE and r.error is None
+        plain = [r for r in ready if not urgent(r)]
+        by_urgency = sorted(filter(urgent, ready), key=lambda r: r.request.priority)
+        budget = self.settings.priority_cycle_bytes
+        taken, used = [], 0
+        for response in by_urgency:
+            request = response.request
+            if budget and taken and used >= budget and self.cache.slot_of(request.name) \
+                    is not None:
+                continue                # waits one cycle (still pending, still cached)
+            taken.append(response)
+            used += request.numel * dtype_named(request.dtype).itemsize
+        return plain + taken

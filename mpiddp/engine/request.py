@@ -43,6 +43,11 @@ class Request(NamedTuple):
     # This rank rejected its own input (the reason): the request only tells the other ranks,
     # so that the collective fails on every rank instead of leaving them waiting.
     invalid: Optional[str] = None
+    # > 0: an all-reduce the engine may schedule by urgency (1 = most urgent): in a cycle,
+    # ready prioritized all-reduces run most urgent first, up to Settings.priority_cycle_bytes,
+    # and the rest wait one cycle so that more urgent ones submitted meanwhile overtake them
+    # (forward overlap: the next forward needs the first layers' gradients first).
+    priority: int = 0
 
     @property
     def device_type(self) -> str:

@@ -24,7 +24,7 @@ log = logging.getLogger("mpiddp")
 
 # Settings every rank must share: they decide message sizes, fusion plans and algorithms.
 PROTOCOL_SETTINGS = ("fusion_threshold", "cache_capacity", "allreduce_algorithm",
-                     "ring_threshold", "hierarchical_allreduce")
+                     "ring_threshold", "hierarchical_allreduce", "priority_cycle_bytes")
 
 
 class Runtime:
