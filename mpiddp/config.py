@@ -115,6 +115,10 @@ class Settings:
     # the less urgent rest waits one cycle, so an urgent gradient never queues behind more
     # than this much on the wire (0 = no limit: a cycle runs everything that is ready).
     priority_cycle_bytes: int = setting(4 * 1024 * 1024, Number(int))
+    # DistributedOptimizer(overlap_forward=None) turns forward overlap on (docs/training.md):
+    # step() returns before the gradients are averaged; each parameter is updated just before
+    # the next forward uses it. An explicit overlap_forward=True/False wins.
+    overlap_forward: bool = setting(False, Boolean())
     # Abort the whole MPI job when a rank dies of an uncaught exception.
     abort_on_exception: bool = setting(True, Boolean())
     # Record a timeline of engine events (negotiation and execution times) from init() on:

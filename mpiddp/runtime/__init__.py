@@ -14,6 +14,8 @@ from .api import (cross_rank, cross_size, engine_stats, init, is_initialized,  #
                   set_allreduce_algorithm, shutdown, size, start_timeline, stop_timeline,
                   timeline_events)
 from .current import require  # noqa: E402
+from .deferred_work import complete_all as complete_deferred_work  # noqa: E402
+from .deferred_work import register as register_deferred_work  # noqa: E402
 from .process_set_table import GLOBAL_ID, ProcessSet, global_process_set  # noqa: E402
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",

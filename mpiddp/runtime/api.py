@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from ..config import ALGORITHMS
 from ..docstrings import shared_doc
-from . import current
+from . import current, deferred_work
 from .lifecycle import Runtime
 from .process_set_table import ProcessSet
 
@@ -70,6 +70,8 @@ def shutdown() -> None:
     runtime = current.get()
     if runtime is None:
         return
+    if runtime.engine.running:          # e.g. forward overlap's deferred parameter updates
+        deferred_work.complete_all(quiet=True)
     runtime.stop()
     current.clear()
 

@@ -415,4 +415,6 @@ def join(device: int = -1) -> int:
     """
     if isinstance(device, bool) or not isinstance(device, int):
         raise TypeError(f"join(device=...) takes a device index, not {type(device).__name__}")
-    return runtime.require_engine("join()").join().wait()
+    engine = runtime.require_engine("join()")
+    runtime.complete_deferred_work()     # forward overlap's updates need the other ranks now
+    return engine.join().wait()

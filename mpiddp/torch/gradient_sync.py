@@ -142,6 +142,8 @@ class GradientSync:
         self.synchronized = False
         self.skip_synchronize = False
         self.end_of_backward_queued = False
+        # param -> all-reduce priority (1 = most urgent); empty: no priorities (standard path)
+        self.priorities: dict[torch.Tensor, int] = {}
 
     # ---- registration -------------------------------------------------------------------
     def add(self, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -239,7 +241,8 @@ class GradientSync:
         for param in self.bucket:
             item = self.pending[param]
             entries.append(allreduce_request_(item.wire, self.names[param], self.op,
-                                              self.prescale, self.postscale))
+                                              self.prescale, self.postscale,
+                                              priority=self.priorities.get(param, 0)))
             items.append(item)
         self.bucket = []
         self.bucket_bytes = 0
@@ -251,44 +254,36 @@ class GradientSync:
     # ---- synchronize ----------------------------------------------------------------------
     def synchronize(self) -> None:
         """Submit what is missing, wait for every reduction and write the results back."""
+        round_ = self.start_round()
+        if round_ is None:
+            return
+        try:
+            round_.finish()
+        finally:
+            self.synchronized = round_.error is None
+
+    def start_round(self) -> Optional["Round"]:
+        """Submit what is missing (see ``synchronize``) and hand the reductions in flight over
+        to a ``Round``, without waiting; None when nothing happened since the last round."""
         with self.lock:
             self._adopt_unfrozen()
             params = self._reduced_params()
             if not params or (self.synchronized and not self.pending and not self.passes):
-                return                   # nothing happened since the last synchronize
+                return None
             # Every rank must reduce the same names: submit what the hooks did not.
             for param in params:
                 if param not in self.pending:
                     # no gradient on this rank (zeros), or fewer than backward_passes_per_step
                     self._queue(param, zeros=param.grad is None)
             usage, usage_handle = self._flush_with_usage(params)
-            position = {param: i for i, param in enumerate(params)}   # in ``usage``
             # In the order of submission (the order ``pending`` was filled, bucket by bucket):
             # the order the reductions finish.
-            pending = list(self.pending.items())
+            round_ = Round(self, self.pending, usage, usage_handle,
+                           {param: i for i, param in enumerate(params)})
             self.pending = {}
             self.passes = {}
             self.trainable = sum(1 for p in params if p.requires_grad)
-        error = None
-        with torch.no_grad():
-            # Wait in the order of submission and write each result back at once: the casts
-            # and copies of the early ones overlap the later ones' transfers. Gradients this
-            # rank did not have wait for the usage vector, submitted last, which says whether
-            # any rank had one.
-            for param, item in pending:
-                if not item.local_zeros:
-                    error = self._write_back(param, item, None, error)
-            try:
-                wait_for(usage_handle)   # submitted with the last gradients: done with them
-            except BaseException as exc:
-                error = error or exc
-            for param, item in pending:
-                if item.local_zeros:
-                    used = error is None and bool(usage[position[param]])
-                    error = self._write_back(param, item, used, error)
-        self.synchronized = error is None
-        if error is not None:
-            raise error
+            return round_
 
     def _write_back(self, param: torch.Tensor, item: Pending, used, error):
         """Wait for one reduction and put its result into ``param.grad``. ``used`` (for a
@@ -333,6 +328,64 @@ class GradientSync:
             self.synchronize()
         with self.lock:
             self.passes = {}
+
+
+class Round:
+    """The reductions of one step in flight, from ``GradientSync.start_round``: ``finish``
+    waits for some or all of them and writes each result into ``param.grad``. Gradients this
+    rank did not have wait for the usage vector (submitted with the last ones), which says
+    whether any rank had one. After an error the rest are still waited for (no stray writes
+    later) and the first error is raised."""
+
+    def __init__(self, sync: GradientSync, items: dict, usage, usage_handle, position: dict):
+        self.sync = sync
+        self.items: dict[torch.Tensor, Pending] = dict(items)   # not written back yet
+        self.usage, self.usage_handle, self.position = usage, usage_handle, position
+        self.usage_known = False
+        self.error: Optional[BaseException] = None
+
+    def __contains__(self, param) -> bool:
+        return param in self.items
+
+    def ready(self, param) -> bool:
+        """Whether ``param``'s result can be written back without waiting."""
+        item = self.items[param]
+        if item.handle is None:
+            return True                 # its submission failed: nothing to wait for
+        if not item.handle.done():
+            return False
+        return not item.local_zeros or self.usage_handle.done()
+
+    def finish(self, params=None) -> None:
+        """Write back ``params`` (default: all that are left), in submission order: the casts
+        and copies of the early ones overlap the later ones' transfers."""
+        wanted = None if params is None else {id(p) for p in params}
+        chosen = [(p, item) for p, item in self.items.items()
+                  if wanted is None or id(p) in wanted]
+        with torch.no_grad():
+            for param, item in chosen:
+                if not item.local_zeros:
+                    self.error = self.sync._write_back(param, item, None, self.error)
+                    del self.items[param]
+            if any(item.local_zeros for _, item in chosen) or not self.items:
+                self._wait_usage()      # needed for zeros; and nothing stays in flight
+            for param, item in chosen:
+                if item.local_zeros:
+                    used = self.error is None and bool(self.usage[self.position[param]])
+                    self.error = self.sync._write_back(param, item, used, self.error)
+                    del self.items[param]
+        if self.error is not None and params is not None and self.items:
+            self.finish()               # the first error ends the whole round
+        if self.error is not None:
+            raise self.error
+
+    def _wait_usage(self) -> None:
+        if not self.usage_known:
+            self.usage_known = True
+            try:
+                wait_for(self.usage_handle)   # submitted with the last gradients
+            except BaseException as exc:
+                self.error = self.error or exc
 
 
 def _make_hook(ref):

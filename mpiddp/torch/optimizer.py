@@ -14,7 +14,9 @@ and LR schedulers keep working) with four methods changed:
 * ``synchronize()``, ``skip_synchronize()`` and ``set_backward_passes_per_step()`` are added.
 
 The gradients themselves (hooks, buckets, reductions, writing averages back, and when that
-happens) are ``GradientSync``'s job (``gradient_sync.py``); this module wraps and sets up.
+happens) are ``GradientSync``'s job (``gradient_sync.py``); with ``overlap_forward`` the
+update itself is deferred into the next forward (``forward_overlap.py``); this module wraps
+and sets up.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from ..runtime import ProcessSet
 from .collectives import allreduce
 from .compression import Compression
 from .functions import allgather_object
+from .forward_overlap import ForwardOverlap
 from .gradient_sync import OWNER_ATTR, GradientSync
 
 __all__ = ["DistributedOptimizer"]
@@ -60,6 +63,7 @@ class _DistributedOptimizer:
                 earlier error.
             RuntimeError: a sparse gradient without ``sparse_as_dense=True``.
         """
+        _complete_overlap(self._mpiddp)
         self._mpiddp.synchronize()
 
     @contextlib.contextmanager
@@ -97,6 +101,7 @@ class _DistributedOptimizer:
             MpiddpError: the reductions in flight failed (see ``synchronize``).
         """
         _check_passes(passes)
+        _complete_overlap(self._mpiddp)
         self._mpiddp.wait_all()
         self._mpiddp.passes_per_step = passes
 
@@ -124,12 +129,16 @@ class _DistributedOptimizer:
             MpiddpError: a reduction failed (see ``synchronize``).
         """
         sync = self._mpiddp
+        overlap = _overlap_of(sync)
         if sync.skip_synchronize:
-            if sync.pending:
+            if sync.pending or (overlap is not None and overlap.round is not None
+                                and overlap.deferred is None):
                 raise RuntimeError(
                     "optimizer.step() inside skip_synchronize() while gradient reductions are "
                     "still in flight: call optimizer.synchronize() before the block")
         sync.marks.record("step_begin")
+        if overlap is not None and not sync.skip_synchronize and overlap.step(closure):
+            return None                 # runs parameter by parameter in the next forward
         if not sync.skip_synchronize and (closure is None or sync.pending or sync.passes):
             sync.schedule.before_step(sync)
         if closure is not None and not sync.skip_synchronize:
@@ -149,8 +158,32 @@ class _DistributedOptimizer:
         Raises:
             MpiddpError: a reduction in flight failed (see ``synchronize``).
         """
+        overlap = _overlap_of(self._mpiddp)
+        if overlap is not None and overlap.zero_grad(
+                set_to_none, lambda params: _clear_grads(params, set_to_none)):
+            return                      # the deferred ones are cleared after their update
         self._mpiddp.wait_all()
         super().zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's ``state_dict()``, after any deferred update
+        (``overlap_forward``) has run.
+
+        Returns:
+            The state, as ``torch.optim.Optimizer.state_dict`` returns it.
+        """
+        _complete_overlap(self._mpiddp)
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The wrapped optimizer's ``load_state_dict()``, after any deferred update
+        (``overlap_forward``) has run.
+
+        Args:
+            state_dict: as for ``torch.optim.Optimizer.load_state_dict``.
+        """
+        _complete_overlap(self._mpiddp)
+        super().load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a param group, as the wrapped optimizer does, and reduce its gradients too.
@@ -166,6 +199,7 @@ class _DistributedOptimizer:
             TensorMismatchError: the ranks added different parameters (names, shapes,
                 dtypes); raised on every rank.
         """
+        _complete_overlap(self._mpiddp)
         before = {id(p) for g in self.param_groups for p in g["params"]}
         super().add_param_group(param_group)
         sync = self._mpiddp
@@ -175,12 +209,41 @@ class _DistributedOptimizer:
                  for i, p in enumerate(new)]
         _check_same_everywhere(sync, named, f"add_param_group (group {group_index})")
         sync.add(named)
+        overlap = _overlap_of(sync)
+        if overlap is not None:
+            overlap.adopt_new_params()
 
 
 # Tell torch.optim that ``step`` needs no profiling/hook wrapper of its own: the wrapped
 # class's step (already wrapped by torch) runs the optimizer step hooks once, after the
 # gradients are averaged. Without this, load_state_dict() would wrap ours too.
 _DistributedOptimizer.step.hooked = True
+
+
+def _overlap_of(sync: GradientSync) -> Optional[ForwardOverlap]:
+    return sync.schedule if isinstance(sync.schedule, ForwardOverlap) else None
+
+
+def _complete_overlap(sync: GradientSync) -> None:
+    """Run what forward overlap has deferred (a no-op without it)."""
+    overlap = _overlap_of(sync)
+    if overlap is not None:
+        overlap.complete()
+
+
+def _clear_grads(params, set_to_none: bool) -> None:
+    """``zero_grad`` for some parameters, as ``torch.optim.Optimizer.zero_grad`` does."""
+    for param in params:
+        if param.grad is None:
+            continue
+        if set_to_none:
+            param.grad = None
+        else:
+            if param.grad.grad_fn is not None:
+                param.grad.detach_()
+            else:
+                param.grad.requires_grad_(False)
+            param.grad.zero_()
 
 
 def _synchronized_closure(optimizer, closure):
@@ -296,7 +359,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          gradient_predivide_factor: float = 1.0,
                          sparse_as_dense: bool = False,
                          bucket_cap_mb: float = 4.0,
-                         process_set: ProcessSet | None = None) -> torch.optim.Optimizer:
+                         process_set: ProcessSet | None = None,
+                         overlap_forward: Optional[bool] = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged across all ranks.
 
     Args:
@@ -321,6 +385,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             gradient on its own. See docs/training.md for measurements.
         process_set: average the gradients among this ``ProcessSet``'s ranks only (each set
             trains its own replica); default None: every rank. Only its ranks may build it.
+        overlap_forward: True: ``step()`` returns before the gradients are averaged and
+            each parameter is updated just before the next forward (or anything else) uses
+            it, so the reductions overlap the next forward; results are the same as
+            without it. Default None: the ``MPIDDP_OVERLAP_FORWARD`` setting (off unless
+            set). Not with a closure-based optimizer (LBFGS). See docs/training.md.
 
     Construction is collective: every rank must build its DistributedOptimizers in the same
     order, for the same parameters. Different models on different ranks raise
@@ -341,7 +410,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             not a positive integer; ``op`` is not Average or Sum;
             ``gradient_predivide_factor`` is not positive, or not 1.0 with Sum;
             ``bucket_cap_mb`` is negative; ``named_parameters`` repeats a name for different
-            parameters or misses parameters of ``optimizer``.
+            parameters or misses parameters of ``optimizer``; ``overlap_forward`` with
+            ``torch.optim.LBFGS`` (it steps with a closure).
         TensorMismatchError: the ranks' trainable parameters (names, shapes, dtypes) or
             settings (``backward_passes_per_step``, ``op``, ``compression``,
             ``gradient_predivide_factor``) differ; raised on every rank.
@@ -376,7 +446,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
     named, name_map = _names_for(optimizer, named_parameters)
     # Bad arguments are reported before a missing init(), as Horovod does.
-    runtime.require("DistributedOptimizer()")
+    settings = runtime.require("DistributedOptimizer()").settings
+    if overlap_forward is None:
+        overlap_forward = settings.overlap_forward
+    if overlap_forward and isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("DistributedOptimizer(overlap_forward=True) cannot wrap LBFGS: it "
+                         "steps with a closure that evaluates the model, which a deferred "
+                         "update would leave stale. Use overlap_forward=False.")
     for name, param in named:
         owner = getattr(param, OWNER_ATTR, None)
         if owner is not None and owner() is not None:
@@ -410,6 +486,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         step._wrapped_by_lr_sched = True
         wrapped.__dict__["step"] = step
     wrapped.__dict__["_mpiddp"] = sync
+    if overlap_forward and sync.params:
+        # The wrapped class's own step, run parameter subset by subset in the next forward.
+        wrapped_ref = weakref.ref(wrapped)
+        sync.schedule = ForwardOverlap(
+            sync, lambda: super(_DistributedOptimizer, wrapped_ref()).step())
+        sync.schedule.attach(wrapped)
     # Horovod's parameter -> name map, read by scripts and tests.
     wrapped.__dict__["_parameter_names"] = {param: name for name, param in named}
     return wrapped

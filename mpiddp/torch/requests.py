@@ -226,7 +226,8 @@ def submit_checked(engine, kind: str, names: list[str], build: Callable[[], Buil
 
 
 def allreduce_request_(tensor: torch.Tensor, name: str, op: ReduceOp | int = ReduceOp.AVERAGE,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Entry:
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       priority: int = 0) -> Entry:
     """Check ``tensor`` and describe an in-place all-reduce of it named ``name``, without
     submitting it: a building block for framework glue (``DistributedOptimizer``) that
     submits many at once with ``submit_together``. Does not need ``init()``.
@@ -238,6 +239,8 @@ def allreduce_request_(tensor: torch.Tensor, name: str, op: ReduceOp | int = Red
         prescale_factor: multiply by this before the reduction (floating-point only).
             Default 1.0.
         postscale_factor: multiply the result by this (floating-point only). Default 1.0.
+        priority: 0 (default) runs in submission order; > 0 lets the engine run it by
+            urgency, 1 first (the same on every rank; see ``Request.priority``).
 
     Returns:
         The request, to pass to ``submit_together``.
@@ -251,8 +254,11 @@ def allreduce_request_(tensor: torch.Tensor, name: str, op: ReduceOp | int = Red
     """
     if not tensor.is_contiguous():
         raise ValueError(f"allreduce_request_ of '{name}' needs a contiguous tensor")
-    return allreduce_entry(tensor, tensor, name, ReduceOp(op), prescale_factor,
-                           postscale_factor)
+    entry = allreduce_entry(tensor, tensor, name, ReduceOp(op), prescale_factor,
+                            postscale_factor)
+    if priority:
+        entry.request = entry.request._replace(priority=int(priority))
+    return entry
 
 
 def submit_together(entries: list[Entry],

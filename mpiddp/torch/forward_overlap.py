@@ -1,0 +1,326 @@
+"""Forward overlap: ``step()`` returns before the gradients are averaged, and each parameter is
+updated just before the next forward (or anything else) uses it.
+
+``DistributedOptimizer(..., overlap_forward=True)`` (or ``MPIDDP_OVERLAP_FORWARD=1``) makes
+``ForwardOverlap`` the gradient schedule. A step goes through three phases:
+
+1. **Backward.** Gradients are submitted as they become final, as on the standard path, each
+   with a priority: its parameter's position in the optimizer (``named_parameters`` order,
+   normally forward order), so the engine runs the first layers' gradients, which the next
+   forward needs first, ahead of later ones (``Request.priority``). At the end of backward
+   the rest is submitted and ``backward()`` returns without waiting.
+2. **Before ``step()``.** The gradients are still being averaged. Anything that reads one
+   (``clip_grad_norm_``, ``GradScaler.unscale_``, logging a gradient) makes this step fall
+   back to the full synchronization, said once in the log: it needs every averaged gradient.
+3. **After ``step()``.** ``step()`` records the optimizer's hyperparameters of this step
+   (an LR scheduler may change them before the update runs) and returns. When a torch
+   operation first touches a parameter (or its gradient), its reduction is waited for and the
+   wrapped optimizer steps on that parameter, together with every other one whose reduction
+   has already finished, with the recorded hyperparameters. Subsets of a step give the same
+   values as the whole step: the optimizers' updates are elementwise per parameter.
+
+Touches are seen by a ``TorchFunctionMode`` on the training thread (``_Guard``): every torch
+function and tensor method on a watched tensor, in a module's forward or anywhere else
+(functional use, tied or shared weights, ``state_dict()``, ``torch.no_grad()`` inference,
+saving). What it cannot see is completed at the next safe point: the optimizer's own
+``synchronize()``, ``state_dict()``, ``load_state_dict()``, ``add_param_group()``, the next
+backward (a parameter no forward used), and ``mpiddp.shutdown()``.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from typing import Callable, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .. import runtime
+from .gradient_sync import GradientSync, Round
+
+log = logging.getLogger("mpiddp")
+
+_live: "weakref.WeakSet[ForwardOverlap]" = weakref.WeakSet()
+
+
+class DeferredStep:
+    """A ``step()`` that has not run yet: the hyperparameters of every param group at the
+    time of the call, and the parameters still to update."""
+
+    def __init__(self, optimizer):
+        self.options = [{k: v for k, v in group.items() if k != "params"}
+                        for group in optimizer.param_groups]
+        self.params: dict[int, torch.Tensor] = {}
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                self.params[id(param)] = param
+        self.clear_grads: Optional[bool] = None   # zero_grad() called: set_to_none or zero
+
+
+class ForwardOverlap:
+    """The forward-overlap schedule of one ``DistributedOptimizer`` (module docstring)."""
+
+    def __init__(self, sync: GradientSync, optimizer_step: Callable[[], object]):
+        self.sync = sync
+        self.optimizer_step = optimizer_step      # the wrapped optimizer's own step()
+        self._optimizer = lambda: None            # weak: set by attach()
+        self.hook_handles: list = []
+        self.round: Optional[Round] = None        # reductions in flight
+        self.deferred: Optional[DeferredStep] = None
+        self.watched: dict[int, torch.Tensor] = {}  # id(tensor) -> the parameter it guards
+        self.busy = False                         # completing: our own torch calls pass
+        self.fallback_logged = False
+        self.deferred_steps = 0                   # steps that returned before their update
+        # One guard per training thread (torch function modes are per thread); the builder's
+        # thread gets one now, another thread at its first step().
+        self.guards: dict[int, _Guard] = {}
+        self.guard_this_thread()
+        # Whether a guard saw torch calls since the last round started: the forward ran
+        # where reads are seen. Checked at the end of backward, which may run on an
+        # autograd device thread that cannot tell which thread called backward().
+        self.forward_guarded = False
+        self.adopt_new_params()
+        _live.add(self)
+
+    def attach(self, optimizer) -> None:
+        self._optimizer = weakref.ref(optimizer)
+
+    @property
+    def optimizer(self):
+        return self._optimizer()
+
+    def adopt_new_params(self) -> None:
+        """Priorities for every reduced parameter, in the optimizer's order (the first is the
+        most urgent: the next forward needs it first), and a hook that completes a deferred
+        update before backward accumulates a new gradient into the parameter (one no torch
+        call touched in the forward, e.g. used only by a custom C++ op)."""
+        hooked = set(map(id, self.sync.priorities))
+        ref = weakref.ref(self)
+        for param in self.sync.params:
+            if id(param) not in hooked and param.requires_grad:
+                self.hook_handles.append(param.register_hook(_before_accumulate(ref, param)))
+        self.sync.priorities = {param: i + 1 for i, param in enumerate(self.sync.params)}
+
+    # ---- the Schedule protocol ----------------------------------------------------------
+    def end_of_backward(self, sync: GradientSync) -> None:
+        if not sync.pending:
+            return
+        self.complete()          # parameters the last forward did not use
+        if not self.forward_guarded:
+            self._log_fallback("the forward ran on a thread mpiddp does not guard yet (its "
+                               "first step there)")
+            sync.synchronize()
+            return
+        sync.marks.record("backward_end")
+        self.forward_guarded = False
+        self.round = sync.start_round()
+        self._watch_gradients()
+
+    def before_step(self, sync: GradientSync) -> None:
+        self.complete()
+        sync.synchronize()
+
+    # ---- the optimizer's entry points -----------------------------------------------------
+    def step(self, closure) -> bool:
+        """Defer this step; False when it must run now (nothing in flight: the gradients
+        were set by hand, or this step fell back to the full synchronization)."""
+        if closure is not None:
+            raise RuntimeError(
+                "DistributedOptimizer(overlap_forward=True) cannot step with a closure: the "
+                "closure evaluates the model while the update is deferred. Use "
+                "overlap_forward=False with closure-based optimizers such as LBFGS.")
+        if self.deferred is not None:              # step() twice without a forward between
+            self.complete()
+        self.guard_this_thread()
+        if self.round is None:
+            return False
+        self.deferred = DeferredStep(self.optimizer)
+        self.deferred_steps += 1
+        watched = {}                # built apart: reading .grad is a watched torch call
+        with self._internal():
+            for param in self.deferred.params.values():
+                watched[id(param)] = param
+                if param.grad is not None:
+                    watched[id(param.grad)] = param
+            for item_param, item in self.round.items.items():
+                if item.wire is not None:
+                    watched[id(item.wire)] = item_param
+        self.watched = watched
+        self.sync.marks.record("step_deferred")
+        return True
+
+    @contextlib.contextmanager
+    def _internal(self):
+        """Our own torch calls pass the guard."""
+        busy, self.busy = self.busy, True
+        try:
+            yield
+        finally:
+            self.busy = busy
+
+    def zero_grad(self, set_to_none: bool, zero_now: Callable[[list], None]) -> bool:
+        """Clear gradients without waiting for a deferred update: those of parameters still
+        to update are cleared right after their update. False when there is nothing
+        deferred (the caller clears as usual)."""
+        if self.deferred is None:
+            self.complete()
+            return False
+        self.deferred.clear_grads = set_to_none
+        with self._internal():
+            zero_now([p for group in self.optimizer.param_groups for p in group["params"]
+                      if id(p) not in self.deferred.params])
+        return True
+
+    # ---- completing ---------------------------------------------------------------------
+    def complete(self, params=None) -> None:
+        """Finish the reductions and the deferred update of ``params`` (default: of all);
+        every other parameter whose reduction is already done is updated in the same call."""
+        if self.round is None and self.deferred is None:
+            return
+        with self._internal():
+            if self.deferred is None:             # before step(): averaged gradients only
+                round_, self.round, self.watched = self.round, None, {}
+                round_.finish()
+                self.sync.synchronized = True
+                return
+            self._update(params)
+
+    def _update(self, params) -> None:
+        deferred, round_ = self.deferred, self.round
+        if params is None:
+            chosen = list(deferred.params.values())
+        else:
+            wanted = {id(p) for p in params}
+            chosen = [p for p in deferred.params.values()
+                      if id(p) in wanted or p not in round_ or round_.ready(p)]
+        try:
+            round_.finish([p for p in chosen if p in round_])
+        except BaseException:
+            self._abandon()
+            raise
+        self._step_on(chosen)
+        for param in chosen:
+            del deferred.params[id(param)]
+            self.watched.pop(id(param), None)
+            if param.grad is not None:
+                self.watched.pop(id(param.grad), None)
+                if deferred.clear_grads is not None:
+                    if deferred.clear_grads:
+                        param.grad = None
+                    else:
+                        param.grad.detach_()
+                        param.grad.zero_()
+        if not deferred.params:
+            self.deferred, self.round, self.watched = None, None, {}
+            self.sync.marks.record("step_end")
+
+    def _step_on(self, params: list) -> None:
+        """Run the wrapped optimizer's step on ``params`` only, with the hyperparameters
+        recorded at ``step()``; the groups are restored afterwards."""
+        ids = {id(p) for p in params}
+        groups = self.optimizer.param_groups
+        saved = [dict(group) for group in groups]
+        try:
+            for group, options in zip(groups, self.deferred.options):
+                subset = [p for p in group["params"] if id(p) in ids]
+                group.clear()
+                group.update(options)
+                group["params"] = subset
+            self.optimizer_step()
+        finally:
+            for group, before in zip(groups, saved):
+                group.clear()
+                group.update(before)
+
+    def _abandon(self) -> None:
+        """A reduction failed: nothing deferred can be applied; the error is raised."""
+        self.deferred, self.round, self.watched = None, None, {}
+
+    # ---- the guard ----------------------------------------------------------------------
+    def touched(self, params: list, what: str) -> None:
+        if self.deferred is None:
+            self._log_fallback(f"'{what}' read a gradient before step() (clipping, "
+                               "GradScaler.unscale_ or logging need every averaged gradient)")
+        self.complete(params)
+
+    def _watch_gradients(self) -> None:
+        watched = {}
+        if self.round is not None:
+            with self._internal():
+                for param, item in self.round.items.items():
+                    for tensor in (item.wire, param.grad):
+                        if tensor is not None:
+                            watched[id(tensor)] = param
+        self.watched = watched
+
+    def guard_this_thread(self) -> None:
+        ident = threading.get_ident()
+        if ident not in self.guards:
+            guard = self.guards[ident] = _Guard(self)
+            guard.__enter__()      # stays on this thread's mode stack, inert once we are gone
+
+    def _log_fallback(self, why: str) -> None:
+        if not self.fallback_logged:
+            self.fallback_logged = True
+            log.warning("mpiddp forward overlap (%s): %s; such a step waits for every gradient "
+                        "before step(), as without overlap_forward (said once)",
+                        self.sync.prefix, why)
+
+    def update_is_deferred(self, param) -> bool:
+        return self.deferred is not None and id(param) in self.deferred.params
+
+
+def _before_accumulate(overlap_ref, param):
+    param_ref = weakref.ref(param)
+
+    def hook(grad):
+        overlap, param = overlap_ref(), param_ref()
+        if overlap is not None and param is not None and overlap.update_is_deferred(param):
+            overlap.complete([param])
+        return None
+    return hook
+
+
+class _Guard(TorchFunctionMode):
+    """Sees every torch call on the thread that built the optimizer; a call on a watched
+    tensor completes what that tensor is waiting for first."""
+
+    def __init__(self, overlap: ForwardOverlap):
+        super().__init__()
+        self.overlap = weakref.ref(overlap)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        overlap = self.overlap()
+        if overlap is None:
+            return func(*args, **(kwargs or {}))
+        overlap.forward_guarded = True
+        if overlap.watched and not overlap.busy:
+            hits = _watched_in(args, overlap.watched)
+            if kwargs:
+                hits += _watched_in(kwargs.values(), overlap.watched)
+            if hits:
+                overlap.touched(hits, getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def _watched_in(values, watched: dict) -> list:
+    hits = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            param = watched.get(id(value))
+            if param is not None:
+                hits.append(param)
+        elif isinstance(value, (list, tuple)):
+            hits += _watched_in(value, watched)
+    return hits
+
+
+def complete_all() -> None:
+    """Complete every deferred update of this process (before ``mpiddp.shutdown()``)."""
+    for overlap in list(_live):
+        overlap.complete()
+
+
+runtime.register_deferred_work(complete_all)

@@ -1,0 +1,78 @@
+"""Forward overlap (``DistributedOptimizer(overlap_forward=True)``) at 2, 3 and 4 ranks.
+
+Each launch runs checks of ``workers/forward_overlap_worker.py``: the parameters and
+optimizer state bitwise equal to the standard path's after every kind of step (SGD with
+momentum, nesterov and weight decay, Adam, AdamW, an LR scheduler, two backward passes per
+step, fp16/bf16 compression), no stale read of a parameter before the next forward, the
+fallback for a gradient read before ``step()``, refusals, the setting, ``join()``, and a
+stall surfacing from the next forward.
+"""
+import pytest
+
+from mpi_launch import assert_ok, reported, run_mpi
+
+STEPS = 4      # the worker's steps per run
+BITWISE = {"sgd-momentum-nesterov-wd", "adam", "adamw", "sgd+scheduler", "adam+2-passes",
+           "adamw+fp16", "sgd+bf16+scheduler"}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    result = run_mpi("forward_overlap_worker.py", 2,
+                     "bitwise,stale,fallback,refusals,setting,join", timeout=150)
+    assert_ok(result)
+    return result
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    result = run_mpi("forward_overlap_worker.py", 3, "bitwise,setting", timeout=180,
+                     env={"MPIDDP_OVERLAP_FORWARD": "1"})
+    assert_ok(result)
+    return result
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    result = run_mpi("forward_overlap_worker.py", 4, "bitwise,join", timeout=200)
+    assert_ok(result)
+    return result
+
+
+@pytest.mark.parametrize("launch", ["two_ranks", "three_ranks", "four_ranks"])
+def test_parameters_bitwise_equal_to_the_standard_path(launch, request):
+    runs = reported(request.getfixturevalue(launch), "bitwise")
+    assert {run["check"].split(" ", 1)[1] for run in runs} == BITWISE
+    for run in runs:       # every step really returned before its update ran
+        assert run["deferred_steps"] == STEPS, run
+
+
+def test_no_read_sees_a_stale_parameter(two_ranks):
+    run, = reported(two_ranks, "no stale reads")
+    assert len(run["reads"]) == 7
+
+
+def test_gradient_read_before_step_falls_back_once_and_matches(two_ranks):
+    run, = reported(two_ranks, "clipping falls back and matches")
+    assert run["logged"] == 1
+
+
+def test_lbfgs_and_closures_are_refused(two_ranks):
+    assert reported(two_ranks, "LBFGS and closures refused")
+
+
+def test_the_setting_turns_it_on_for_an_unchanged_script(two_ranks, three_ranks):
+    assert [r["on"] for r in reported(two_ranks, "setting")] == [False]
+    assert [r["on"] for r in reported(three_ranks, "setting")] == [True]
+
+
+@pytest.mark.parametrize("launch", ["two_ranks", "four_ranks"])
+def test_join_completes_the_deferred_update(launch, request):
+    assert reported(request.getfixturevalue(launch), "join completes deferred updates")
+
+
+def test_a_stall_surfaces_as_an_error_in_the_next_forward():
+    result = run_mpi("forward_overlap_worker.py", 2, "stall", timeout=90,
+                     env={"MPIDDP_STALL_CHECK_TIME": "1", "MPIDDP_STALL_SHUTDOWN_TIME": "2"})
+    assert_ok(result)
+    assert reported(result, "stall surfaces in the next forward")

@@ -1,0 +1,251 @@
+"""Forward overlap (``DistributedOptimizer(overlap_forward=True)``) against the standard path.
+
+Each check trains two copies of the same model from the same start on the same batches, one
+with the standard path and one with forward overlap, and requires the parameters (and the
+optimizer state) to be bitwise equal after every step, read in the ways a training script
+reads them. Run by tests/test_forward_overlap.py at 2, 3 and 4 ranks.
+"""
+import copy
+import functools
+import logging
+import os
+import sys
+import warnings
+
+import torch
+
+import mpiddp
+import checks
+
+torch.set_num_threads(1)
+warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*")
+mpiddp.init()
+RANK, SIZE = mpiddp.rank(), mpiddp.size()
+ok = functools.partial(checks.ok, rank=RANK, barrier=lambda: mpiddp.allreduce(
+    torch.zeros(1), name="barrier"))
+STEPS = 4
+
+
+class Net(torch.nn.Module):
+    """Layers used in forward order, a parameter used functionally by another module's
+    forward, and a weight tied between the input embedding and the output layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 8)
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 16)
+        self.scale = torch.nn.Parameter(torch.ones(16))
+        self.out = torch.nn.Linear(8, 10, bias=False)
+        self.out.weight = self.embed.weight           # tied
+        self.proj = torch.nn.Linear(16, 8)
+
+    def forward(self, tokens):
+        h = self.embed(tokens).mean(1)
+        h = torch.relu(self.fc1(h))
+        h = torch.relu(torch.nn.functional.linear(h, self.fc2.weight) * self.scale)
+        return self.out(self.proj(h))
+
+
+def batches(seed):
+    g = torch.Generator().manual_seed(seed * 100 + RANK)
+    return [(torch.randint(0, 10, (4, 3), generator=g), torch.randint(0, 10, (4,), generator=g))
+            for _ in range(STEPS)]
+
+
+def make(optimizer_fn, overlap, compression=mpiddp.Compression.none, passes=1, sched=False):
+    torch.manual_seed(0)
+    model = Net()
+    opt = mpiddp.DistributedOptimizer(optimizer_fn(model.parameters()),
+                                      named_parameters=model.named_parameters(),
+                                      compression=compression, backward_passes_per_step=passes,
+                                      overlap_forward=overlap)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) if sched else None
+    return model, opt, scheduler
+
+
+def train(model, opt, scheduler, data, passes=1, read=None):
+    """The usual loop: zero_grad at the top, ``passes`` backward passes, step."""
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for step, (x, y) in enumerate(data):
+        opt.zero_grad()
+        for _ in range(passes):
+            (loss_fn(model(x), y) / passes).backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        if read is not None:
+            read(step)
+
+
+def equal_state(a, b):
+    for (name, p), q in zip(a[0].named_parameters(), b[0].parameters()):
+        assert torch.equal(p, q), f"{name} differs: max {float((p - q).abs().max())}"
+    sa, sb = a[1].state_dict()["state"], b[1].state_dict()["state"]
+    for key in sa:
+        for field, value in sa[key].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, sb[key][field]), f"optimizer state {key}.{field}"
+
+
+OPTIMIZERS = {
+    "sgd-momentum-nesterov-wd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9,
+                                                          nesterov=True, weight_decay=1e-3),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.05),
+}
+
+
+def check_bitwise():
+    cases = [(name, fn, mpiddp.Compression.none, 1, False) for name, fn in OPTIMIZERS.items()]
+    cases += [("sgd+scheduler", OPTIMIZERS["sgd-momentum-nesterov-wd"],
+               mpiddp.Compression.none, 1, True),
+              ("adam+2-passes", OPTIMIZERS["adam"], mpiddp.Compression.none, 2, False),
+              ("adamw+fp16", OPTIMIZERS["adamw"], mpiddp.Compression.fp16, 1, False),
+              ("sgd+bf16+scheduler", OPTIMIZERS["sgd-momentum-nesterov-wd"],
+               mpiddp.Compression.bf16, 1, True)]
+    for seed, (name, fn, compression, passes, sched) in enumerate(cases):
+        data = batches(seed)
+        standard = make(fn, False, compression, passes, sched)
+        overlap = make(fn, True, compression, passes, sched)
+        train(*standard, data, passes)
+        train(*overlap, data, passes)
+        equal_state(standard, overlap)
+        lr = overlap[1].param_groups[0]["lr"]
+        assert lr == standard[1].param_groups[0]["lr"], "the scheduler's lr differs"
+        ok(f"bitwise {name}", passes=passes, lr=lr,
+           deferred_steps=overlap[1]._mpiddp.schedule.deferred_steps)
+
+
+def check_reads_are_never_stale():
+    """After the last step, before any forward, read the parameters the ways scripts do: the
+    first read must already see the updated values (the standard path's)."""
+    data = batches(7)
+    reads = {
+        "state_dict": lambda m, o: list(m.state_dict().values()),
+        "parameters() norms": lambda m, o: [p.norm().reshape(1) for p in m.parameters()],
+        "no_grad eval forward": lambda m, o: [_eval(m)],
+        "optimizer.state_dict": lambda m, o: [  # by index: the update order may differ
+            v for _, s in sorted(o.state_dict()["state"].items())
+            for v in s.values() if torch.is_tensor(v)],
+        "synchronize()": lambda m, o: (o.synchronize(), [p.clone() for p in m.parameters()])[1],
+        "tied weight through out": lambda m, o: [m.out.weight.sum().reshape(1)],
+        "checkpoint round trip": lambda m, o: list(_saved(m).values()),
+    }
+    for what, read in reads.items():
+        standard = make(OPTIMIZERS["adam"], False)
+        overlap = make(OPTIMIZERS["adam"], True)
+        train(*standard, data[:2])
+        train(*overlap, data[:2])
+        assert overlap[1]._mpiddp.schedule.deferred is not None, "step() did not defer"
+        got = read(overlap[0], overlap[1])
+        want = read(standard[0], standard[1])
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)), \
+            f"stale read: {what}"
+        overlap[1].synchronize()
+    ok("no stale reads", reads=sorted(reads))
+
+
+def _eval(model):
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.arange(6).reshape(2, 3))
+    model.train()
+    return out
+
+
+def _saved(model):
+    import io
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+def check_fallback_for_clipping_and_amp():
+    """Global-norm clipping between backward and step needs every averaged gradient: the
+    step falls back to the full synchronization (logged once) and matches the standard path."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("mpiddp").addHandler(handler)
+    data = batches(11)
+    runs = []
+    for overlap in (False, True):
+        model, opt, _ = make(OPTIMIZERS["sgd-momentum-nesterov-wd"], overlap)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        for x, y in data:
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+        runs.append((model, opt))
+    equal_state(*runs)
+    fallbacks = [r for r in records if "forward overlap" in r.getMessage()]
+    assert len(fallbacks) == 1, [r.getMessage() for r in records]
+    logging.getLogger("mpiddp").removeHandler(handler)
+    ok("clipping falls back and matches", logged=len(fallbacks))
+
+
+def check_refusals():
+    model = Net()
+    checks.expect(ValueError, lambda: mpiddp.DistributedOptimizer(
+        torch.optim.LBFGS(model.parameters()), named_parameters=model.named_parameters(),
+        overlap_forward=True), "LBFGS", "overlap_forward")
+    opt = mpiddp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(),
+                                      overlap_forward=True)
+    x = torch.randint(0, 10, (2, 3))
+    model(x).sum().backward()
+    checks.expect(RuntimeError, lambda: opt.step(lambda: model(x).sum()), "closure")
+    opt.synchronize()
+    opt.step()
+    ok("LBFGS and closures refused")
+
+
+def check_setting_turns_it_on():
+    """MPIDDP_OVERLAP_FORWARD=1 (the launch sets it for this check's run) turns it on for a
+    script that does not pass the argument."""
+    model, opt, _ = make(OPTIMIZERS["sgd-momentum-nesterov-wd"], None)
+    on = type(opt._mpiddp.schedule).__name__ == "ForwardOverlap"
+    assert on == (os.environ.get("MPIDDP_OVERLAP_FORWARD") == "1")
+    ok("setting", on=on)
+
+
+def check_join_and_shutdown_complete_deferred_updates():
+    data = batches(13)
+    standard = make(OPTIMIZERS["adam"], False)
+    overlap = make(OPTIMIZERS["adam"], True)
+    train(*standard, data)
+    train(*overlap, data)
+    mpiddp.join()                          # completes the deferred update first
+    assert overlap[1]._mpiddp.schedule.deferred is None
+    equal_state(standard, overlap)
+    ok("join completes deferred updates")
+
+
+def check_stall_surfaces_in_the_next_forward():
+    """Rank 1 skips a backward: rank 0's deferred update waits for a reduction that never
+    comes; the stall shutdown (a few seconds in this launch) surfaces as an error from the
+    next forward on rank 0, naming the stall, as on the standard path at backward()."""
+    model, opt, _ = make(OPTIMIZERS["sgd-momentum-nesterov-wd"], True)
+    x, y = batches(17)[0]
+    if RANK == 0:
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        text = checks.expect(mpiddp.EngineShutdownError, lambda: model(x), "stall")
+        print(f"OK stall surfaces in the next forward | {{\"chars\": {len(text)}}}",
+              flush=True)
+    else:
+        import time
+        time.sleep(8)
+
+
+CHECKS = {"stall": check_stall_surfaces_in_the_next_forward, "bitwise": check_bitwise, "stale": check_reads_are_never_stale,
+          "fallback": check_fallback_for_clipping_and_amp, "refusals": check_refusals,
+          "setting": check_setting_turns_it_on, "join": check_join_and_shutdown_complete_deferred_updates}
+
+for name in sys.argv[1].split(","):
+    CHECKS[name]()
+mpiddp.shutdown()
