@@ -34,7 +34,9 @@ def three_ranks():
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    result = run_mpi("forward_overlap_worker.py", 4, "bitwise,join", timeout=200)
+    # Gradients cut into pieces of at most 256 bytes, reduced apart, most urgent first.
+    result = run_mpi("forward_overlap_worker.py", 4, "bitwise,join", timeout=200,
+                     env={"MPIDDP_PRIORITY_CYCLE_BYTES": "256"})
     assert_ok(result)
     return result
 
@@ -45,6 +47,7 @@ def test_parameters_bitwise_equal_to_the_standard_path(launch, request):
     assert {run["check"].split(" ", 1)[1] for run in runs} == BITWISE
     for run in runs:       # every step really returned before its update ran
         assert run["deferred_steps"] == STEPS, run
+        assert run["cut"] == (launch == "four_ranks"), run
 
 
 def test_no_read_sees_a_stale_parameter(two_ranks):

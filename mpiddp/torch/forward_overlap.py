@@ -81,6 +81,9 @@ class ForwardOverlap:
         # where reads are seen. Checked at the end of backward, which may run on an
         # autograd device thread that cannot tell which thread called backward().
         self.forward_guarded = False
+        # Pieces as large as a cycle's budget of prioritized bytes: one piece per cycle.
+        sync.piece_bytes = runtime.require("DistributedOptimizer()").settings \
+            .priority_cycle_bytes
         self.adopt_new_params()
         _live.add(self)
 

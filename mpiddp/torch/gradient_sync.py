@@ -41,6 +41,7 @@ from ..reduce_ops import ReduceOp
 from ..runtime import ProcessSet
 from .async_ops import sparse_allreduce_async
 from .compression import WireCasts
+from .handles import TensorHandle
 from .handles import synchronize as wait_for
 from .requests import allreduce_request_, submit_together
 
@@ -144,6 +145,7 @@ class GradientSync:
         self.end_of_backward_queued = False
         # param -> all-reduce priority (1 = most urgent); empty: no priorities (standard path)
         self.priorities: dict[torch.Tensor, int] = {}
+        self.piece_bytes = 0          # with priorities: gradients are cut into such pieces
 
     # ---- registration -------------------------------------------------------------------
     def add(self, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -237,19 +239,36 @@ class GradientSync:
         the handles of the ``extra`` entries."""
         if not self.bucket and not extra:
             return []
-        entries, items = [], []
+        entries, items = [], []      # items: (Pending, how many entries it has)
         for param in self.bucket:
             item = self.pending[param]
-            entries.append(allreduce_request_(item.wire, self.names[param], self.op,
-                                              self.prescale, self.postscale,
-                                              priority=self.priorities.get(param, 0)))
-            items.append(item)
+            pieces = self._pieces(item.wire)
+            priority = self.priorities.get(param, 0)
+            name = self.names[param]
+            for k, piece in enumerate(pieces):
+                entries.append(allreduce_request_(
+                    piece, name if len(pieces) == 1 else f"{name}#{k}", self.op,
+                    self.prescale, self.postscale, priority=priority))
+            items.append((item, len(pieces)))
         self.bucket = []
         self.bucket_bytes = 0
         handles = submit_together(entries + list(extra), self.process_set)
-        for item, handle in zip(items, handles):
-            item.handle = handle
-        return handles[len(items):]
+        start = 0
+        for item, count in items:
+            parts = handles[start:start + count]
+            item.handle = parts[0] if count == 1 else TensorHandle.combining(parts)
+            start += count
+        return handles[start:]
+
+    def _pieces(self, wire: torch.Tensor) -> list:
+        """``wire``, or contiguous pieces of it of at most ``piece_bytes`` (prioritized
+        reductions: an urgent gradient never waits on the wire behind a whole large one)."""
+        size = wire.numel() * wire.element_size()
+        if not self.piece_bytes or not self.priorities or size <= self.piece_bytes:
+            return [wire]
+        step = max(1, self.piece_bytes // wire.element_size())
+        flat = wire.view(-1)
+        return [flat[i:i + step] for i in range(0, flat.numel(), step)]
 
     # ---- synchronize ----------------------------------------------------------------------
     def synchronize(self) -> None:
