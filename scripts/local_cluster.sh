@@ -20,8 +20,11 @@
 # them all. Needs root, iproute2 and network namespaces.
 set -euo pipefail
 
+# Two clusters can be up at once when they differ in all three names (their addresses are
+# the same, but each lives on its own bridge).
 PREFIX="${LOCAL_CLUSTER_PREFIX:-mpiddp-n}"
 BRIDGE="${LOCAL_CLUSTER_BRIDGE:-mpiddpbr0}"
+VETH="${LOCAL_CLUSTER_VETH:-mpn}"      # root-namespace ends of the veth pairs: ${VETH}Ih
 SUBNET="10.211.7"
 ME="$(readlink -f "${BASH_SOURCE[0]}")"
 
@@ -44,7 +47,7 @@ up() {
   ip link add "$BRIDGE" type bridge
   ip link set "$BRIDGE" up
   for ((i = 0; i < count; i++)); do
-    local ns="${PREFIX}$i" host="mpn${i}h"
+    local ns="${PREFIX}$i" host="${VETH}${i}h"
     ip netns add "$ns"
     ip link add "$host" type veth peer name eth0 netns "$ns"
     ip link set "$host" master "$BRIDGE"
@@ -66,7 +69,7 @@ down() {
     ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
     ip netns del "$ns"
   done
-  for link in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | grep '^mpn[0-9]*h' \
+  for link in $(ip -o link show 2>/dev/null | awk -F': ' '{print $2}' | grep "^${VETH}[0-9]*h" \
                 | cut -d@ -f1); do
     ip link del "$link" 2>/dev/null || true
   done
