@@ -36,6 +36,20 @@ class Boolean:
 
 
 @dataclass(frozen=True)
+class BooleanOrAuto:
+    """A boolean, or 'auto' (mpiddp measures and decides)."""
+
+    def __call__(self, name: str, raw: str):
+        if raw.strip().lower() == "auto":
+            return "auto"
+        try:
+            return Boolean()(name, raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not a boolean or 'auto': use 1/0, true/false, "
+                             "yes/no, on/off or auto") from None
+
+
+@dataclass(frozen=True)
 class Number:
     kind: type                      # int or float
     minimum: float = 0              # smallest allowed value
@@ -115,10 +129,11 @@ class Settings:
     # the less urgent rest waits one cycle, so an urgent gradient never queues behind more
     # than this much on the wire (0 = no limit: a cycle runs everything that is ready).
     priority_cycle_bytes: int = setting(4 * 1024 * 1024, Number(int))
-    # DistributedOptimizer(overlap_forward=None) turns forward overlap on (docs/training.md):
+    # Forward overlap for DistributedOptimizer(overlap_forward=None) (docs/training.md):
     # step() returns before the gradients are averaged; each parameter is updated just before
-    # the next forward uses it. An explicit overlap_forward=True/False wins.
-    overlap_forward: bool = setting(False, Boolean())
+    # the next forward uses it. 'auto': try both in the first steps, keep the faster. An
+    # explicit overlap_forward argument wins.
+    overlap_forward: object = setting(False, BooleanOrAuto())
     # Abort the whole MPI job when a rank dies of an uncaught exception.
     abort_on_exception: bool = setting(True, Boolean())
     # Record a timeline of engine events (negotiation and execution times) from init() on:

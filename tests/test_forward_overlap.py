@@ -26,7 +26,7 @@ def two_ranks():
 
 @pytest.fixture(scope="module")
 def three_ranks():
-    result = run_mpi("forward_overlap_worker.py", 3, "bitwise,setting", timeout=180,
+    result = run_mpi("forward_overlap_worker.py", 3, "bitwise,setting,auto", timeout=180,
                      env={"MPIDDP_OVERLAP_FORWARD": "1"})
     assert_ok(result)
     return result
@@ -79,3 +79,9 @@ def test_a_stall_surfaces_as_an_error_in_the_next_forward():
                      env={"MPIDDP_STALL_CHECK_TIME": "1", "MPIDDP_STALL_SHUTDOWN_TIME": "2"})
     assert_ok(result)
     assert reported(result, "stall surfaces in the next forward")
+
+
+def test_auto_tries_both_in_step_on_every_rank_and_keeps_one(three_ranks):
+    run, = reported(three_ranks, "auto")
+    assert run["switches"] >= 3, run          # on, off, on, off, then the decision
+    assert run["deferred_steps"] >= 6, run    # the 'on' phases really overlapped

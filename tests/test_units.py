@@ -320,3 +320,25 @@ def test_hierarchical_scratch_covers_every_phase(count, local_size, cross_size, 
         largest_cross = max(b - a for a, b in zip(cross, cross[1:]))
         local_part = -(-(-(-count // segments)) // local_size)
         assert local_part >= largest_local and need - local_part >= largest_cross
+
+
+def test_overlap_trial_alternates_then_keeps_the_faster(monkeypatch):
+    """The auto trial's phases, which steps it times, and the agreed decision."""
+    from mpiddp.torch import overlap_trial
+    clock = [0.0]
+    monkeypatch.setattr(overlap_trial.time, "perf_counter", lambda: clock[0])
+    agreed = []
+
+    def agree(on, off):
+        agreed.append((on, off))
+        return on, off
+    trial = overlap_trial.OverlapTrial(agree, "opt0")
+    modes = []
+    per_step = {True: 0.2, False: 0.1}       # overlap slower here: the standard path wins
+    for _ in range(overlap_trial.PHASE_STEPS * len(overlap_trial.PHASES) + 3):
+        clock[0] += per_step[trial.overlap]
+        modes.append(trial.on_step())
+    steps = overlap_trial.PHASE_STEPS
+    assert modes[steps - 1] is False and modes[2 * steps - 1] is True   # switches at phase ends
+    assert agreed == [pytest.approx((0.2, 0.1))]   # untimed steps (the switches) left out
+    assert trial.decision is False and modes[-1] is False

@@ -38,7 +38,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .. import runtime
+from ..reduce_ops import ReduceOp
+from .collectives import allreduce
 from .gradient_sync import GradientSync, Round
+from .overlap_trial import OverlapTrial
 
 log = logging.getLogger("mpiddp")
 
@@ -62,8 +65,12 @@ class DeferredStep:
 class ForwardOverlap:
     """The forward-overlap schedule of one ``DistributedOptimizer`` (module docstring)."""
 
-    def __init__(self, sync: GradientSync, optimizer_step: Callable[[], object]):
+    def __init__(self, sync: GradientSync, optimizer_step: Callable[[], object],
+                 auto: bool = False):
         self.sync = sync
+        # auto: an OverlapTrial switches overlap on and off in the first steps, then decides.
+        self.enabled = True
+        self.trial = OverlapTrial(self._agree, sync.prefix) if auto else None
         self.optimizer_step = optimizer_step      # the wrapped optimizer's own step()
         self._optimizer = lambda: None            # weak: set by attach()
         self.hook_handles: list = []
@@ -111,6 +118,9 @@ class ForwardOverlap:
         if not sync.pending:
             return
         self.complete()          # parameters the last forward did not use
+        if not self.enabled:     # auto chose the standard path (for now, or for good)
+            sync.synchronize()
+            return
         if not self.forward_guarded:
             self._log_fallback("the forward ran on a thread mpiddp does not guard yet (its "
                                "first step there)")
@@ -137,6 +147,9 @@ class ForwardOverlap:
         if self.deferred is not None:              # step() twice without a forward between
             self.complete()
         self.guard_this_thread()
+        if self.trial is not None:
+            with self._internal():
+                self._set_enabled(self.trial.on_step())   # for the next step
         if self.round is None:
             return False
         self.deferred = DeferredStep(self.optimizer)
@@ -270,6 +283,24 @@ class ForwardOverlap:
             log.warning("mpiddp forward overlap (%s): %s; such a step waits for every gradient "
                         "before step(), as without overlap_forward (said once)",
                         self.sync.prefix, why)
+
+    def _set_enabled(self, enabled: bool) -> None:
+        """Overlap the next step or not. Off means the standard path's requests too (no
+        priorities, no pieces): every rank switches at the same step, so the changed requests
+        are renegotiated once, in agreement."""
+        if enabled != self.enabled:
+            self.enabled = enabled
+            if enabled:
+                self.adopt_new_params()
+            else:
+                self.sync.priorities = {}
+
+    def _agree(self, on: float, off: float) -> tuple:
+        """The ranks' mean step times with and without overlap (one all-reduce)."""
+        times = allreduce(torch.tensor([on, off], dtype=torch.float64), op=ReduceOp.AVERAGE,
+                          name=f"{self.sync.prefix}.overlap_trial",
+                          process_set=self.sync.process_set)
+        return float(times[0]), float(times[1])
 
     def update_is_deferred(self, param) -> bool:
         return self.deferred is not None and id(param) in self.deferred.params

@@ -41,7 +41,7 @@ from ..reduce_ops import ReduceOp
 from ..runtime import ProcessSet
 from .async_ops import sparse_allreduce_async
 from .compression import WireCasts
-from .handles import TensorHandle
+from .handles import combined
 from .handles import synchronize as wait_for
 from .requests import allreduce_request_, submit_together
 
@@ -256,7 +256,7 @@ class GradientSync:
         start = 0
         for item, count in items:
             parts = handles[start:start + count]
-            item.handle = parts[0] if count == 1 else TensorHandle.combining(parts)
+            item.handle = parts[0] if count == 1 else combined(parts)
             start += count
         return handles[start:]
 

@@ -23,11 +23,6 @@ class TensorHandle:
         self._finished = False
         self._value = None
 
-    @classmethod
-    def combining(cls, parts: list["TensorHandle"]) -> "TensorHandle":
-        """One handle for several (pieces of one tensor reduced apart); its result is None."""
-        return cls([h for part in parts for h in part._handles], lambda: None)
-
     def done(self) -> bool:
         """Whether every request of this handle has finished (successfully or not).
 
@@ -68,6 +63,11 @@ class TensorHandle:
 
     def __repr__(self) -> str:
         return f"<mpiddp.TensorHandle {self.names} {'done' if self.done() else 'pending'}>"
+
+
+def combined(parts: list[TensorHandle]) -> TensorHandle:
+    """One handle for several (pieces of one tensor reduced apart); its result is None."""
+    return TensorHandle([h for part in parts for h in part._handles], lambda: None)
 
 
 def synchronize(handle: TensorHandle) -> Any:

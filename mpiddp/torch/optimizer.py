@@ -360,7 +360,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          sparse_as_dense: bool = False,
                          bucket_cap_mb: float = 4.0,
                          process_set: ProcessSet | None = None,
-                         overlap_forward: Optional[bool] = None) -> torch.optim.Optimizer:
+                         overlap_forward: bool | str | None = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged across all ranks.
 
     Args:
@@ -388,8 +388,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         overlap_forward: True: ``step()`` returns before the gradients are averaged and
             each parameter is updated just before the next forward (or anything else) uses
             it, so the reductions overlap the next forward; results are the same as
-            without it. Default None: the ``MPIDDP_OVERLAP_FORWARD`` setting (off unless
-            set). Not with a closure-based optimizer (LBFGS). See docs/training.md.
+            without it. ``"auto"``: the first steps try both, the faster is kept (agreed
+            by all ranks; logged at INFO). Default None: the ``MPIDDP_OVERLAP_FORWARD``
+            setting (off unless set). Not with a closure-based optimizer (LBFGS). See
+            docs/training.md.
 
     Construction is collective: every rank must build its DistributedOptimizers in the same
     order, for the same parameters. Different models on different ranks raise
@@ -449,6 +451,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     settings = runtime.require("DistributedOptimizer()").settings
     if overlap_forward is None:
         overlap_forward = settings.overlap_forward
+    if overlap_forward not in (True, False, "auto"):
+        raise ValueError(f"overlap_forward must be True, False or 'auto', not "
+                         f"{overlap_forward!r}")
+    if overlap_forward == "auto" and isinstance(optimizer, torch.optim.LBFGS):
+        overlap_forward = False      # it could only ever choose the standard path
     if overlap_forward and isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("DistributedOptimizer(overlap_forward=True) cannot wrap LBFGS: it "
                          "steps with a closure that evaluates the model, which a deferred "
@@ -490,7 +497,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         # The wrapped class's own step, run parameter subset by subset in the next forward.
         wrapped_ref = weakref.ref(wrapped)
         sync.schedule = ForwardOverlap(
-            sync, lambda: super(_DistributedOptimizer, wrapped_ref()).step())
+            sync, lambda: super(_DistributedOptimizer, wrapped_ref()).step(),
+            auto=overlap_forward == "auto")
         sync.schedule.attach(wrapped)
     # Horovod's parameter -> name map, read by scripts and tests.
     wrapped.__dict__["_parameter_names"] = {param: name for name, param in named}

@@ -244,7 +244,29 @@ def check_stall_surfaces_in_the_next_forward():
         time.sleep(8)
 
 
-CHECKS = {"stall": check_stall_surfaces_in_the_next_forward, "bitwise": check_bitwise, "stale": check_reads_are_never_stale,
+def check_auto_switches_in_step_and_stays_bitwise_equal():
+    """overlap_forward='auto' alternates overlap on and off in its first steps (3 per phase
+    here), every rank at the same step, then keeps one; parameters stay bitwise equal to the
+    standard path's throughout."""
+    from mpiddp.torch import overlap_trial
+    overlap_trial.PHASE_STEPS, overlap_trial.UNTIMED_STEPS = 3, 1
+    data = batches(19) * 4                    # 16 steps: 12 of trial, 4 after it
+    standard = make(OPTIMIZERS["adam"], False)
+    auto = make(OPTIMIZERS["adam"], "auto")
+    schedule = auto[1]._mpiddp.schedule
+    modes = []
+    train(*standard, data)
+    train(*auto, data, read=lambda step: modes.append(schedule.enabled))
+    equal_state(standard, auto)
+    everyone = mpiddp.allgather_object(modes, name="auto_modes")
+    assert all(m == everyone[0] for m in everyone), f"ranks switched apart: {everyone}"
+    assert schedule.trial.decision is not None
+    switches = sum(a != b for a, b in zip(modes, modes[1:]))
+    ok("auto", switches=switches, decision=schedule.trial.decision,
+       deferred_steps=schedule.deferred_steps)
+
+
+CHECKS = {"auto": check_auto_switches_in_step_and_stays_bitwise_equal, "stall": check_stall_surfaces_in_the_next_forward, "bitwise": check_bitwise, "stale": check_reads_are_never_stale,
           "fallback": check_fallback_for_clipping_and_amp, "refusals": check_refusals,
           "setting": check_setting_turns_it_on, "join": check_join_and_shutdown_complete_deferred_updates}
 
