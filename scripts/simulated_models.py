@@ -18,8 +18,9 @@ Layer costs are multiply-accumulates (MACs) of one forward pass per sample: what
 and most papers' "GFLOPs" figures count (ResNet-50 4.1 G at 224x224). Convolutions and
 linear layers count in_channels x k x k x out elements; norms and embeddings one MAC per
 output element (their real cost is memory traffic: small next to the convolutions here).
-Backward costs the forward's MACs once for the weight gradient (layers with parameters) and
-once for the input gradient (every layer but one whose input needs no gradient).
+Backward costs the forward's MACs twice: once for the gradient of the weights (in the
+attention products, of their second operand), once for the input's gradient, which the first
+layer does not need.
 """
 from __future__ import annotations
 
@@ -260,7 +261,7 @@ class _Layer(torch.autograd.Function):
     def backward(ctx, grad):
         layer = ctx.layer
         input_grad = ctx.needs_input_grad[0]
-        layer.device.submit(layer.forward_s * ((1 if layer.params else 0) + (1 if input_grad else 0)))
+        layer.device.submit(layer.forward_s * (2 if input_grad else 1))
         grads = [layer.gradient(i, p) for i, p in enumerate(layer.params)]
         layer.device.wait()      # the gradients are final when the device is done
         return (grad if input_grad else None, None, *grads)
@@ -315,8 +316,11 @@ class SimulatedModel(nn.Module):
             raise ValueError(f"param_scale must be in (0, 1], not {param_scale}")
         self.model_name, self.specs = name, MODELS[name]()
         self.device = SimulatedDevice()
-        self.layers = nn.ModuleList(
-            SimulatedLayer(spec, self.device, param_scale, 1e-3 * (1 + i % 7))
+        # The real layer names ('.' is not allowed in a module name): stall reports and
+        # timelines name real layers.
+        self.layers = nn.ModuleDict(
+            (spec.name.replace(".", "_"),
+             SimulatedLayer(spec, self.device, param_scale, 1e-3 * (1 + i % 7)))
             for i, spec in enumerate(self.specs))
         self.optimizer_s = 0.0
 
@@ -328,12 +332,12 @@ class SimulatedModel(nn.Module):
             raise ValueError(f"the optimizer's {optimizer_s:.4f} s leave nothing of a "
                              f"{step_s:.4f} s step")
         per_mac = (step_s - optimizer_s) / (batch * train_macs(self.specs))
-        for layer in self.layers:
+        for layer in self.layers.values():
             layer.forward_s = batch * layer.spec.macs * per_mac
         self.optimizer_s = optimizer_s
 
     def forward(self, x):
-        for layer in self.layers:
+        for layer in self.layers.values():
             x = layer(x)
         return x
 

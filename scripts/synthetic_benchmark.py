@@ -389,15 +389,6 @@ def uses_mpiddp(name: str) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from mpi4py import MPI
-
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    local_size = node.Get_size()
-    node.Free()
-    threads = args.threads or max(1, (os.cpu_count() or 1) // local_size)
-    torch.set_num_threads(threads)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [n for n in names if n.split(":")[0] not in ("mpiddp", "overlap", "ddp", "single")]
     if unknown or len(set(names)) != len(names):
@@ -409,6 +400,15 @@ def main(argv=None) -> int:
                          f"({os.path.dirname(mpiddp.__file__)}) has no "
                          "DistributedOptimizer(overlap_forward=...); use a version with "
                          "forward overlap or leave them out")
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local_size = node.Get_size()
+    node.Free()
+    threads = args.threads or max(1, (os.cpu_count() or 1) // local_size)
+    torch.set_num_threads(threads)
     nodes = size // local_size
     simulation = configure_simulation(args, nodes) if args.model in sim.MODELS else None
     if args.compression == "bf16" and not torch.cuda.is_available():
