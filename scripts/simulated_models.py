@@ -212,32 +212,34 @@ def profile_step_time(profile: DeviceProfile, layers: list[LayerSpec], batch: in
 class SimulatedDevice:
     """The timeline of one accelerator, as seen from the host thread that drives it.
 
-    ``submit(seconds)`` queues that much device work, which starts when the device is free
-    or when the host submits it, whichever is later; ``wait()`` sleeps (GIL released, no
+    ``submit(seconds)`` queues that much device work; ``wait()`` sleeps (GIL released, no
     CPU) until the queued work is done. Host work between the two (writing gradients)
-    overlaps the device's, as with a real asynchronous launch; host work between a wait and
-    the next submit (autograd, hooks) leaves the device idle, as if the host never ran ahead
-    of it. ``time.sleep`` wakes late (about 0.1 ms here, more on a loaded machine); a real
-    host would have queued the next kernel before the device went idle, so the lateness of
-    the last wait is not counted as device idle time."""
+    overlaps the device's, as with a real asynchronous launch.
+
+    A real host launches kernels ahead of its device, so the device does not idle while the
+    host runs Python between layers. Here the host waits for every layer, so work submitted
+    up to ``LOOKAHEAD`` seconds after the device ran out of work still starts when the
+    device became free: that covers ``time.sleep``'s late wake-ups (about 0.1 ms here, more
+    on a loaded machine) and the host's work between layers (autograd, hooks: tens of
+    microseconds). A longer gap (the host waiting for the network, a host-bound stretch that
+    has used up the allowance) leaves the device idle for all but ``LOOKAHEAD``.
+    """
+
+    LOOKAHEAD = 1e-3
 
     def __init__(self):
         self.free_at = 0.0      # time.perf_counter() when the queued work ends
-        self.late = 0.0         # how far the last wait overslept free_at
         self.busy = 0.0         # device seconds submitted so far
 
     def submit(self, seconds: float) -> None:
         if seconds > 0:
             self.busy += seconds
-            self.free_at = max(self.free_at, time.perf_counter() - self.late) + seconds
+            self.free_at = max(self.free_at, time.perf_counter() - self.LOOKAHEAD) + seconds
 
     def wait(self) -> None:
-        now = time.perf_counter()
-        if self.free_at > now:
-            time.sleep(self.free_at - now)
-            self.late = max(0.0, time.perf_counter() - self.free_at)
-        else:
-            self.late = 0.0     # the host was late itself: that delay is real
+        left = self.free_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
 
     def run(self, seconds: float) -> None:
         self.submit(seconds)
