@@ -3,8 +3,8 @@
 A simulated model has the parameter tensors of a real network (ResNet-50, ResNet-18, VGG-16,
 BERT-base; built from shape tables, no torchvision), one simulated layer per real layer in
 forward order. A layer's forward and backward *wait* for their share of a one-process step,
-in proportion to the layer's multiply-accumulates, and backward writes each gradient with one
-cheap fill. The waits are ``time.sleep`` calls: they release the GIL and use no CPU, as a host
+in proportion to the layer's multiply-accumulates, and backward writes one element of each
+gradient (over memory kept from the first step). The waits are ``time.sleep`` calls: they release the GIL and use no CPU, as a host
 thread does while a GPU computes, so a benchmark sees how mpiddp's host work (hooks, the
 engine thread, the reductions themselves) fits around a device that is busy.
 
@@ -16,7 +16,7 @@ accelerators", says more and gives the sources of the device profiles.
 
 Layer costs are multiply-accumulates (MACs) of one forward pass per sample: what torchvision's
 and most papers' "GFLOPs" figures count (ResNet-50 4.1 G at 224x224). Convolutions and
-linear layers count in_channels x k x k x out elements; norms and embeddings one MAC per
+linear layers count in_channels x k x k x out_channels per output position; norms and embeddings one MAC per
 output element (their real cost is memory traffic: small next to the convolutions here).
 Backward costs the forward's MACs twice: once for the gradient of the weights (in the
 attention products, of their second operand), once for the input's gradient, which the first
@@ -359,8 +359,8 @@ class SimulatedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None):
         loss = closure() if closure is not None else None
-        elements = sum(getattr(p, "sim_elements", p.numel()) for group in self.param_groups for p in group["params"]
-                       if p.grad is not None)
+        elements = sum(getattr(p, "sim_elements", p.numel()) for group in self.param_groups
+                       for p in group["params"] if p.grad is not None)
         self.device.run(elements * self.seconds_per_param)
         return loss
 
