@@ -190,18 +190,21 @@ def test_overlap_forward_refused_or_passed_through(monkeypatch):
 
 def test_benchmark_two_ranks(tmp_path):
     out = tmp_path / "result.json"
+    # Forward overlap too where this mpiddp has it (the refusal is tested above).
+    names = ["mpiddp", "ddp", "single"] + (["overlap"] if bench.supports_overlap_forward()
+                                           else [])
     result = run_mpi(str(ROOT / "scripts" / "synthetic_benchmark.py"), 2,
                      "--model", "sim-resnet18", "--param-scale", "0.05", "--step-time", "0.1",
                      "--iters", "2", "--steps", "2", "--warmup", "1", "--link-gbit", "1",
-                     "--json", out, timeout=150)
+                     "--variants", ",".join(names), "--json", out, timeout=150)
     assert_ok(result)
     assert "SIMULATED accelerator (ResNet-18" in result.output, result.output
     data = json.loads(out.read_text())
     variants = data["variants"]
-    assert set(variants) == {"mpiddp", "ddp", "single"}
+    assert set(variants) == set(names)
     assert data["simulation"]["step_s"] == 0.1
     assert 0.095 <= variants["single"]["step_s"] <= 0.15, variants["single"]
-    for name in ("mpiddp", "ddp"):
+    for name in set(names) - {"single"}:
         # 2.3 MB of gradients on one node: a small share of a 0.1 s step.
         assert variants[name]["efficiency"] > 0.4, (name, variants[name])
         # Host CPU per step and rank well under the step (the device's time is sleep).
