@@ -450,7 +450,9 @@ def main(argv=None) -> int:
               + f": {params / 1e6:.1f} M parameters, {params * 4 / 1e6:.0f} MB of gradients; "
               f"batch {args.batch_size} per rank; {size} rank(s), {threads} thread(s) each; "
               f"{args.iters} interleaved rounds of {args.steps} steps after {args.warmup} "
-              "warm-up steps", flush=True)
+              "warm-up steps"
+              + ("; forward overlap on every mpiddp variant (--overlap-forward)"
+                 if args.overlap_forward else ""), flush=True)
 
     for name, variant in variants.items():
         if name != "single" or rank == 0:
@@ -484,7 +486,8 @@ def main(argv=None) -> int:
         return 0
     result = {"model": args.model, "batch_size": args.batch_size, "ranks": size,
               "threads": threads, "image_size": args.image_size, "params": params,
-              "iters": args.iters, "steps": args.steps, "variants": {}}
+              "iters": args.iters, "steps": args.steps,
+              "overlap_forward": args.overlap_forward, "variants": {}}
     if simulation:
         result["simulation"] = {"step_s": args.sim_step_s, "optimizer_s": args.sim_optimizer_s,
                                 "chosen_by": simulation, "param_scale": args.param_scale}
