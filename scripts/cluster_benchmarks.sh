@@ -8,7 +8,15 @@
 # MPI_Allreduce) and the training benchmark at 2x1 (mpiddp against DDP over gloo on the same
 # links; ResNet-18 and the MLP in fp32 and with fp16 compression on both, the MLP with bf16
 # on mpiddp's side only, each against the perfect-overlap bound), and tears the cluster
-# down, also on failure. Everything printed is also written to OUTPUT (default
+# down, also on failure. PARTS=simulated (or PARTS="allreduce training simulated") runs the
+# simulated accelerators instead (docs/benchmarks.md, "Simulated accelerators"): for each
+# model of SIM_MODELS (default sim-resnet50 sim-bert), layout of SIM_LAYOUTS (2x1 4x1 2x2),
+# regime of SIM_REGIMES (balanced compute wire: the one-process step 1x, 2x, 0.5x the wire
+# time of the gradients at RATE) and compression of SIM_COMPRESSION (none fp16), the
+# standard path, forward overlap (when the installed mpiddp has it), DDP-gloo (with its fp16
+# hook under fp16) and one process, with parameters scaled by SIM_SCALE (default 0.25, so
+# that a run takes about half a minute at 1gbit; 1 for the real sizes).
+# Everything printed is also written to OUTPUT (default
 # cluster-benchmarks.txt). Several ranks on this machine's
 # cores: more ranks than cores set MPICH's heavy yield, so waiting ranks give the core back.
 # MPI_GENV="NAME=VALUE ..." passes settings to every rank of every launch, e.g.
@@ -57,5 +65,27 @@ on_cluster() {        # on_cluster NxP command...: heavy yield where ranks outnu
     # DDP has no bf16 hook without NCCL: mpiddp against its own fp32 and fp16 runs above.
     on_cluster 2x1 "${train[@]}" --model mlp --compression bf16
     on_cluster 2x1 "${train[@]}" --model cnn --compression fp16
+  fi
+  if [[ "$PARTS" == *simulated* ]]; then
+    variants=mpiddp,overlap,ddp,single
+    if ! python -c 'import inspect, sys, mpiddp
+sys.exit("overlap_forward" not in inspect.signature(mpiddp.DistributedOptimizer).parameters)'
+    then
+      echo "(this mpiddp has no forward overlap: the overlap variant is left out)"
+      variants=mpiddp,ddp,single
+    fi
+    sim=(python "$ROOT/scripts/synthetic_benchmark.py" --threads 1 --link-gbit "$GBIT"
+         --param-scale "${SIM_SCALE:-0.25}" --warmup 1 --steps 3 --iters 3
+         --variants "$variants")
+    for model in ${SIM_MODELS:-sim-resnet50 sim-bert}; do
+      for layout in ${SIM_LAYOUTS:-2x1 4x1 2x2}; do
+        for regime in ${SIM_REGIMES:-balanced compute wire}; do
+          for compression in ${SIM_COMPRESSION:-none fp16}; do
+            on_cluster "$layout" "${sim[@]}" --model "$model" --regime "$regime" \
+              --compression "$compression"
+          done
+        done
+      done
+    done
   fi
 } 2>&1 | tee "$OUTPUT"

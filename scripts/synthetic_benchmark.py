@@ -24,10 +24,23 @@ Models (plain torch, no torchvision): ``cnn`` is ResNet-18 (11.7 M parameters, 4
 gradients; ``--image-size`` sets the input resolution and with it the compute per sample);
 ``mlp`` is six 2048x2048 linear layers (25 M parameters, 100 MB of gradients, little compute:
 communication-bound).
+
+Simulated accelerators (``scripts/simulated_models.py``): ``sim-resnet50``, ``sim-resnet18``,
+``sim-vgg16`` and ``sim-bert`` have a real model's parameter tensors, but their layers only
+wait (``time.sleep``: no CPU, GIL released) for their share of a one-process step, as a host
+thread waits for a GPU. The step is ``--step-time`` seconds, or a multiple of the estimated
+wire time of the gradients (``--regime``, with ``--link-gbit``), or what a GPU measured
+(``--device-profile``). It leaves out PCIe copies, device memory traffic and kernel launches
+(docs/benchmarks.md, "Simulated accelerators"):
+
+    mpiexec -n 2 python scripts/synthetic_benchmark.py --model sim-resnet50 --step-time 0.2
+    mpiexec -n 2 python scripts/synthetic_benchmark.py --model sim-bert --regime balanced \
+        --link-gbit 1 --variants mpiddp,overlap,ddp,single
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import resource
@@ -41,6 +54,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mpiddp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import simulated_models as sim  # noqa: E402  (a sibling script, not a package)
+
+REGIMES = {"balanced": 1.0, "compute": 2.0, "wire": 0.5}   # one-process step / wire time
 
 
 # ---- models -------------------------------------------------------------------------------
@@ -96,6 +114,10 @@ def mlp(width: int = 2048, depth: int = 6) -> nn.Module:
 def build(args):
     """(model, input batch, target batch) for this rank; same initial weights everywhere."""
     torch.manual_seed(0)
+    if args.model in sim.MODELS:
+        model = sim.SimulatedModel(args.model, args.param_scale)
+        model.set_step_time(args.sim_step_s, args.batch_size, args.sim_optimizer_s)
+        return model, torch.zeros(args.batch_size, 1), None
     if args.model == "cnn":
         model = ResNet18(num_classes=1000)
         data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
@@ -109,28 +131,49 @@ def build(args):
 
 # ---- the variants -------------------------------------------------------------------------
 class Variant:
-    """One way of training: ``step()`` runs forward, backward and the optimizer step."""
+    """One way of training: ``step()`` runs forward, backward and the optimizer step;
+    ``finish()`` completes what a step may leave running (forward overlap's updates)."""
 
-    def __init__(self, name, model, optimizer, data, target):
+    def __init__(self, name, model, optimizer, data, target, overlap=False):
         self.name, self.model, self.optimizer = name, model, optimizer
-        self.data, self.target = data, target
+        self.data, self.target, self.overlap = data, target, overlap
 
     def step(self):
         self.optimizer.zero_grad()
-        loss = F.cross_entropy(self.model(self.data), self.target)
+        out = self.model(self.data)
+        # Simulated models: their output's values mean nothing; any scalar drives backward.
+        loss = out.sum() if self.target is None else F.cross_entropy(out, self.target)
         loss.backward()
         self.optimizer.step()
 
+    def finish(self):
+        if self.overlap:
+            self.optimizer.synchronize()
 
-def make_mpiddp(args, bucket_cap_mb: float, name: str) -> Variant:
+
+def make_optimizer(args, model, params):
+    """SGD with momentum; on a simulated model, an optimizer step that only takes device
+    time (a real one would spend host CPU that a GPU's update does not)."""
+    if args.model in sim.MODELS:
+        return sim.SimulatedOptimizer(params, model.device, args.sim_seconds_per_param)
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def supports_overlap_forward() -> bool:
+    return "overlap_forward" in inspect.signature(mpiddp.DistributedOptimizer).parameters
+
+
+def make_mpiddp(args, bucket_cap_mb: float, name: str, overlap: bool = False) -> Variant:
     model, data, target = build(args)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = make_optimizer(args, model, model.parameters())
     compression = getattr(mpiddp.Compression, args.compression)
+    # Only passed when asked for, so the standard path runs on any mpiddp.
+    extra = {"overlap_forward": True} if overlap else {}
     optimizer = mpiddp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                             compression=compression,
-                                            bucket_cap_mb=bucket_cap_mb)
+                                            bucket_cap_mb=bucket_cap_mb, **extra)
     mpiddp.broadcast_parameters(model.state_dict(), root_rank=0)
-    return Variant(name, model, optimizer, data, target)
+    return Variant(name, model, optimizer, data, target, overlap)
 
 
 def init_torch_distributed(single_node: bool, backend: str = "gloo") -> None:
@@ -167,13 +210,13 @@ def make_ddp(args, bucket_cap_mb: float, name: str) -> Variant:
         hook = {"fp16": default_hooks.fp16_compress_hook,
                 "bf16": default_hooks.bf16_compress_hook}[args.compression]
         ddp_model.register_comm_hook(None, hook)
-    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = make_optimizer(args, model, ddp_model.parameters())
     return Variant(name, ddp_model, optimizer, data, target)
 
 
 def make_single(args) -> Variant:
     model, data, target = build(args)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = make_optimizer(args, model, model.parameters())
     return Variant("single", model, optimizer, data, target)
 
 
@@ -208,6 +251,7 @@ def time_round(variant: Variant, steps: int, rank: int) -> tuple[float, float]:
     start, cpu = time.perf_counter(), cpu_seconds()
     for _ in range(steps):
         variant.step()
+    variant.finish()
     elapsed, cpu = time.perf_counter() - start, cpu_seconds() - cpu
     if variant.name == "single":
         barrier()
@@ -217,9 +261,10 @@ def time_round(variant: Variant, steps: int, rank: int) -> tuple[float, float]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", choices=("cnn", "mlp"), default="cnn")
+    p.add_argument("--model", choices=("cnn", "mlp", *sim.MODELS), default="cnn",
+                   help="sim-*: a simulated accelerator (module docstring)")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="samples per rank per step (default: 32 for cnn, 16 for mlp)")
+                   help="samples per rank per step (default: 16 for mlp, else 32)")
     p.add_argument("--image-size", type=int, default=64, help="cnn input resolution")
     p.add_argument("--width", type=int, default=2048, help="mlp layer width")
     p.add_argument("--depth", type=int, default=6, help="mlp layers")
@@ -227,9 +272,13 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=4, help="timed steps per round")
     p.add_argument("--iters", type=int, default=4, help="timed rounds per variant")
     p.add_argument("--variants", default="mpiddp,ddp,single",
-                   help="comma-separated: mpiddp, ddp (torch DDP over gloo), single (one "
-                        "process, the scaling baseline); mpiddp:MB / ddp:MB set the bucket "
-                        "size of that variant (e.g. mpiddp:0,mpiddp:1000,ddp,ddp:1000)")
+                   help="comma-separated: mpiddp, overlap (mpiddp with overlap_forward=True), "
+                        "ddp (torch DDP over gloo), single (one process, the scaling "
+                        "baseline); mpiddp:MB / overlap:MB / ddp:MB set the bucket size of "
+                        "that variant (e.g. mpiddp:0,mpiddp:1000,ddp,ddp:1000)")
+    p.add_argument("--overlap-forward", action="store_true",
+                   help="every mpiddp variant with DistributedOptimizer(overlap_forward=True)"
+                        " (refused if the installed mpiddp lacks it)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank (default: cores / ranks on the node)")
     p.add_argument("--compression", choices=("none", "fp16", "bf16"), default="none",
@@ -245,19 +294,83 @@ def parse_args(argv=None):
                    help="mpiddp: DistributedOptimizer(bucket_cap_mb=...)")
     p.add_argument("--ddp-bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    s = p.add_argument_group("simulated accelerators (sim-* models): the one-process step")
+    timing = s.add_mutually_exclusive_group()
+    timing.add_argument("--step-time", type=float, default=None,
+                        help="seconds per step (forward, backward, optimizer) in one "
+                             "process; default 0.2 unless --regime or --device-profile")
+    timing.add_argument("--regime", choices=sorted(REGIMES), default=None,
+                        help="the step against the estimated wire time of the gradients at "
+                             "--link-gbit: balanced (1x), compute (2x: compute-bound), "
+                             "wire (0.5x: wire-bound)")
+    timing.add_argument("--device-profile", choices=sorted(sim.PROFILES), default=None,
+                        help="the step a GPU takes (its measured ResNet-50 throughput, scaled "
+                             "by MACs; sources in docs/benchmarks.md)")
+    s.add_argument("--param-scale", type=float, default=1.0,
+                   help="shrink every parameter tensor's first dimension by this factor "
+                        "(fewer bytes to reduce, for quick tests); the timing stays the "
+                        "real model's")
     args = p.parse_args(argv)
     if args.batch_size is None:
-        args.batch_size = 32 if args.model == "cnn" else 16
+        args.batch_size = 16 if args.model == "mlp" else 32
+    simulated = args.model in sim.MODELS
+    if not simulated and (args.step_time or args.regime or args.device_profile
+                          or args.param_scale != 1.0):
+        p.error("--step-time, --regime, --device-profile and --param-scale are for the sim-* "
+                "models")
+    if args.regime and not args.link_gbit:
+        p.error("--regime needs --link-gbit: the step is set against the wire time")
+    if args.step_time is not None and args.step_time <= 0:
+        p.error("--step-time must be positive")
+    if not 0 < args.param_scale <= 1:
+        p.error("--param-scale must be in (0, 1]")
     return args
+
+
+def wire_seconds(args, params: int, nodes: int) -> float:
+    """Time each node's link needs for one step's gradients: a ring or hierarchical
+    all-reduce across ``nodes`` nodes carries 2 (n - 1) / n of the gradient bytes each way."""
+    wire_bytes = params * (4 if args.compression == "none" else 2) * 2 * (nodes - 1) / nodes
+    return wire_bytes / (args.link_gbit * 1e9 / 8)
+
+
+def configure_simulation(args, nodes: int) -> str:
+    """Set ``args.sim_step_s`` (one process's step), ``args.sim_optimizer_s`` and
+    ``args.sim_seconds_per_param`` for a sim-* model; return how the step was chosen."""
+    specs = sim.MODELS[args.model]()
+    profile = sim.PROFILES.get(args.device_profile)
+    memory = profile.memory_gb_per_s if profile else sim.PROFILES["v100-amp"].memory_gb_per_s
+    args.sim_seconds_per_param = sim.optimizer_seconds_per_param(memory)
+    args.sim_optimizer_s = sim.param_count(specs) * args.sim_seconds_per_param
+    if profile:
+        args.sim_step_s = sim.profile_step_time(profile, specs, args.batch_size)
+        estimated = "" if args.model == "sim-resnet50" else (
+            ", this model estimated from ResNet-50's rate by MACs")
+        how = (f"device profile {profile.name}: ResNet-50 at "
+               f"{profile.resnet50_images_per_s:g} images/s{estimated} (source: "
+               f"{profile.source})")
+    elif args.regime:
+        wire_nodes = max(nodes, 2)
+        wire = wire_seconds(args, sim.param_count(specs, args.param_scale), wire_nodes)
+        args.sim_step_s = REGIMES[args.regime] * wire
+        how = (f"regime {args.regime}: {REGIMES[args.regime]:g} x the wire time "
+               f"{wire:.3f} s of the gradients over {wire_nodes} nodes at "
+               f"{args.link_gbit:g} Gbit/s" + (" (this job is on one node: 2 assumed)"
+                                               if nodes < 2 else ""))
+    else:
+        args.sim_step_s = args.step_time or 0.2
+        how = "--step-time" if args.step_time else "the default --step-time"
+    if args.sim_optimizer_s >= args.sim_step_s / 2:
+        raise SystemExit(f"a {args.sim_step_s:.4f} s step is too short for {args.model}: its "
+                         f"optimizer step alone takes {args.sim_optimizer_s:.4f} s")
+    return how
 
 
 def report_bound(args, result: dict, names: list, nodes: int, params: int) -> None:
     """Step time of each variant against max(one-process step, wire time): with perfect
-    overlap a step costs its compute or its traffic, whichever is longer. Wire time: each
-    node's link carries 2 (n - 1) / n of the gradient bytes each way (ring or hierarchical
-    all-reduce across n nodes), at ``--link-gbit``."""
-    wire_bytes = params * (4 if args.compression == "none" else 2) * 2 * (nodes - 1) / max(nodes, 1)
-    wire = wire_bytes / (args.link_gbit * 1e9 / 8)
+    overlap a step costs its compute or its traffic, whichever is longer (``wire_seconds``,
+    at ``--link-gbit``)."""
+    wire = wire_seconds(args, params, max(nodes, 1))
     single_step = args.batch_size / result["variants"]["single"]["per_rank"]
     bound = max(single_step, wire)
     result["bound"] = {"wire_s": wire, "single_step_s": single_step, "bound_s": bound}
@@ -270,8 +383,23 @@ def report_bound(args, result: dict, names: list, nodes: int, params: int) -> No
             print(f"  {name}: {step:.3f} s per step = {100 * bound / step:.0f}% of the bound")
 
 
+def uses_mpiddp(name: str) -> bool:
+    return name.split(":")[0] in ("mpiddp", "overlap")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [n for n in names if n.split(":")[0] not in ("mpiddp", "overlap", "ddp", "single")]
+    if unknown or len(set(names)) != len(names):
+        raise SystemExit(f"bad --variants {args.variants!r}: use mpiddp[:MB], overlap[:MB], "
+                         "ddp[:MB], single")
+    if (args.overlap_forward or any(n.startswith("overlap") for n in names)) \
+            and not supports_overlap_forward():
+        raise SystemExit(f"--overlap-forward / the overlap variant: the installed mpiddp "
+                         f"({os.path.dirname(mpiddp.__file__)}) has no "
+                         "DistributedOptimizer(overlap_forward=...); use a version with "
+                         "forward overlap or leave them out")
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -281,10 +409,8 @@ def main(argv=None) -> int:
     node.Free()
     threads = args.threads or max(1, (os.cpu_count() or 1) // local_size)
     torch.set_num_threads(threads)
-    names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [n for n in names if n.split(":")[0] not in ("mpiddp", "ddp", "single")]
-    if unknown or len(set(names)) != len(names):
-        raise SystemExit(f"bad --variants {args.variants!r}: use mpiddp[:MB], ddp[:MB], single")
+    nodes = size // local_size
+    simulation = configure_simulation(args, nodes) if args.model in sim.MODELS else None
     if args.compression == "bf16" and not torch.cuda.is_available():
         # torch's bf16_compress_hook refuses anything but NCCL/XCCL: nothing to compare with.
         if rank == 0 and any(n.startswith("ddp") for n in names):
@@ -306,21 +432,33 @@ def main(argv=None) -> int:
             variants[name] = make_single(args)
         else:
             mpiddp.init()
-            variants[name] = make_mpiddp(args, float(cap or args.bucket_cap_mb), name)
+            variants[name] = make_mpiddp(args, float(cap or args.bucket_cap_mb), name,
+                                         overlap=kind == "overlap" or args.overlap_forward)
     params = sum(p.numel() for p in next(iter(variants.values())).model.parameters())
     if rank == 0:
-        print(f"model {args.model}"
-              + (f" (ResNet-18, {args.image_size}x{args.image_size} images)"
-                 if args.model == "cnn" else f" ({args.depth}x{args.width}x{args.width})")
+        if simulation:
+            print(f"SIMULATED accelerator ({sim.DESCRIPTIONS[args.model]}; "
+                  f"{len(sim.MODELS[args.model]())} layers): one-process step "
+                  f"{args.sim_step_s:.4f} s of device time (optimizer step "
+                  f"{1e3 * args.sim_optimizer_s:.2f} ms) from {simulation}; no PCIe copies, "
+                  "device memory traffic or kernel launches (docs/benchmarks.md)"
+                  + (f"; parameters scaled by {args.param_scale:g}"
+                     if args.param_scale != 1 else ""), flush=True)
+        described = {"cnn": f" (ResNet-18, {args.image_size}x{args.image_size} images)",
+                     "mlp": f" ({args.depth}x{args.width}x{args.width})"}
+        print(f"model {args.model}" + described.get(args.model, "")
               + f": {params / 1e6:.1f} M parameters, {params * 4 / 1e6:.0f} MB of gradients; "
               f"batch {args.batch_size} per rank; {size} rank(s), {threads} thread(s) each; "
               f"{args.iters} interleaved rounds of {args.steps} steps after {args.warmup} "
-              "warm-up steps", flush=True)
+              "warm-up steps"
+              + ("; forward overlap on every mpiddp variant (--overlap-forward)"
+                 if args.overlap_forward else ""), flush=True)
 
     for name, variant in variants.items():
-        for _ in range(args.warmup):
-            if name != "single" or rank == 0:
+        if name != "single" or rank == 0:
+            for _ in range(args.warmup):
                 variant.step()
+            variant.finish()
     mpiddp.shutdown()
     stats = {}
     rates = {name: [] for name in names}
@@ -328,13 +466,13 @@ def main(argv=None) -> int:
     for it in range(args.iters):
         order = names[it % len(names):] + names[:it % len(names)]   # rotate: no position bias
         for name in order:
-            if name.startswith("mpiddp"):
+            if uses_mpiddp(name):
                 mpiddp.init()
                 mpiddp.reset_engine_stats()
             rate, cpu_ms = time_round(variants[name], args.steps, rank)
             rates[name].append(rate)
             cpu[name].append(cpu_ms)
-            if name.startswith("mpiddp"):
+            if uses_mpiddp(name):
                 stats[name] = mpiddp.engine_stats()
                 mpiddp.shutdown()
         if rank == 0:
@@ -348,10 +486,15 @@ def main(argv=None) -> int:
         return 0
     result = {"model": args.model, "batch_size": args.batch_size, "ranks": size,
               "threads": threads, "image_size": args.image_size, "params": params,
-              "iters": args.iters, "steps": args.steps, "variants": {}}
+              "iters": args.iters, "steps": args.steps,
+              "overlap_forward": args.overlap_forward, "variants": {}}
+    if simulation:
+        result["simulation"] = {"step_s": args.sim_step_s, "optimizer_s": args.sim_optimizer_s,
+                                "chosen_by": simulation, "param_scale": args.param_scale}
     width = max(8, *(len(n) for n in names))
-    print(f"\n{'variant':{width}s} {'samples/s per rank':>19s} {'total':>8s} "
-          f"{'efficiency':>11s} {'CPU ms/step':>12s}")
+    # CPU: the whole process (all threads) per step, the mean over ranks.
+    print(f"\n{'variant':{width}s} {'step s':>7s} {'samples/s per rank':>19s} {'total':>8s} "
+          f"{'efficiency':>11s} {'CPU ms/step/rank':>17s}")
     single = None
     if "single" in names:
         single = statistics.median(everyone[0]["single"])
@@ -366,15 +509,16 @@ def main(argv=None) -> int:
         # CPU time per step and rank (all threads), median over rounds, mean over ranks
         cpu_ms = statistics.mean(statistics.median(cpu_all[r][name])
                                  for r in range(ranks_here))
+        step_s = args.batch_size * ranks_here / total
         result["variants"][name] = {"total": total, "per_rank": total / ranks_here,
-                                    "rounds": totals, "efficiency": efficiency,
-                                    "cpu_ms_per_step": cpu_ms}
-        print(f"{name:{width}s} {total / ranks_here:19.1f} {total:8.1f} "
-              f"{'-' if efficiency is None else f'{efficiency:.2f}':>11s} {cpu_ms:12.0f}"
+                                    "step_s": step_s, "rounds": totals,
+                                    "efficiency": efficiency, "cpu_ms_per_step": cpu_ms}
+        print(f"{name:{width}s} {step_s:7.3f} {total / ranks_here:19.1f} {total:8.1f} "
+              f"{'-' if efficiency is None else f'{efficiency:.2f}':>11s} {cpu_ms:17.1f}"
               f"   (rounds: {', '.join(f'{t:.1f}' for t in totals)})")
     print()
     result["ratios"] = {}
-    for a in (n for n in names if n.startswith("mpiddp")):
+    for a in (n for n in names if uses_mpiddp(n)):
         for b in (n for n in names if n.startswith("ddp")):
             va, vb = result["variants"][a], result["variants"][b]
             ratio = va["total"] / vb["total"]
@@ -383,7 +527,7 @@ def main(argv=None) -> int:
             print(f"{a} / {b} (gloo) throughput: {ratio:.2f}x (ratio of medians; per round "
                   f"{', '.join(f'{x:.2f}' for x in per_round)})")
     if args.link_gbit and single:
-        report_bound(args, result, names, size // local_size, params)
+        report_bound(args, result, names, nodes, params)
     steps = args.steps + 1
     for name, st in stats.items():
         print(f"{name} engine on rank 0, last round, per step: {st['cycles'] / steps:.0f} "

@@ -1,0 +1,212 @@
+"""Simulated accelerator models (scripts/simulated_models.py) and their use in
+scripts/synthetic_benchmark.py: the shape tables against the published parameter counts and
+FLOPs, the timing of a simulated step, its CPU use, and a 2-rank benchmark run."""
+import json
+import math
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from mpi_launch import ROOT, assert_ok, run_mpi
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import simulated_models as sim  # noqa: E402
+import synthetic_benchmark as bench  # noqa: E402
+
+# Published figures: torchvision's model tables (parameters exactly; GFLOPs are
+# multiply-accumulates at 224x224: ResNet-50 4.09, ResNet-18 1.81, VGG-16 15.47) and BERT-base
+# (Devlin et al.: 110 M parameters).
+PARAMS = {"sim-resnet50": 25_557_032, "sim-resnet18": 11_689_512, "sim-vgg16": 138_357_544}
+GMACS = {"sim-resnet50": 4.09, "sim-resnet18": 1.81, "sim-vgg16": 15.47}
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+def test_cnn_tables_match_torchvision(name):
+    layers = sim.MODELS[name]()
+    assert sim.param_count(layers) == PARAMS[name]
+    # The tables add one MAC per output element of each batch norm (under 0.4 %).
+    assert sim.forward_macs(layers) / 1e9 == pytest.approx(GMACS[name], rel=0.005)
+
+
+def test_bert_base_table():
+    layers = sim.bert_base()
+    params = sim.param_count(layers)
+    assert 109e6 < params < 111e6
+    # Hugging Face's bert-base-uncased has 109,482,240; the table adds a 2-class head.
+    assert params == 109_482_240 + 768 * 2 + 2
+    # Per encoder layer and 128-token sequence: Q, K, V, output (4 h^2), the feed-forward
+    # (8 h^2) per token, and the two attention products (2 s^2 h).
+    s, h = 128, 768
+    expected = 12 * (s * 12 * h * h + 2 * s * s * h)
+    assert sim.forward_macs(layers) == pytest.approx(expected, rel=0.01)
+    assert len([layer for layer in layers if not layer.params]) == 12   # attention products
+
+
+def test_model_layers_in_forward_order_with_real_shapes():
+    model = sim.SimulatedModel("sim-resnet50")
+    names = [name for name, _ in model.named_parameters()]
+    assert names[:3] == ["layers.conv1.weight", "layers.bn1.weight", "layers.bn1.bias"]
+    assert names[-2:] == ["layers.fc.weight", "layers.fc.bias"]
+    assert len(names) == 161                       # torchvision's resnet50: 161 tensors
+    shapes = dict(model.named_parameters())
+    assert shapes["layers.layer4_2_conv3.weight"].shape == (2048, 512, 1, 1)
+    assert sum(p.numel() for p in model.parameters()) == PARAMS["sim-resnet50"]
+    small = sim.SimulatedModel("sim-resnet50", param_scale=0.01)
+    assert small.layers["fc"].weight.shape == (10, 2048)
+    assert sum(p.numel() for p in small.parameters()) == \
+        sim.param_count(sim.MODELS["sim-resnet50"](), 0.01)
+
+
+def run_steps(model, optimizer, steps, batch):
+    data = torch.zeros(batch, 1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(data).sum().backward()
+        optimizer.step()
+
+
+def test_step_takes_the_requested_time_and_little_cpu():
+    step, batch = 0.25, 32
+    model = sim.SimulatedModel("sim-bert", param_scale=0.02)
+    per_param = sim.optimizer_seconds_per_param(900)
+    optimizer_s = sim.param_count(model.specs) * per_param
+    model.set_step_time(step, batch, optimizer_s)
+    optimizer = sim.SimulatedOptimizer(model.parameters(), model.device, per_param)
+    run_steps(model, optimizer, 1, batch)          # first step: gradient memory faulted in
+    busy = model.device.busy
+    start, cpu = time.perf_counter(), time.thread_time()
+    run_steps(model, optimizer, 3, batch)
+    elapsed, cpu = (time.perf_counter() - start) / 3, (time.thread_time() - cpu) / 3
+    # The device time asked for is exactly the step; the wall time within 15 % of it.
+    assert (model.device.busy - busy) / 3 == pytest.approx(step, rel=1e-9)
+    assert step * 0.98 <= elapsed <= step * 1.15, elapsed
+    # The stepping thread's own CPU: the waits use none (measured: about 5-8 % of the step).
+    assert cpu < 0.25 * step, cpu
+    for param in model.parameters():
+        assert param.grad is not None and param.grad.shape == param.shape
+
+
+def test_waits_release_the_gil():
+    """Another Python thread runs while the device works (a wait holding the GIL would stop
+    it for the whole wait; a Python loop counts about 10^6-10^7 a second)."""
+    device = sim.SimulatedDevice()
+    counter = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            counter[0] += 1
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        cpu = time.thread_time()
+        device.run(0.3)
+        cpu = time.thread_time() - cpu
+    finally:
+        stop.set()
+        spinner.join()
+    assert counter[0] > 10_000, counter[0]
+    assert cpu < 0.05, cpu
+
+
+def test_gradients_cost_no_copy_and_are_steady():
+    model = sim.SimulatedModel("sim-resnet18")
+    model.set_step_time(0.01, 4)
+    optimizer = sim.SimulatedOptimizer(model.parameters(), model.device, 0.0)
+    run_steps(model, optimizer, 1, 4)
+    fc = model.layers["fc"].weight
+    first = fc.grad.data_ptr()
+    values = {float(p.grad.flatten()[0]) for p in model.parameters()}
+    run_steps(model, optimizer, 2, 4)
+    assert fc.grad.data_ptr() == first                 # reused, not reallocated or copied
+    assert float(fc.grad.min()) == float(fc.grad.max())   # one value per tensor, every step
+    assert {float(p.grad.flatten()[0]) for p in model.parameters()} == values
+
+
+def test_partial_optimizer_step_takes_its_share():
+    model = sim.SimulatedModel("sim-resnet18", param_scale=0.1)
+    model.set_step_time(0.01, 4)
+    optimizer = sim.SimulatedOptimizer(model.parameters(), model.device, 1e-9)
+    run_steps(model, optimizer, 1, 4)
+    params = optimizer.param_groups[0]["params"]
+    busy = model.device.busy
+    optimizer.param_groups[0]["params"] = params[:2]   # as forward overlap's subsets do
+    optimizer.step()
+    real = math.prod(model.specs[0].params[0][1]) + math.prod(model.specs[1].params[0][1])
+    assert real == 64 * 3 * 7 * 7 + 64                 # conv1.weight, bn1.weight
+    assert model.device.busy - busy == pytest.approx(real * 1e-9)   # real sizes, not scaled
+
+
+def simulation_args(*argv, nodes=2):
+    args = bench.parse_args(["--model", "sim-resnet50", *argv])
+    how = bench.configure_simulation(args, nodes)
+    return args, how
+
+
+def test_regimes_and_profiles_set_the_step():
+    wire = 25_557_032 * 4 / (1e9 / 8)              # 2 nodes: each link carries all bytes once
+    balanced, how = simulation_args("--regime", "balanced", "--link-gbit", "1")
+    assert balanced.sim_step_s == pytest.approx(wire)
+    assert "wire time" in how
+    compute, _ = simulation_args("--regime", "compute", "--link-gbit", "1")
+    wire_bound, _ = simulation_args("--regime", "wire", "--link-gbit", "1", "--compression",
+                                    "fp16")
+    assert compute.sim_step_s == pytest.approx(2 * wire)
+    assert wire_bound.sim_step_s == pytest.approx(0.5 * wire / 2)   # fp16: half the bytes
+    four, _ = simulation_args("--regime", "balanced", "--link-gbit", "0.5", nodes=4)
+    assert four.sim_step_s == pytest.approx(wire * 2 * 1.5)         # 2 (n-1)/n at 4 nodes
+    profile, how = simulation_args("--device-profile", "v100-amp", "--batch-size", "256")
+    assert profile.sim_step_s == pytest.approx(256 / 1200)
+    assert "DeepLearningExamples" in how
+    fixed, _ = simulation_args("--step-time", "0.3")
+    assert fixed.sim_step_s == 0.3
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", "sim-resnet50", "--regime", "balanced"])  # no link
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--model", "cnn", "--step-time", "0.2"])
+
+
+def test_overlap_forward_refused_or_passed_through(monkeypatch):
+    monkeypatch.setattr(bench, "supports_overlap_forward", lambda: False)
+    with pytest.raises(SystemExit, match="overlap_forward"):
+        bench.main(["--model", "sim-resnet18", "--overlap-forward"])
+    seen = {}
+
+    def fake(optimizer, **kwargs):
+        seen.update(kwargs)
+        return optimizer
+    monkeypatch.setattr(bench.mpiddp, "DistributedOptimizer", fake)
+    monkeypatch.setattr(bench.mpiddp, "broadcast_parameters", lambda *a, **k: None)
+    args, _ = simulation_args("--param-scale", "0.01")
+    variant = bench.make_mpiddp(args, 4.0, "overlap", overlap=True)
+    assert seen["overlap_forward"] is True and variant.overlap
+    seen.clear()
+    bench.make_mpiddp(args, 4.0, "mpiddp")
+    assert "overlap_forward" not in seen              # the standard path on any mpiddp
+
+
+def test_benchmark_two_ranks(tmp_path):
+    out = tmp_path / "result.json"
+    # Forward overlap too where this mpiddp has it (the refusal is tested above).
+    names = ["mpiddp", "ddp", "single"] + (["overlap"] if bench.supports_overlap_forward()
+                                           else [])
+    result = run_mpi(str(ROOT / "scripts" / "synthetic_benchmark.py"), 2,
+                     "--model", "sim-resnet18", "--param-scale", "0.05", "--step-time", "0.1",
+                     "--iters", "2", "--steps", "2", "--warmup", "1", "--link-gbit", "1",
+                     "--variants", ",".join(names), "--json", out, timeout=150)
+    assert_ok(result)
+    assert "SIMULATED accelerator (ResNet-18" in result.output, result.output
+    data = json.loads(out.read_text())
+    variants = data["variants"]
+    assert set(variants) == set(names)
+    assert data["simulation"]["step_s"] == 0.1
+    assert 0.095 <= variants["single"]["step_s"] <= 0.15, variants["single"]
+    for name in set(names) - {"single"}:
+        # 2.3 MB of gradients on one node: a small share of a 0.1 s step.
+        assert variants[name]["efficiency"] > 0.4, (name, variants[name])
+        # Host CPU per step and rank well under the step (the device's time is sleep).
+        assert variants[name]["cpu_ms_per_step"] < 100, (name, variants[name])
+    assert "bound" in data and data["bound"]["wire_s"] == 0.0    # one node: no wire
