@@ -208,9 +208,18 @@ class ForwardOverlap:
         if params is None:
             chosen = list(deferred.params.values())
         else:
+            # The touched parameters, and those at the front of the optimizer's order (the
+            # order of urgency) whose results are already in: reductions finish roughly in
+            # that order, so stopping at the first one still running keeps a forward's
+            # touches linear in the number of parameters.
             wanted = {id(p) for p in params}
-            chosen = [p for p in deferred.params.values()
-                      if id(p) in wanted or p not in round_ or round_.ready(p)]
+            chosen = [p for p in params if id(p) in deferred.params]
+            for param in deferred.params.values():
+                if id(param) in wanted:
+                    continue
+                if param in round_ and not round_.ready(param):
+                    break
+                chosen.append(param)
         try:
             round_.finish([p for p in chosen if p in round_])
         except BaseException:

@@ -378,9 +378,10 @@ class Round:
     def finish(self, params=None) -> None:
         """Write back ``params`` (default: all that are left), in submission order: the casts
         and copies of the early ones overlap the later ones' transfers."""
-        wanted = None if params is None else {id(p) for p in params}
-        chosen = [(p, item) for p, item in self.items.items()
-                  if wanted is None or id(p) in wanted]
+        if params is None:
+            chosen = list(self.items.items())
+        else:
+            chosen = [(p, self.items[p]) for p in params if p in self.items]
         with torch.no_grad():
             for param, item in chosen:
                 if not item.local_zeros:
