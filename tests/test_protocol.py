@@ -273,20 +273,27 @@ def test_shutdown_from_any_rank_fails_pending_handles_everywhere(who):
     cluster.shutdown()
 
 
+def cycle_by_hand(ranks: list) -> tuple:
+    """One cycle of protocol objects driven by hand, no threads: (every rank's result, the
+    reduced bits)."""
+    messages = [p.encode(shutdown_requested=False) for p in ranks]
+    reduced = -1                    # every bit set: the identity of AND
+    for message in messages:
+        reduced &= int.from_bytes(message, "little")
+    bits = [p.decode(reduced.to_bytes(len(messages[0]), "little")) for p in ranks]
+    plan = None
+    if bits[0].slow:
+        plan = ranks[0].make_plan([p.slow_message(b, None) for p, b in zip(ranks, bits)])
+    return [p.conclude(b, plan) for p, b in zip(ranks, bits)], bits[0]
+
+
 def test_protocol_alone_encodes_and_agrees_without_threads():
     """Two protocol objects driven by hand: first use goes through rank 0's plan, the second
     is a cache hit (ready bit, no slow path)."""
     ranks = [CycleProtocol(r, 2, TEST_SETTINGS) for r in range(2)]
 
     def cycle():
-        messages = [p.encode(shutdown_requested=False) for p in ranks]
-        reduced = int.from_bytes(messages[0], "little") & int.from_bytes(messages[1], "little")
-        bits = [p.decode(reduced.to_bytes(len(messages[0]), "little")) for p in ranks]
-        plan = None
-        if bits[0].slow:
-            slow = [p.slow_message(b, None) for p, b in zip(ranks, bits)]
-            plan = ranks[0].make_plan(slow)
-        return [p.conclude(b, plan) for p, b in zip(ranks, bits)], bits[0]
+        return cycle_by_hand(ranks)
 
     for p in ranks:
         p.add([entry("a"), entry("b")])
@@ -308,13 +315,7 @@ def test_urgent_allreduces_overtake_less_urgent_ones_within_the_cycle_budget():
     ranks = [CycleProtocol(r, 2, settings) for r in range(2)]
 
     def cycle():
-        messages = [p.encode(shutdown_requested=False) for p in ranks]
-        reduced = int.from_bytes(messages[0], "little") & int.from_bytes(messages[1], "little")
-        bits = [p.decode(reduced.to_bytes(len(messages[0]), "little")) for p in ranks]
-        plan = None
-        if bits[0].slow:
-            plan = ranks[0].make_plan([p.slow_message(b, None) for p, b in zip(ranks, bits)])
-        results = [p.conclude(b, plan) for p, b in zip(ranks, bits)]
+        results, _ = cycle_by_hand(ranks)
         assert [r.name for r in results[0].ready] == [r.name for r in results[1].ready]
         return [r.name for r in results[0].ready]
 
