@@ -128,7 +128,7 @@ class Settings:
     # Bytes of prioritized all-reduces (forward overlap's gradients) a cycle runs at most;
     # the less urgent rest waits one cycle, so an urgent gradient never queues behind more
     # than this much on the wire (0 = no limit: a cycle runs everything that is ready).
-    priority_cycle_bytes: int = setting(4 * 1024 * 1024, Number(int))
+    priority_cycle_bytes: int = setting(1024 * 1024, Number(int))
     # Forward overlap for DistributedOptimizer(overlap_forward=None) (docs/training.md):
     # step() returns before the gradients are averaged; each parameter is updated just before
     # the next forward uses it. 'auto': try both in the first steps, keep the faster. An
