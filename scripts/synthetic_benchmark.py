@@ -163,12 +163,12 @@ def supports_overlap_forward() -> bool:
     return "overlap_forward" in inspect.signature(mpiddp.DistributedOptimizer).parameters
 
 
-def make_mpiddp(args, bucket_cap_mb: float, name: str, overlap: bool = False) -> Variant:
+def make_mpiddp(args, bucket_cap_mb: float, name: str, overlap: bool | str = False) -> Variant:
     model, data, target = build(args)
     optimizer = make_optimizer(args, model, model.parameters())
     compression = getattr(mpiddp.Compression, args.compression)
     # Only passed when asked for, so the standard path runs on any mpiddp.
-    extra = {"overlap_forward": True} if overlap else {}
+    extra = {"overlap_forward": overlap} if overlap else {}
     optimizer = mpiddp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                             compression=compression,
                                             bucket_cap_mb=bucket_cap_mb, **extra)
@@ -276,6 +276,8 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=4, help="timed rounds per variant")
     p.add_argument("--variants", default="mpiddp,ddp,single",
                    help="comma-separated: mpiddp, overlap (mpiddp with overlap_forward=True), "
+                        "auto (overlap_forward='auto': its trial takes 24 steps; give as many "
+                        "warm-up steps to time its choice), "
                         "ddp (torch DDP over gloo), single (one process, the scaling "
                         "baseline); mpiddp:MB / overlap:MB / ddp:MB set the bucket size of "
                         "that variant (e.g. mpiddp:0,mpiddp:1000,ddp,ddp:1000)")
@@ -387,17 +389,18 @@ def report_bound(args, result: dict, names: list, nodes: int, params: int) -> No
 
 
 def uses_mpiddp(name: str) -> bool:
-    return name.split(":")[0] in ("mpiddp", "overlap")
+    return name.split(":")[0] in ("mpiddp", "overlap", "auto")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [n for n in names if n.split(":")[0] not in ("mpiddp", "overlap", "ddp", "single")]
+    unknown = [n for n in names
+               if n.split(":")[0] not in ("mpiddp", "overlap", "auto", "ddp", "single")]
     if unknown or len(set(names)) != len(names):
         raise SystemExit(f"bad --variants {args.variants!r}: use mpiddp[:MB], overlap[:MB], "
-                         "ddp[:MB], single")
-    if (args.overlap_forward or any(n.startswith("overlap") for n in names)) \
+                         "auto[:MB], ddp[:MB], single")
+    if (args.overlap_forward or any(n.startswith(("overlap", "auto")) for n in names)) \
             and not supports_overlap_forward():
         raise SystemExit(f"--overlap-forward / the overlap variant: the installed mpiddp "
                          f"({os.path.dirname(mpiddp.__file__)}) has no "
@@ -436,7 +439,8 @@ def main(argv=None) -> int:
         else:
             mpiddp.init()
             variants[name] = make_mpiddp(args, float(cap or args.bucket_cap_mb), name,
-                                         overlap=kind == "overlap" or args.overlap_forward)
+                                         overlap="auto" if kind == "auto" else
+                                         kind == "overlap" or args.overlap_forward)
     params = sum(p.numel() for p in next(iter(variants.values())).model.parameters())
     if rank == 0:
         if simulation:

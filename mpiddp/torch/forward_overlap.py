@@ -70,7 +70,9 @@ class ForwardOverlap:
         self.sync = sync
         # auto: an OverlapTrial switches overlap on and off in the first steps, then decides.
         self.enabled = True
-        self.trial = OverlapTrial(self._agree, sync.prefix) if auto else None
+        self.trial = (OverlapTrial(self._agree, sync.prefix,
+                                   speaks=runtime.set_rank(sync.process_set) == 0)
+                      if auto else None)
         self.optimizer_step = optimizer_step      # the wrapped optimizer's own step()
         self._optimizer = lambda: None            # weak: set by attach()
         self.hook_handles: list = []

@@ -26,8 +26,9 @@ class OverlapTrial:
     decision agreed across ranks (``agree(on_mean, off_mean) -> (on_mean, off_mean)``
     averages them over the ranks)."""
 
-    def __init__(self, agree: Callable[[float, float], tuple], prefix: str):
+    def __init__(self, agree: Callable[[float, float], tuple], prefix: str, speaks: bool = True):
         self.agree, self.prefix = agree, prefix
+        self.speaks = speaks           # this rank logs the decision (one rank of the set)
         self.steps = 0
         self.last: Optional[float] = None
         self.times: dict[bool, list] = {True: [], False: []}
@@ -58,6 +59,8 @@ class OverlapTrial:
         off = sum(self.times[False]) / len(self.times[False])
         on, off = self.agree(on, off)
         self.decision = on <= off
+        if not self.speaks:
+            return
         log.info("mpiddp forward overlap (%s, auto): step %.1f ms with it, %.1f ms without "
                     "(mean of the ranks); keeping it %s. Pin the choice with "
                     "overlap_forward=%s.", self.prefix, 1e3 * on, 1e3 * off,
