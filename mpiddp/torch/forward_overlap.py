@@ -166,7 +166,9 @@ class ForwardOverlap:
                 if item.wire is not None:
                     watched[id(item.wire)] = item_param
         self.watched = watched
-        self.sync.marks.record("step_deferred")
+        # On the timeline the step ends here: its updates run inside the next forward, whose
+        # span (with the reductions still on the wire beside it) is the picture of overlap.
+        self.sync.marks.record("step_end")
         return True
 
     @contextlib.contextmanager
@@ -241,7 +243,6 @@ class ForwardOverlap:
                         param.grad.zero_()
         if not deferred.params:
             self.deferred, self.round, self.watched = None, None, {}
-            self.sync.marks.record("step_end")
 
     def _step_on(self, params: list) -> None:
         """Run the wrapped optimizer's step on ``params`` only, with the hyperparameters
