@@ -87,7 +87,7 @@ install_packages() {
 }
 
 write_config() {
-  local host node overrides="" controller nodes_lines i name
+  local host node overrides="" controller nodes_lines i name first_job_id
   host="$(hostname -s)"
   # slurmd reports this machine's CPUs, sockets, cores and memory; use them as they are.
   node="$(slurmd -C | head -n 1)"
@@ -112,6 +112,8 @@ write_config() {
       nodes_lines+="NodeName=$name $node NodeAddr=$(bash "$CLUSTER" address "$i") State=UNKNOWN"$'\n'
     done
   fi
+  # Seconds since the epoch, below Slurm's MaxJobId (67043328): a new range at every start.
+  first_job_id=$(( $(date +%s) % 60000000 + 1000 ))
   cat > "$CONF" <<EOF
 # Written by scripts/local_slurm.sh: a cluster for testing; removed by its 'stop'.
 ClusterName=mpiddp-local
@@ -144,6 +146,11 @@ SlurmctldDebug=info
 SlurmdDebug=info
 ReturnToService=2
 MailProg=/bin/true
+# Job ids that no earlier start of this script used: MPICH names a job's shared-memory segment
+# after its PMI job ("<job>.<step>"), so job 1 of a new cluster would meet a segment that a
+# killed task of an earlier cluster's job 1 left in /dev/shm, and its ranks stop in MPI_Init
+# ("Out of memory"). Real clusters never reuse ids this way.
+FirstJobId=$first_job_id
 # No accounting database: keep finished jobs in 'scontrol show job' for an hour instead.
 MinJobAge=3600
 KillWait=5
