@@ -1,11 +1,15 @@
 """mpiddp.elastic: snapshots that restore on any rank count, and a sampler that trains every
 sample of an interrupted epoch exactly once across a resize (docs/elastic.md)."""
+import os
+import subprocess
+import sys
+import time
 from collections import Counter
 
 import pytest
 import torch
 
-from mpi_launch import assert_ok, reported, run_mpi
+from mpi_launch import ROOT, Job, assert_ok, mpi_command, process_gone, reported, run_mpi
 from mpiddp.elastic import ElasticSampler, list_snapshots, write_durably
 from mpiddp.torch.elastic import _newest_readable
 
@@ -91,3 +95,72 @@ def test_resize_from_three_ranks_to_two(tmp_path):
             f"epoch {epoch}: duplicated {[i for i, n in counts.items() if n > 1]}"
     finished = reported(second, "finished")
     assert len(finished) == 2 and finished[0]["params"] == finished[1]["params"]
+
+
+def elastic_launch(tmp_path, *launcher_args, die_at=12, timeout=150):
+    """``python -m mpiddp.run`` on two "nodes" of this machine (hydra starts both locally:
+    localhost and 127.0.0.1); the worker's last rank, on 127.0.0.1, SIGKILLs itself at
+    ``die_at`` in the first run."""
+    cmd, env = mpi_command("elastic_worker.py", 2, tmp_path, 3, "--die-at", die_at)
+    worker_cmd = cmd[cmd.index("-n") + 2:]
+    launcher = [sys.executable, "-m", "mpiddp.run", "--hosts", "localhost:1,127.0.0.1:1",
+                *map(str, launcher_args), "--", *worker_cmd]
+    started = time.monotonic()
+    result = Job(launcher, env).wait(timeout)
+    return result, time.monotonic() - started
+
+
+def test_launcher_relaunches_without_the_lost_node(tmp_path):
+    result, _ = elastic_launch(tmp_path, "--min-nodes", 1)
+    assert_ok(result)
+    assert "lost node(s) 127.0.0.1; relaunching" in result.output, result.output
+    assert "relaunch 1 on 1 node(s): localhost:1" in result.output, result.output
+    restored = [r for r in reported(result, "restored") if r["restored"]]
+    assert restored and restored[0]["step"] == 12 and restored[0]["size"] == 1, result.output
+    ids = epoch_ids(tmp_path)
+    for epoch, counts in ids.items():
+        assert sorted(counts) == list(range(103)), f"epoch {epoch}: samples skipped"
+        assert max(counts.values()) == 1, f"epoch {epoch}: samples trained twice"
+    assert no_worker_left(tmp_path)
+
+
+def test_launcher_stops_below_min_nodes_keeping_the_snapshot(tmp_path):
+    result, _ = elastic_launch(tmp_path, "--min-nodes", 2)
+    assert not result.timed_out and result.returncode == 3, result.output
+    assert "only 1 node(s) left (localhost; lost: 127.0.0.1), fewer than --min-nodes 2: " \
+           "stopping" in result.output, result.output
+    assert _newest_readable(str(tmp_path))[1]["step"] == 12
+    assert no_worker_left(tmp_path)
+
+
+def test_launcher_does_not_rerun_a_failing_script(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = Job([sys.executable, "-m", "mpiddp.run", "--hosts", "localhost:2", "--",
+                  sys.executable, "-c", "import sys; sys.exit(4)"], env).wait(60)
+    assert result.returncode == 4, result.output
+    assert "failed (status 4) with no node lost and no rank killed: not running it again" \
+        in result.output
+    assert result.output.count("launch") == 1, result.output
+
+
+def test_the_launcher_imports_no_torch():
+    code = "import sys, runpy; sys.modules['torch'] = None; " \
+           "import importlib.util as u; spec = u.spec_from_file_location('r', 'mpiddp/run.py');" \
+           "m = u.module_from_spec(spec); spec.loader.exec_module(m); print(m.parse_hosts(" \
+           "'a:2,b\\nc slots=3', 1))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.strip() == "[('a', 2), ('b', 1), ('c', 3)]", out.stderr
+
+
+def no_worker_left(directory) -> bool:
+    """No process whose command line names this test's directory is still running."""
+    time.sleep(0.5)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if str(directory).encode() in f.read() and not process_gone(int(pid)):
+                    return False
+        except OSError:
+            continue
+    return True

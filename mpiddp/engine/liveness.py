@@ -88,6 +88,7 @@ class Watchdog:
             elif now - since >= self.stalled_after:
                 missing = self.roll_call()
                 if missing:
+                    record_lost(sorted({self.hosts[r] for r in missing}), self.rank)
                     self.on_lost(self.report(missing, now - since))
                     return
                 since = time.monotonic()        # everyone is there: a slow operation
@@ -133,6 +134,25 @@ class Watchdog:
                 f"answer within {ANSWER_SECONDS:.0f} s: they have died or cannot be reached "
                 "(their node or its network is down). Ending the job so that no rank waits "
                 "for them forever.")
+
+
+LOST_NODES_DIR = "MPIDDP_LOST_NODES_DIR"    # set by ``python -m mpiddp.run``
+
+
+def record_lost(hosts: list[str], rank: int) -> None:
+    """Tell the elastic launcher (``mpiddp.run``) which nodes are lost: one file per
+    reporting rank, ``lost.<rank>``, a host per line, in the directory it names in
+    ``MPIDDP_LOST_NODES_DIR`` (nothing without it). Written before the job is ended."""
+    directory = os.environ.get(LOST_NODES_DIR)
+    if not directory:
+        return
+    try:
+        tmp = os.path.join(directory, f".lost.{rank}.tmp")
+        with open(tmp, "w") as f:
+            f.write("".join(f"{host}\n" for host in hosts))
+        os.replace(tmp, os.path.join(directory, f"lost.{rank}"))
+    except OSError as exc:       # the report on stderr still names them
+        sys.stderr.write(f"mpiddp: could not record the lost nodes in {directory}: {exc}\n")
 
 
 def end_job(report: str) -> None:
