@@ -158,7 +158,9 @@ class Launcher:
         for name in os.listdir(lost_dir):
             if name.startswith("lost."):
                 with open(os.path.join(lost_dir, name)) as f:
-                    lost.update(line.strip() for line in f if line.strip())
+                    named = {line.strip() for line in f if line.strip()}
+                say(f"rank {name[5:]}'s watchdog found lost: {', '.join(sorted(named))}")
+                lost |= named
         lost.update(HYDRA_LOST.findall(output) if HYDRA_SIGNALLED.search(output) else [])
         for match in SRUN_LOST.finditer(output):
             lost.add(match.group(1) or match.group(3))

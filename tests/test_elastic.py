@@ -97,11 +97,12 @@ def test_resize_from_three_ranks_to_two(tmp_path):
     assert len(finished) == 2 and finished[0]["params"] == finished[1]["params"]
 
 
-def elastic_launch(tmp_path, *launcher_args, die_at=12, timeout=150):
+def elastic_launch(tmp_path, *launcher_args, die_at=12, timeout=150, freeze=False, env=None):
     """``python -m mpiddp.run`` on two "nodes" of this machine (hydra starts both locally:
     localhost and 127.0.0.1); the worker's last rank, on 127.0.0.1, SIGKILLs itself at
     ``die_at`` in the first run."""
-    cmd, env = mpi_command("elastic_worker.py", 2, tmp_path, 3, "--die-at", die_at)
+    cmd, env = mpi_command("elastic_worker.py", 2, tmp_path, 3, "--die-at", die_at,
+                           *(["--freeze"] if freeze else []), env=env)
     worker_cmd = cmd[cmd.index("-n") + 2:]
     launcher = [sys.executable, "-m", "mpiddp.run", "--hosts", "localhost:1,127.0.0.1:1",
                 *map(str, launcher_args), "--", *worker_cmd]
@@ -121,6 +122,19 @@ def test_launcher_relaunches_without_the_lost_node(tmp_path):
     for epoch, counts in ids.items():
         assert sorted(counts) == list(range(103)), f"epoch {epoch}: samples skipped"
         assert max(counts.values()) == 1, f"epoch {epoch}: samples trained twice"
+    assert no_worker_left(tmp_path)
+
+
+def test_launcher_relaunches_when_the_watchdog_finds_a_rank_gone(tmp_path):
+    """A frozen rank (as a node whose link is down) is found by the lost-peer watchdog,
+    which names its launch host to the launcher through MPIDDP_LOST_NODES_DIR."""
+    result, elapsed = elastic_launch(tmp_path, "--min-nodes", 1, freeze=True,
+                                     env={"MPIDDP_STALL_CHECK_TIME": "2"})
+    assert_ok(result)
+    assert "rank 0's watchdog found lost: 127.0.0.1" in result.output, result.output
+    assert "relaunch 1 on 1 node(s): localhost:1" in result.output, result.output
+    restored = [r for r in reported(result, "restored") if r["restored"]]
+    assert restored and restored[0]["step"] == 12, result.output
     assert no_worker_left(tmp_path)
 
 

@@ -52,8 +52,10 @@ class Watchdog:
     """Roll calls when the coordinator makes no progress; ends the job on lost ranks."""
 
     def __init__(self, comm: MPI.Comm, hosts: list[str], progress: Callable[[], int],
-                 stalled_after: float, on_lost: Callable[[str], None] | None = None):
+                 stalled_after: float, on_lost: Callable[[str], None] | None = None,
+                 launch_hosts: list[str] | None = None):
         self.comm = comm
+        self.launch_hosts = launch_hosts or hosts
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.hosts = hosts
         self.progress = progress
@@ -88,7 +90,7 @@ class Watchdog:
             elif now - since >= self.stalled_after:
                 missing = self.roll_call()
                 if missing:
-                    record_lost(sorted({self.hosts[r] for r in missing}), self.rank)
+                    record_lost(sorted({self.launch_hosts[r] for r in missing}), self.rank)
                     self.on_lost(self.report(missing, now - since))
                     return
                 since = time.monotonic()        # everyone is there: a slow operation
@@ -137,6 +139,14 @@ class Watchdog:
 
 
 LOST_NODES_DIR = "MPIDDP_LOST_NODES_DIR"    # set by ``python -m mpiddp.run``
+
+
+def launch_host() -> str:
+    """This rank's node as its launcher named it (mpiexec's host list entry, Slurm's node
+    name), which the elastic launcher can leave out of the next launch; else the MPI
+    processor name."""
+    return (os.environ.get("PMI_HOSTNAME") or os.environ.get("SLURMD_NODENAME")
+            or MPI.Get_processor_name())
 
 
 def record_lost(hosts: list[str], rank: int) -> None:

@@ -5,7 +5,8 @@
 Restores from DIR, trains, commits every N steps, and appends every sample id a rank trains
 to DIR/ids.<run>.<rank> (one per line, with the epoch). ``--stop-at`` commits and ends every
 rank cleanly after that global step (a planned resize); ``--die-at`` SIGKILLs the last rank
-after that step (a lost rank, for the launcher's relaunch). At the end it reports the
+after that step (a lost rank, for the launcher's relaunch; with ``--freeze`` it SIGSTOPs
+itself: a rank that stops answering, found by the lost-peer watchdog). At the end it reports the
 parameters' checksum on every rank.
 """
 import argparse
@@ -28,6 +29,7 @@ def main():
     p.add_argument("epochs", type=int)
     p.add_argument("--stop-at", type=int)
     p.add_argument("--die-at", type=int)
+    p.add_argument("--freeze", action="store_true", help="--die-at freezes (SIGSTOP) instead")
     p.add_argument("--commit-every", type=int, default=1)
     p.add_argument("--batch", type=int, default=4)
     args = p.parse_args()
@@ -82,7 +84,7 @@ def main():
                 state.wait()
                 mpiddp.barrier()
                 if rank == size - 1:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), signal.SIGSTOP if args.freeze else signal.SIGKILL)
         state.consumed = 0
     state.epoch = args.epochs
     state.commit()
