@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mpi_launch import ROOT, Job, assert_ok, mpi_command, process_gone, reported, run_mpi
-from mpiddp.elastic import ElasticSampler, list_snapshots, write_durably
+from mpiddp.elastic import ElasticSampler, State, list_snapshots, write_durably
 from mpiddp.torch.elastic import _newest_readable
 
 
@@ -178,3 +178,14 @@ def no_worker_left(directory) -> bool:
         except OSError:
             continue
     return True
+
+
+def test_state_extras_and_consumed_are_attributes():
+    sampler = ElasticSampler(10, 2, rank=0, size=1)
+    state = State(torch.nn.Linear(1, 1), sampler=sampler, directory="unused", writer=False,
+                  seen=3)
+    state.seen += 1
+    state.consumed = 4
+    assert (state.seen, sampler.consumed, state.consumed) == (4, 4, 4)
+    with pytest.raises(ValueError, match="would hide"):
+        State(torch.nn.Linear(1, 1), directory="unused", writer=False, commit=1)

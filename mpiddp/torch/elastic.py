@@ -147,6 +147,10 @@ class State:
                  keep: int = 2, writer: bool | None = None, **extras: Any):
         self.__dict__.update(_model=model, _optimizer=optimizer, _sampler=sampler,
                              _extras=dict(extras), directory=directory, keep=max(1, keep))
+        clash = set(extras) & set(dir(type(self)))
+        if clash:
+            raise ValueError(f"elastic.State: extras {sorted(clash)} would hide State's own "
+                             "attributes; rename them")
         self.epoch, self.step, self.commits = 0, 0, 0
         self.writer = runtime.local_rank() == 0 if writer is None else writer
         self.host = socket.gethostname()
@@ -165,7 +169,7 @@ class State:
         if name in self.__dict__.get("_extras", {}):
             self._extras[name] = value
         else:
-            self.__dict__[name] = value
+            object.__setattr__(self, name, value)      # properties (consumed) included
 
     @property
     def consumed(self) -> int:
