@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -33,7 +34,11 @@ SRUN_LOST = re.compile(r"srun: error: (\S+): tasks? [\d\-,]+: (Killed|Terminated
 
 
 def say(message: str) -> None:
-    print(f"mpiddp.run: {message}", file=sys.stderr, flush=True)
+    """A line on stderr stamped with the wall-clock time (to the millisecond), so that a
+    node's loss, the relaunch and the job's restart can be timed from the log."""
+    now = time.time()
+    stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
+    print(f"mpiddp.run [{stamp}]: {message}", file=sys.stderr, flush=True)
 
 
 def parse_hosts(text: str, default_slots: int) -> list[tuple[str, int]]:
@@ -75,7 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--min-nodes", type=int, default=1,
                    help="stop (exit status 3) when fewer nodes than this are left")
     p.add_argument("--max-restarts", type=int, default=10, help="relaunches at most")
-    p.add_argument("--mpiexec", default=None, help="mpiexec to use (default: next to python)")
+    p.add_argument("--mpiexec", default=None,
+                   help="mpiexec command to use, arguments allowed (default: the one next to "
+                        "python)")
     p.add_argument("--srun-args", default="--mpi=pmi2", help="extra srun arguments")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     args = p.parse_args(argv)
@@ -122,9 +129,9 @@ class Launcher:
                     f"--nodelist={','.join(h for h, _ in hosts)}",
                     *([f"--exclude={','.join(sorted(self.excluded))}"] if self.excluded else []),
                     *self.args.command]
-        mpiexec = self.args.mpiexec or shutil.which("mpiexec", path=os.path.dirname(
-            sys.executable)) or "mpiexec"
-        return [mpiexec, "-hosts", ",".join(f"{h}:{n}" for h, n in hosts),
+        mpiexec = shlex.split(self.args.mpiexec) if self.args.mpiexec else [
+            shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"]
+        return [*mpiexec, "-hosts", ",".join(f"{h}:{n}" for h, n in hosts),
                 "-n", str(sum(n for _, n in hosts)), *self.args.command]
 
     def launch(self, hosts, restart: int, lost_dir: str) -> tuple[int, str]:

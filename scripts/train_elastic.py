@@ -92,7 +92,8 @@ def main(argv=None) -> int:
     log(f"{'restored' if restored else 'no snapshot: starting'} at epoch {state.epoch + 1} "
         f"sample {state.consumed} (commit {state.commits}) in {restore_s:.2f} s; "
         f"{size} rank(s), batch {sampler.batch_size} per rank, lr {lr:g}; "
-        f"training again {time.perf_counter() - started:.2f} s after start")
+        f"training again {time.perf_counter() - started:.2f} s after start, at "
+        f"{time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d}")
     step_times, commit_times = [], []
     for epoch in range(state.epoch, args.epochs):
         state.epoch = epoch
