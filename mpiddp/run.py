@@ -29,8 +29,8 @@ EXIT_TOO_FEW_NODES = 3
 EXIT_PREEMPTED = 75          # the job asked to be requeued (scripts/train_support.py)
 HYDRA_LOST = re.compile(r"RUNNING AT (\S+)")
 HYDRA_SIGNALLED = re.compile(r"(EXIT CODE|KILLED BY SIGNAL): (9|15|6|11)\b")
-SRUN_LOST = re.compile(r"srun: error: (\S+): tasks? [\d\-,]+: (Killed|Terminated|"
-                       r"Exited with exit code \d+)|srun: error: Node failure on (\S+)")
+SRUN_LOST = re.compile(r"srun: error: (\S+): tasks? [\d\-,]+: (?:Killed|Terminated)|"
+                       r"srun: error: Node failure on (\S+)")
 
 
 def say(message: str) -> None:
@@ -170,7 +170,7 @@ class Launcher:
                 lost |= named
         lost.update(HYDRA_LOST.findall(output) if HYDRA_SIGNALLED.search(output) else [])
         for match in SRUN_LOST.finditer(output):
-            lost.add(match.group(1) or match.group(3))
+            lost.add(match.group(1) or match.group(2))
         return lost
 
     def run(self) -> int:

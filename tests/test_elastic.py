@@ -189,3 +189,29 @@ def test_state_extras_and_consumed_are_attributes():
     assert (state.seen, sampler.consumed, state.consumed) == (4, 4, 4)
     with pytest.raises(ValueError, match="would hide"):
         State(torch.nn.Linear(1, 1), directory="unused", writer=False, commit=1)
+
+
+def test_srun_command_excludes_the_lost_nodes():
+    from mpiddp.run import Launcher, parse_args
+    launcher = Launcher(parse_args(["--launcher", "srun", "-N", "2", "--", "python", "t.py"]))
+    launcher.excluded = {"n3"}
+    cmd = launcher.command([("n1", 2), ("n2", 2)])
+    assert cmd[:2] == ["srun", "--mpi=pmi2"] and cmd[-2:] == ["python", "t.py"], cmd
+    for arg in ("--no-kill", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2",
+                "--nodelist=n1,n2", "--exclude=n3"):
+        assert arg in cmd, (arg, cmd)
+
+
+def test_lost_nodes_from_srun_and_hydra_output(tmp_path):
+    from mpiddp.run import Launcher, parse_args
+    launcher = Launcher(parse_args(["--", "true"]))
+    (tmp_path / "lost.0").write_text("n7\n")
+    srun_out = "srun: error: n4: task 3: Killed\nsrun: error: Node failure on n5\n"
+    hydra_out = "=   PID 1 RUNNING AT 10.0.0.9\n=   EXIT CODE: 9\n"
+    assert launcher.lost_nodes(srun_out + hydra_out, str(tmp_path)) == {"n4", "n5", "n7",
+                                                                         "10.0.0.9"}
+    # A rank that exits with an error status on a live node is not a lost node.
+    (tmp_path / "empty").mkdir()
+    assert launcher.lost_nodes("=   PID 1 RUNNING AT h\n=   EXIT CODE: 1\n"
+                               "srun: error: n4: task 3: Exited with exit code 1\n",
+                               str(tmp_path / "empty")) == set()
