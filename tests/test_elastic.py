@@ -97,15 +97,18 @@ def test_resize_from_three_ranks_to_two(tmp_path):
     assert len(finished) == 2 and finished[0]["params"] == finished[1]["params"]
 
 
-def elastic_launch(tmp_path, *launcher_args, die_at=12, timeout=150, freeze=False, env=None):
+def elastic_launch(tmp_path, *launcher_args, die_at=12, timeout=150, freeze=False, env=None,
+                   die_runs=1):
     """``python -m mpiddp.run`` on two "nodes" of this machine (hydra starts both locally:
     localhost and 127.0.0.1); the worker's last rank, on 127.0.0.1, SIGKILLs itself at
     ``die_at`` in the first run."""
     cmd, env = mpi_command("elastic_worker.py", 2, tmp_path, 3, "--die-at", die_at,
-                           *(["--freeze"] if freeze else []), env=env)
+                           "--die-runs", die_runs, *(["--freeze"] if freeze else []), env=env)
     worker_cmd = cmd[cmd.index("-n") + 2:]
-    launcher = [sys.executable, "-m", "mpiddp.run", "--hosts", "localhost:1,127.0.0.1:1",
-                *map(str, launcher_args), "--", *worker_cmd]
+    hosts = [] if "--host-discovery-script" in launcher_args else \
+        ["--hosts", "localhost:1,127.0.0.1:1"]
+    launcher = [sys.executable, "-m", "mpiddp.run", *hosts, *map(str, launcher_args), "--",
+                *worker_cmd]
     started = time.monotonic()
     result = Job(launcher, env).wait(timeout)
     return result, time.monotonic() - started
@@ -135,6 +138,22 @@ def test_launcher_relaunches_when_the_watchdog_finds_a_rank_gone(tmp_path):
     assert "relaunch 1 on 1 node(s): localhost:1" in result.output, result.output
     restored = [r for r in reported(result, "restored") if r["restored"]]
     assert restored and restored[0]["step"] == 12, result.output
+    assert no_worker_left(tmp_path)
+
+
+def test_a_node_listed_again_by_discovery_rejoins_at_the_next_relaunch(tmp_path):
+    """Discovery lists both hosts every time. Run 1 loses 127.0.0.1 and run 2 (on localhost
+    alone) loses localhost: run 3 goes on 127.0.0.1, which came back, and finishes."""
+    result, _ = elastic_launch(tmp_path, "--host-discovery-script",
+                               "echo localhost:1; echo 127.0.0.1:1", die_runs=2)
+    assert_ok(result)
+    assert "relaunch 1 on 1 node(s): localhost:1" in result.output, result.output
+    assert "relaunch 2 on 1 node(s): 127.0.0.1:1" in result.output, result.output
+    steps = [r["step"] for r in reported(result, "restored") if r["restored"]]
+    assert steps == [12, 24], result.output
+    ids = epoch_ids(tmp_path)
+    for epoch, counts in ids.items():
+        assert sorted(counts) == list(range(103)) and max(counts.values()) == 1, epoch
     assert no_worker_left(tmp_path)
 
 

@@ -29,6 +29,8 @@ def main():
     p.add_argument("epochs", type=int)
     p.add_argument("--stop-at", type=int)
     p.add_argument("--die-at", type=int)
+    p.add_argument("--die-runs", type=int, default=1,
+                   help="die in the first K runs, run k at step k x --die-at")
     p.add_argument("--freeze", action="store_true", help="--die-at freezes (SIGSTOP) instead")
     p.add_argument("--commit-every", type=int, default=1)
     p.add_argument("--batch", type=int, default=4)
@@ -80,7 +82,8 @@ def main():
                 mpiddp.barrier()
                 checks.ok("stopped", rank, step=state.step, consumed=state.consumed)
                 return 0
-            if args.die_at is not None and state.step == args.die_at and state.runs == 1:
+            if args.die_at is not None and state.runs <= args.die_runs and \
+                    state.step == args.die_at * state.runs:
                 state.wait()
                 mpiddp.barrier()
                 if rank == size - 1:
