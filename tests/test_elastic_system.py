@@ -163,3 +163,70 @@ def test_below_min_nodes_stops_with_the_snapshot_intact(cluster, tmp_path):
     commits, state = _newest_readable(str(tmp_path))
     assert commits >= before and "fc1.weight" in state["model"]
     assert_nothing_left()
+
+
+# ---- Slurm across the nodes: sbatch, the launcher inside it relaunching srun ----------------
+LOCAL_SLURM = ROOT / "scripts" / "local_slurm.sh"
+IN_NODE_0 = ("bash", str(CLUSTER), "exec", "0", "--")     # Slurm's commands run in node 0
+
+
+@pytest.fixture(scope="module")
+def slurm_on_nodes(cluster, tmp_path_factory):
+    env = dict(os.environ, LOCAL_SLURM_NODES="3",
+               LOCAL_SLURM_DIR=str(tmp_path_factory.mktemp("slurm") / "cluster"))
+    start = subprocess.run(["bash", str(LOCAL_SLURM), "start"], env=env, capture_output=True,
+                           text=True, timeout=600)
+    if "apt-get could not install" in start.stderr:
+        pytest.skip("Slurm is not installed and could not be:\n" + start.stderr[-2000:])
+    assert start.returncode == 0, start.stderr[-3000:]
+    conf = re.search(r"export SLURM_CONF=(\S+)", start.stdout).group(1)
+    try:
+        yield dict(os.environ, SLURM_CONF=conf, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+                   PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "scripts")]),
+                   UCX_TLS="tcp,self", MPIDDP_STALL_CHECK_TIME=str(STALL_CHECK))
+    finally:
+        subprocess.run(["bash", str(LOCAL_SLURM), "stop"], env=env, timeout=180)
+
+
+def test_sbatch_job_goes_on_after_losing_a_node(slurm_on_nodes, tmp_path):
+    from slurm_jobs import job as slurm_job, wait_for_job
+    env = slurm_on_nodes
+    out = tmp_path / "job.out"
+    snapshots = tmp_path / "snap"
+    wrap = (f"{sys.executable} -m mpiddp.run -N 1 --min-nodes 2 -- {sys.executable} "
+            f"{ROOT / 'scripts' / 'train_elastic.py'} --snapshots {snapshots} "
+            f"--commit-every {COMMIT_EVERY} --step-delay 0.03 --min-accuracy 0.93")
+    with slurm_job(env, IN_NODE_0) as name:
+        submit = subprocess.run(
+            [*IN_NODE_0, "sbatch", "--parsable", f"--job-name={name}", "--nodes=3",
+             "--ntasks-per-node=1", "--no-kill", "--time=10", "--no-requeue",
+             f"--output={out}", f"--wrap={wrap}"],
+            env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+        assert submit.returncode == 0, submit.stderr
+        job_id = submit.stdout.strip().split(";")[0]
+
+        class Running:          # break_when_snapshotted asks whether the job still runs
+            def running(self):
+                return True
+
+            def wait(self, timeout):
+                return type("R", (), {"output": out.read_text() if out.exists() else ""})
+
+        def kill_node_2():
+            victims = [p for p in node_pids(2) if b"train_elastic" in
+                       open(f"/proc/{p}/cmdline", "rb").read()]
+            assert victims, out.read_text()
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
+
+        fault_at, before = break_when_snapshotted(Running(), snapshots, kill_node_2)
+        fields = wait_for_job(env, job_id, timeout=300, where=IN_NODE_0)
+    text = out.read_text() if out.exists() else "(no output file)"
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert f"lost node(s) {PREFIX}2; relaunching" in text, text
+    assert re.search(r"final test accuracy 0\.9[3-9]\d* on 2 rank\(s\)", text), text
+    times = timings(text, fault_at)
+    print("elastic timings (sbatch/srun):", times)
+    assert times["fault_to_training_s"] < STALL_CHECK + 10 + 40, (times, text)
+    assert_nothing_left(nodes=[2])
