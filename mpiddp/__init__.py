@@ -36,6 +36,7 @@ from .torch.functions import (allgather_object, broadcast_object,  # noqa: F401,
                               broadcast_optimizer_state, broadcast_parameters)
 from .torch.optimizer import DistributedOptimizer  # noqa: F401,E402
 from .torch.sync_batch_norm import SyncBatchNorm  # noqa: F401,E402
+from . import elastic  # noqa: F401,E402  (snapshots, ElasticSampler: docs/elastic.md)
 
 __all__ = [
     # runtime: start-up, topology, engine controls

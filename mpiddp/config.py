@@ -18,8 +18,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # MPIDDP_* variables that belong to the project's scripts and tests, not to the engine:
 # MPIDDP_VENV picks the virtual environment (scripts/ensure_env.sh, the job scripts) and
 # MPIDDP_SYSTEM_TESTS runs the tests that change the machine (tests/conftest.py). Job
-# environments carry them into every rank, so they pass without a warning.
-SCRIPT_VARIABLES = ("MPIDDP_VENV", "MPIDDP_SYSTEM_TESTS")
+# environments carry them into every rank, so they pass without a warning. The elastic
+# launcher (mpiddp/run.py) sets MPIDDP_LOST_NODES_DIR (where the lost-peer watchdog names the
+# lost nodes) and MPIDDP_ELASTIC_RESTART (0 at the first launch, then 1, 2, ...).
+SCRIPT_VARIABLES = ("MPIDDP_VENV", "MPIDDP_SYSTEM_TESTS", "MPIDDP_LOST_NODES_DIR",
+                    "MPIDDP_ELASTIC_RESTART")
 
 
 # ---- parsers: each setting names its own (no guessing from type annotations) ------------

@@ -5,6 +5,7 @@
 #   scripts/local_cluster.sh run 2x2 -- python scripts/benchmark_allreduce.py ...
 #   scripts/local_cluster.sh exec 1 -- hostname     # any command in node 1 (mpiddp-n1)
 #   scripts/local_cluster.sh address 1              # node 1's address (10.211.7.2)
+#   scripts/local_cluster.sh mpiexec -hosts 10.211.7.1:1,10.211.7.2:1 -n 2 cmd  # own hosts
 #   scripts/local_cluster.sh status
 #   sudo scripts/local_cluster.sh down
 #
@@ -115,8 +116,20 @@ run() {
     -genv OMP_NUM_THREADS "${OMP_NUM_THREADS:-1}" "$@"
 }
 
+# MPICH's mpiexec, started in node 0 and launching through this script, with the caller's
+# own -hosts (node addresses) and -n: for launchers that pick the hosts themselves, such as
+# the elastic launcher (python -m mpiddp.run --mpiexec "scripts/local_cluster.sh mpiexec").
+cluster_mpiexec() {
+  local mpiexec; mpiexec="$(command -v mpiexec)"
+  in_node 0 "$mpiexec" -launcher ssh -launcher-exec "$ME" \
+    -genv UCX_TLS tcp,self -genv GLOO_SOCKET_IFNAME eth0 \
+    -genv PATH "$PATH" -genv PYTHONPATH "${PYTHONPATH:-}" \
+    -genv OMP_NUM_THREADS "${OMP_NUM_THREADS:-1}" "$@"
+}
+
 case "${1:-}" in
   up) shift; up "$@" ;;
+  mpiexec) shift; cluster_mpiexec "$@" ;;
   down) down ;;
   status) status ;;
   run) shift; run "$@" ;;

@@ -13,7 +13,9 @@ SYSTEM_TESTS = os.environ.get("MPIDDP_SYSTEM_TESTS") == "1"
 # What each module's system tests do to the machine (the skip reason says it).
 CHANGES = {"test_slurm": "installs and starts Slurm on this machine as root",
            "test_multinode": "builds network namespaces, veth links and a bridge, and runs "
-                             "Slurm across them, as root"}
+                             "Slurm across them, as root",
+           "test_elastic_system": "builds network namespaces, veth links and a bridge, kills "
+                                  "a node's ranks and sets its link down, as root"}
 
 
 def pytest_configure(config):

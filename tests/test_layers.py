@@ -17,11 +17,11 @@ LAYERS = [
     {"transport"},
     {"collectives"},
     {"engine"},
-    {"gpu", "launch_check", "build_info"},
+    {"gpu", "launch_check", "build_info", "run"},
     {"runtime"},
     {"process_sets"},
     {"torch"},
-    {"__init__"},
+    {"__init__", "elastic"},
 ]
 
 

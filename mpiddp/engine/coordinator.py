@@ -21,7 +21,7 @@ from ..errors import DuplicateNameError, EngineShutdownError, MpiddpError
 from .channel import ControlChannel, MPIChannel
 from .executor import Executor
 from .handle import Handle
-from .liveness import Watchdog
+from .liveness import Watchdog, launch_host
 from .protocol import CycleProtocol
 from .request import BARRIER, Entry, Request
 from .stats import EngineStats
@@ -45,9 +45,9 @@ def start_engine(comm: MPI.Comm, settings: Settings) -> "Engine":
                                                                complete))
     # The watchdog calls MPI from a thread of its own: only with MPI_THREAD_MULTIPLE.
     if private.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
-        hosts = private.allgather(MPI.Get_processor_name())
-        watchdog = Watchdog(private.Dup(), hosts, lambda: engine.stats.cycles,
-                            settings.stall_check_time)
+        names = private.allgather((MPI.Get_processor_name(), launch_host()))
+        watchdog = Watchdog(private.Dup(), [n for n, _ in names], lambda: engine.stats.cycles,
+                            settings.stall_check_time, launch_hosts=[h for _, h in names])
         engine.on_stop.append(watchdog.stop)
     return engine
 

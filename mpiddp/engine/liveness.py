@@ -52,8 +52,10 @@ class Watchdog:
     """Roll calls when the coordinator makes no progress; ends the job on lost ranks."""
 
     def __init__(self, comm: MPI.Comm, hosts: list[str], progress: Callable[[], int],
-                 stalled_after: float, on_lost: Callable[[str], None] | None = None):
+                 stalled_after: float, on_lost: Callable[[str], None] | None = None,
+                 launch_hosts: list[str] | None = None):
         self.comm = comm
+        self.launch_hosts = launch_hosts or hosts
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.hosts = hosts
         self.progress = progress
@@ -88,6 +90,7 @@ class Watchdog:
             elif now - since >= self.stalled_after:
                 missing = self.roll_call()
                 if missing:
+                    record_lost(sorted({self.launch_hosts[r] for r in missing}), self.rank)
                     self.on_lost(self.report(missing, now - since))
                     return
                 since = time.monotonic()        # everyone is there: a slow operation
@@ -133,6 +136,33 @@ class Watchdog:
                 f"answer within {ANSWER_SECONDS:.0f} s: they have died or cannot be reached "
                 "(their node or its network is down). Ending the job so that no rank waits "
                 "for them forever.")
+
+
+LOST_NODES_DIR = "MPIDDP_LOST_NODES_DIR"    # set by ``python -m mpiddp.run``
+
+
+def launch_host() -> str:
+    """This rank's node as its launcher named it (mpiexec's host list entry, Slurm's node
+    name), which the elastic launcher can leave out of the next launch; else the MPI
+    processor name."""
+    return (os.environ.get("PMI_HOSTNAME") or os.environ.get("SLURMD_NODENAME")
+            or MPI.Get_processor_name())
+
+
+def record_lost(hosts: list[str], rank: int) -> None:
+    """Tell the elastic launcher (``mpiddp.run``) which nodes are lost: one file per
+    reporting rank, ``lost.<rank>``, a host per line, in the directory it names in
+    ``MPIDDP_LOST_NODES_DIR`` (nothing without it). Written before the job is ended."""
+    directory = os.environ.get(LOST_NODES_DIR)
+    if not directory:
+        return
+    try:
+        tmp = os.path.join(directory, f".lost.{rank}.tmp")
+        with open(tmp, "w") as f:
+            f.write("".join(f"{host}\n" for host in hosts))
+        os.replace(tmp, os.path.join(directory, f"lost.{rank}"))
+    except OSError as exc:       # the report on stderr still names them
+        sys.stderr.write(f"mpiddp: could not record the lost nodes in {directory}: {exc}\n")
 
 
 def end_job(report: str) -> None:

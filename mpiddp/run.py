@@ -1,0 +1,217 @@
+"""The elastic launcher: run a training job on a set of nodes and, when it ends because nodes
+died or became unreachable, run it again on the nodes still alive (docs/elastic.md).
+
+    python -m mpiddp.run --hosts node1:4,node2:4,node3:4 --min-nodes 2 -- python train.py
+    python -m mpiddp.run --min-nodes 2 -- python train.py        # inside sbatch: srun
+
+The job itself goes on from its last ``mpiddp.elastic`` snapshot. Lost nodes are named by the
+ranks' lost-peer watchdog (files in ``MPIDDP_LOST_NODES_DIR``), by mpiexec ("RUNNING AT
+host") or srun ("srun: error: host: task"); they are left out of the next launch, and may
+rejoin a later one when the host discovery command lists them again. A job that fails with
+no node lost and no rank killed by a signal (a bug in the script) is not run again.
+
+No torch and no MPI here: this process only starts and watches the launcher.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+EXIT_TOO_FEW_NODES = 3
+EXIT_PREEMPTED = 75          # the job asked to be requeued (scripts/train_support.py)
+HYDRA_LOST = re.compile(r"RUNNING AT (\S+)")
+HYDRA_SIGNALLED = re.compile(r"(EXIT CODE|KILLED BY SIGNAL): (9|15|6|11)\b")
+SRUN_LOST = re.compile(r"srun: error: (\S+): tasks? [\d\-,]+: (?:Killed|Terminated)|"
+                       r"srun: error: Node failure on (\S+)")
+
+
+def say(message: str) -> None:
+    """A line on stderr stamped with the wall-clock time (to the millisecond), so that a
+    node's loss, the relaunch and the job's restart can be timed from the log."""
+    now = time.time()
+    stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
+    print(f"mpiddp.run [{stamp}]: {message}", file=sys.stderr, flush=True)
+
+
+def parse_hosts(text: str, default_slots: int) -> list[tuple[str, int]]:
+    """'a:2,b' or lines of 'a:2' / 'a slots=2' -> [(host, slots)] in order, no repeats."""
+    hosts: dict[str, int] = {}
+    for item in re.split(r"[,\n]", text):
+        item = item.split("#", 1)[0].strip()
+        if not item:
+            continue
+        match = re.match(r"^(\S+?)(?::(\d+)|\s+slots=(\d+))?$", item)
+        if not match:
+            raise ValueError(f"cannot read host entry {item!r} (expected host, host:slots "
+                             "or 'host slots=N')")
+        hosts.setdefault(match.group(1), int(match.group(2) or match.group(3) or default_slots))
+    return list(hosts.items())
+
+
+def slurm_hosts() -> list[str]:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return []
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                         text=True, check=True).stdout
+    return out.split()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m mpiddp.run", description=__doc__.split("\n\n")[0])
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--hosts", help="host[:slots],... to run on")
+    where.add_argument("--hostfile", help="file with a 'host[:slots]' per line")
+    p.add_argument("--host-discovery-script", metavar="CMD",
+                   help="command printing the usable 'host[:slots]' lines; run before every "
+                        "launch (a node that comes back rejoins at the next one)")
+    p.add_argument("--launcher", choices=["auto", "mpiexec", "srun"], default="auto",
+                   help="auto: srun inside a Slurm allocation without --hosts, else mpiexec")
+    p.add_argument("-N", "--ranks-per-node", type=int, default=1,
+                   help="ranks per node when a host gives no slots")
+    p.add_argument("--min-nodes", type=int, default=1,
+                   help="stop (exit status 3) when fewer nodes than this are left")
+    p.add_argument("--max-restarts", type=int, default=10, help="relaunches at most")
+    p.add_argument("--mpiexec", default=None,
+                   help="mpiexec command to use, arguments allowed (default: the one next to "
+                        "python)")
+    p.add_argument("--srun-args", default="--mpi=pmi2", help="extra srun arguments")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
+    args = p.parse_args(argv)
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if not args.command:
+        p.error("no training command given (put it after --)")
+    return args
+
+
+class Launcher:
+    def __init__(self, args):
+        self.args = args
+        self.use_srun = args.launcher == "srun" or (
+            args.launcher == "auto" and not (args.hosts or args.hostfile)
+            and bool(os.environ.get("SLURM_JOB_ID")))
+        self.excluded: set[str] = set()
+
+    def candidates(self) -> list[tuple[str, int]]:
+        args = self.args
+        if args.host_discovery_script:
+            out = subprocess.run(args.host_discovery_script, shell=True, capture_output=True,
+                                 text=True, timeout=60)
+            if out.returncode != 0:
+                raise RuntimeError(f"host discovery {args.host_discovery_script!r} failed "
+                                   f"(status {out.returncode}): {out.stderr.strip()}")
+            return parse_hosts(out.stdout, args.ranks_per_node)
+        if args.hosts:
+            return parse_hosts(args.hosts, args.ranks_per_node)
+        if args.hostfile:
+            with open(args.hostfile) as f:
+                return parse_hosts(f.read(), args.ranks_per_node)
+        names = slurm_hosts()
+        if names:
+            return [(h, args.ranks_per_node) for h in names]
+        return [("localhost", args.ranks_per_node)]
+
+    def command(self, hosts: list[tuple[str, int]]) -> list[str]:
+        if self.use_srun:
+            per_node = hosts[0][1]
+            return ["srun", *self.args.srun_args.split(), "--no-kill", "--kill-on-bad-exit=0",
+                    f"--nodes={len(hosts)}", f"--ntasks={per_node * len(hosts)}",
+                    f"--ntasks-per-node={per_node}",
+                    f"--nodelist={','.join(h for h, _ in hosts)}",
+                    *([f"--exclude={','.join(sorted(self.excluded))}"] if self.excluded else []),
+                    *self.args.command]
+        mpiexec = shlex.split(self.args.mpiexec) if self.args.mpiexec else [
+            shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"]
+        return [*mpiexec, "-hosts", ",".join(f"{h}:{n}" for h, n in hosts),
+                "-n", str(sum(n for _, n in hosts)), *self.args.command]
+
+    def launch(self, hosts, restart: int, lost_dir: str) -> tuple[int, str]:
+        """Run the job once; echo its output as it comes; (exit status, output)."""
+        env = dict(os.environ, MPIDDP_LOST_NODES_DIR=lost_dir,
+                   MPIDDP_ELASTIC_RESTART=str(restart))
+        proc = subprocess.Popen(self.command(hosts), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True, bufsize=1)
+        forward = lambda signum, frame: os.killpg(proc.pid, signum)     # noqa: E731
+        previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT,
+                                                           signal.SIGUSR1)}
+        lines = []
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                lines.append(line)
+            status = proc.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            try:                        # leave no rank behind, whatever happened
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return status, "".join(lines)
+
+    def lost_nodes(self, output: str, lost_dir: str) -> set[str]:
+        lost = set()
+        for name in os.listdir(lost_dir):
+            if name.startswith("lost."):
+                with open(os.path.join(lost_dir, name)) as f:
+                    named = {line.strip() for line in f if line.strip()}
+                say(f"rank {name[5:]}'s watchdog found lost: {', '.join(sorted(named))}")
+                lost |= named
+        lost.update(HYDRA_LOST.findall(output) if HYDRA_SIGNALLED.search(output) else [])
+        for match in SRUN_LOST.finditer(output):
+            lost.add(match.group(1) or match.group(2))
+        return lost
+
+    def run(self) -> int:
+        args = self.args
+        for restart in range(args.max_restarts + 1):
+            hosts = [(h, n) for h, n in self.candidates() if h not in self.excluded]
+            if len(hosts) < args.min_nodes:
+                say(f"only {len(hosts)} node(s) left ({', '.join(h for h, _ in hosts) or 'none'}"
+                    f"; lost: {', '.join(sorted(self.excluded)) or 'none'}), fewer than "
+                    f"--min-nodes {args.min_nodes}: stopping. The last snapshot is kept; "
+                    "run again with more nodes to go on from it.")
+                return EXIT_TOO_FEW_NODES
+            say(f"{'launch' if restart == 0 else f'relaunch {restart}'} on {len(hosts)} "
+                f"node(s): {', '.join(f'{h}:{n}' for h, n in hosts)}")
+            started = time.monotonic()
+            with tempfile.TemporaryDirectory(prefix="mpiddp-run-") as lost_dir:
+                status, output = self.launch(hosts, restart, lost_dir)
+                lost = self.lost_nodes(output, lost_dir)
+            ran = time.monotonic() - started
+            if status == 0:
+                say(f"the job finished after {ran:.1f} s")
+                return 0
+            if status == EXIT_PREEMPTED:
+                say(f"the job was preempted (status {status}): passing it on")
+                return status
+            if not lost:
+                say(f"the job failed (status {status}) with no node lost and no rank "
+                    "killed: not running it again")
+                return status
+            # With a discovery command, a node lost now is left out of the next launch only:
+            # the command may list it again later (it came back). A fixed list cannot say.
+            self.excluded = lost if args.host_discovery_script else self.excluded | lost
+            say(f"the job ended (status {status}) after {ran:.1f} s: lost node(s) "
+                f"{', '.join(sorted(lost))}; relaunching on the others from the last snapshot")
+        say(f"{args.max_restarts} relaunches done: giving up")
+        return 1
+
+
+def main(argv=None) -> int:
+    return Launcher(parse_args(argv)).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

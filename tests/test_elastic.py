@@ -1,0 +1,236 @@
+"""mpiddp.elastic: snapshots that restore on any rank count, and a sampler that trains every
+sample of an interrupted epoch exactly once across a resize (docs/elastic.md)."""
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from mpi_launch import ROOT, Job, assert_ok, mpi_command, process_gone, reported, run_mpi
+from mpiddp.elastic import ElasticSampler, State, list_snapshots, write_durably
+from mpiddp.torch.elastic import _newest_readable
+
+
+def trained(dataset: int, batch: int, sizes_and_steps, seed=3) -> Counter:
+    """Sample ids trained in one epoch by ranks of successive runs (size, steps to run)."""
+    seen, consumed = Counter(), 0
+    for size, steps in sizes_and_steps:
+        samplers = [ElasticSampler(dataset, batch, seed=seed, rank=r, size=size)
+                    for r in range(size)]
+        for s in samplers:
+            s.set_epoch(0, consumed=consumed)
+        iterators = [iter(s) for s in samplers]
+        for _ in range(steps):
+            batches = [next(it, None) for it in iterators]
+            if batches[0] is None:
+                assert all(b is None for b in batches), "ranks ran different step counts"
+                break
+            for b in batches:
+                seen.update(b)
+        consumed = samplers[0].consumed
+        assert all(s.consumed == consumed for s in samplers)
+    return seen
+
+
+@pytest.mark.parametrize("plan", [[(3, 4), (2, 100)], [(2, 1), (5, 3), (1, 100)],
+                                  [(4, 100)], [(1, 7), (7, 100)]])
+def test_every_sample_once_across_resizes(plan):
+    seen = trained(101, 4, plan)
+    assert sorted(seen) == list(range(101)), f"skipped: {set(range(101)) - set(seen)}"
+    assert max(seen.values()) == 1, f"duplicated: {[i for i, n in seen.items() if n > 1]}"
+
+
+def test_ranks_run_the_same_number_of_steps():
+    for size in range(1, 9):
+        lengths = {len(list(ElasticSampler(37, 3, rank=r, size=size))) for r in range(size)}
+        assert len(lengths) == 1, f"{size} ranks: step counts {lengths}"
+
+
+def test_a_half_written_snapshot_is_never_loaded(tmp_path):
+    write_durably(str(tmp_path / "snapshot-3-a.pt"), _saved({"n": 3}))
+    # A writer killed mid-write leaves only its temporary file behind:
+    (tmp_path / "snapshot-4-b.pt.tmp123").write_bytes(_saved({"n": 4})[:20])
+    # A file corrupted on disk after its rename is skipped for an older one.
+    (tmp_path / "snapshot-5-c.pt").write_bytes(b"not a snapshot")
+    assert sorted(n for n, _, _ in list_snapshots(str(tmp_path))) == [3, 5]
+    assert _newest_readable(str(tmp_path)) == (3, {"n": 3})
+
+
+def _saved(obj) -> bytes:
+    import io
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def epoch_ids(directory) -> dict[int, Counter]:
+    counts: dict[int, Counter] = {}
+    for path in directory.glob("ids.*"):
+        for line in path.read_text().splitlines():
+            epoch, sample = map(int, line.split())
+            counts.setdefault(epoch, Counter())[sample] += 1
+    return counts
+
+
+def test_resize_from_three_ranks_to_two(tmp_path):
+    """3 ranks stop part-way through epoch 2; 2 ranks restore and finish: every epoch trains
+    each of the 103 samples once, parameters and momentum are equal on every rank."""
+    first = run_mpi("elastic_worker.py", 3, tmp_path, 3, "--stop-at", 12, timeout=120)
+    assert_ok(first)
+    stopped = reported(first, "stopped")[0]
+    assert stopped == {"check": "stopped", "step": 12, "consumed": 36}, stopped
+    second = run_mpi("elastic_worker.py", 2, tmp_path, 3, timeout=120)
+    assert_ok(second)
+    restored = reported(second, "restored")[0]
+    assert restored["restored"] and restored["epoch"] == 1 and restored["consumed"] == 36, \
+        restored
+    ids = epoch_ids(tmp_path)
+    assert sorted(ids) == [0, 1, 2]
+    for epoch, counts in ids.items():
+        assert sorted(counts) == list(range(103)), f"epoch {epoch}: samples skipped"
+        assert max(counts.values()) == 1, \
+            f"epoch {epoch}: duplicated {[i for i, n in counts.items() if n > 1]}"
+    finished = reported(second, "finished")
+    assert len(finished) == 2 and finished[0]["params"] == finished[1]["params"]
+
+
+def elastic_launch(tmp_path, *launcher_args, die_at=12, timeout=150, freeze=False, env=None,
+                   die_runs=1):
+    """``python -m mpiddp.run`` on two "nodes" of this machine (hydra starts both locally:
+    localhost and 127.0.0.1); the worker's last rank, on 127.0.0.1, SIGKILLs itself at
+    ``die_at`` in the first run."""
+    cmd, env = mpi_command("elastic_worker.py", 2, tmp_path, 3, "--die-at", die_at,
+                           "--die-runs", die_runs, *(["--freeze"] if freeze else []), env=env)
+    worker_cmd = cmd[cmd.index("-n") + 2:]
+    hosts = [] if "--host-discovery-script" in launcher_args else \
+        ["--hosts", "localhost:1,127.0.0.1:1"]
+    launcher = [sys.executable, "-m", "mpiddp.run", *hosts, *map(str, launcher_args), "--",
+                *worker_cmd]
+    started = time.monotonic()
+    result = Job(launcher, env).wait(timeout)
+    return result, time.monotonic() - started
+
+
+def test_launcher_relaunches_without_the_lost_node(tmp_path):
+    result, _ = elastic_launch(tmp_path, "--min-nodes", 1)
+    assert_ok(result)
+    assert "lost node(s) 127.0.0.1; relaunching" in result.output, result.output
+    assert "relaunch 1 on 1 node(s): localhost:1" in result.output, result.output
+    restored = [r for r in reported(result, "restored") if r["restored"]]
+    assert restored and restored[0]["step"] == 12 and restored[0]["size"] == 1, result.output
+    ids = epoch_ids(tmp_path)
+    for epoch, counts in ids.items():
+        assert sorted(counts) == list(range(103)), f"epoch {epoch}: samples skipped"
+        assert max(counts.values()) == 1, f"epoch {epoch}: samples trained twice"
+    assert no_worker_left(tmp_path)
+
+
+def test_launcher_relaunches_when_the_watchdog_finds_a_rank_gone(tmp_path):
+    """A frozen rank (as a node whose link is down) is found by the lost-peer watchdog,
+    which names its launch host to the launcher through MPIDDP_LOST_NODES_DIR."""
+    result, elapsed = elastic_launch(tmp_path, "--min-nodes", 1, freeze=True,
+                                     env={"MPIDDP_STALL_CHECK_TIME": "2"})
+    assert_ok(result)
+    assert "rank 0's watchdog found lost: 127.0.0.1" in result.output, result.output
+    assert "relaunch 1 on 1 node(s): localhost:1" in result.output, result.output
+    restored = [r for r in reported(result, "restored") if r["restored"]]
+    assert restored and restored[0]["step"] == 12, result.output
+    assert no_worker_left(tmp_path)
+
+
+def test_a_node_listed_again_by_discovery_rejoins_at_the_next_relaunch(tmp_path):
+    """Discovery lists both hosts every time. Run 1 loses 127.0.0.1 and run 2 (on localhost
+    alone) loses localhost: run 3 goes on 127.0.0.1, which came back, and finishes."""
+    result, _ = elastic_launch(tmp_path, "--host-discovery-script",
+                               "echo localhost:1; echo 127.0.0.1:1", die_runs=2)
+    assert_ok(result)
+    assert "relaunch 1 on 1 node(s): localhost:1" in result.output, result.output
+    assert "relaunch 2 on 1 node(s): 127.0.0.1:1" in result.output, result.output
+    steps = [r["step"] for r in reported(result, "restored") if r["restored"]]
+    assert steps == [12, 24], result.output
+    ids = epoch_ids(tmp_path)
+    for epoch, counts in ids.items():
+        assert sorted(counts) == list(range(103)) and max(counts.values()) == 1, epoch
+    assert no_worker_left(tmp_path)
+
+
+def test_launcher_stops_below_min_nodes_keeping_the_snapshot(tmp_path):
+    result, _ = elastic_launch(tmp_path, "--min-nodes", 2)
+    assert not result.timed_out and result.returncode == 3, result.output
+    assert "only 1 node(s) left (localhost; lost: 127.0.0.1), fewer than --min-nodes 2: " \
+           "stopping" in result.output, result.output
+    assert _newest_readable(str(tmp_path))[1]["step"] == 12
+    assert no_worker_left(tmp_path)
+
+
+def test_launcher_does_not_rerun_a_failing_script(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = Job([sys.executable, "-m", "mpiddp.run", "--hosts", "localhost:2", "--",
+                  sys.executable, "-c", "import sys; sys.exit(4)"], env).wait(60)
+    assert result.returncode == 4, result.output
+    assert "failed (status 4) with no node lost and no rank killed: not running it again" \
+        in result.output
+    assert result.output.count("launch") == 1, result.output
+
+
+def test_the_launcher_imports_no_torch():
+    code = "import sys, runpy; sys.modules['torch'] = None; " \
+           "import importlib.util as u; spec = u.spec_from_file_location('r', 'mpiddp/run.py');" \
+           "m = u.module_from_spec(spec); spec.loader.exec_module(m); print(m.parse_hosts(" \
+           "'a:2,b\\nc slots=3', 1))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.strip() == "[('a', 2), ('b', 1), ('c', 3)]", out.stderr
+
+
+def no_worker_left(directory) -> bool:
+    """No process whose command line names this test's directory is still running."""
+    time.sleep(0.5)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if str(directory).encode() in f.read() and not process_gone(int(pid)):
+                    return False
+        except OSError:
+            continue
+    return True
+
+
+def test_state_extras_and_consumed_are_attributes():
+    sampler = ElasticSampler(10, 2, rank=0, size=1)
+    state = State(torch.nn.Linear(1, 1), sampler=sampler, directory="unused", writer=False,
+                  seen=3)
+    state.seen += 1
+    state.consumed = 4
+    assert (state.seen, sampler.consumed, state.consumed) == (4, 4, 4)
+    with pytest.raises(ValueError, match="would hide"):
+        State(torch.nn.Linear(1, 1), directory="unused", writer=False, commit=1)
+
+
+def test_srun_command_excludes_the_lost_nodes():
+    from mpiddp.run import Launcher, parse_args
+    launcher = Launcher(parse_args(["--launcher", "srun", "-N", "2", "--", "python", "t.py"]))
+    launcher.excluded = {"n3"}
+    cmd = launcher.command([("n1", 2), ("n2", 2)])
+    assert cmd[:2] == ["srun", "--mpi=pmi2"] and cmd[-2:] == ["python", "t.py"], cmd
+    for arg in ("--no-kill", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2",
+                "--nodelist=n1,n2", "--exclude=n3"):
+        assert arg in cmd, (arg, cmd)
+
+
+def test_lost_nodes_from_srun_and_hydra_output(tmp_path):
+    from mpiddp.run import Launcher, parse_args
+    launcher = Launcher(parse_args(["--", "true"]))
+    (tmp_path / "lost.0").write_text("n7\n")
+    srun_out = "srun: error: n4: task 3: Killed\nsrun: error: Node failure on n5\n"
+    hydra_out = "=   PID 1 RUNNING AT 10.0.0.9\n=   EXIT CODE: 9\n"
+    assert launcher.lost_nodes(srun_out + hydra_out, str(tmp_path)) == {"n4", "n5", "n7",
+                                                                         "10.0.0.9"}
+    # A rank that exits with an error status on a live node is not a lost node.
+    (tmp_path / "empty").mkdir()
+    assert launcher.lost_nodes("=   PID 1 RUNNING AT h\n=   EXIT CODE: 1\n"
+                               "srun: error: n4: task 3: Exited with exit code 1\n",
+                               str(tmp_path / "empty")) == set()
