@@ -5,6 +5,7 @@ and starts a one-node Slurm, tests/test_multinode.py builds network namespaces, 
 a bridge. They run only with MPIDDP_SYSTEM_TESTS=1
 (as .ci/run sets it) and are skipped with the reason otherwise.
 """
+import glob
 import os
 
 import pytest
@@ -42,3 +43,39 @@ def pytest_addoption(parser):
 @pytest.fixture
 def soak_cycles(request) -> int:
     return request.config.getoption("--soak-cycles")
+
+
+def _mapped_shm() -> set[str]:
+    """/dev/shm files some live process has mapped or open."""
+    held = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                held.update(line.split(None, 5)[-1].strip() for line in f if "/dev/shm/" in line)
+        except OSError:                      # the process ended meanwhile
+            pass
+    for fd in glob.glob("/proc/[0-9]*/fd/*"):
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("/dev/shm/"):
+            held.add(target)
+    return held
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_mpich_segments():
+    """Remove the MPICH shared-memory segments that ranks the tests killed on purpose left in
+    /dev/shm (a rank SIGKILLed never unlinks its node's segment): only those that appeared
+    during this run and that no live process holds, so the machine is left as it was."""
+    pattern = "/dev/shm/mpich_*"
+    before = set(glob.glob(pattern))
+    yield
+    leaked = set(glob.glob(pattern)) - before
+    if leaked:
+        for path in leaked - _mapped_shm():
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
