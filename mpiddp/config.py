@@ -115,6 +115,11 @@ class Settings:
     cache_capacity: int = setting(1024, Number(int, 1))
     # Seconds before rank 0 warns about tensors submitted by some ranks but not others.
     stall_check_time: float = setting(60.0, Number(float, 0, positive=True))
+    # Seconds a coordinator may stay inside one MPI call before the lost-peer watchdog holds a
+    # roll call (engine/liveness.py). Short, because a roll call that everyone answers costs
+    # nothing and the job just waits on, while a lost node is found this plus 10 s after its
+    # loss: 30 s with the default, so an elastic job trains again within a minute.
+    peer_check_time: float = setting(20.0, Number(float, 0, positive=True))
     # Seconds after which a stall shuts the engine down on every rank (0 = never). Finite by
     # default, like NCCL's 10-minute watchdog, so that a hung job does not burn its allocation.
     stall_shutdown_time: float = setting(600.0, Number(float))

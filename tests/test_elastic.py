@@ -132,7 +132,7 @@ def test_launcher_relaunches_when_the_watchdog_finds_a_rank_gone(tmp_path):
     """A frozen rank (as a node whose link is down) is found by the lost-peer watchdog,
     which names its launch host to the launcher through MPIDDP_LOST_NODES_DIR."""
     result, elapsed = elastic_launch(tmp_path, "--min-nodes", 1, freeze=True,
-                                     env={"MPIDDP_STALL_CHECK_TIME": "2"})
+                                     env={"MPIDDP_PEER_CHECK_TIME": "2"})
     assert_ok(result)
     assert "rank 0's watchdog found lost: 127.0.0.1" in result.output, result.output
     assert "relaunch 1 on 1 node(s): localhost:1" in result.output, result.output

@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.system]
 CLUSTER = ROOT / "scripts" / "local_cluster.sh"
 PREFIX = os.environ.get("LOCAL_CLUSTER_PREFIX", "mpiddp-n")
 VETH = os.environ.get("LOCAL_CLUSTER_VETH", "mpn")
-STALL_CHECK = 10
+# Node loss to training again, with the default settings (a lost link is found after
+# MPIDDP_PEER_CHECK_TIME, 20 s, plus the 10 s roll call).
+RECOVERY_LIMIT_S = 60
 COMMIT_EVERY = 10
 HOSTS = [f"10.211.7.{i + 1}" for i in range(3)]
 
@@ -51,7 +53,6 @@ def node_pids(node: int) -> list[int]:
 
 def start(tmp_path, nodes: int, min_nodes: int) -> Job:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               MPIDDP_STALL_CHECK_TIME=str(STALL_CHECK),
                PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "scripts")]))
     cmd = [sys.executable, "-m", "mpiddp.run", "--mpiexec", f"bash {CLUSTER} mpiexec",
@@ -143,7 +144,7 @@ def test_killing_a_node_relaunches_on_the_survivors(cluster, tmp_path):
 
     fault_at, before = break_when_snapshotted(job, tmp_path, kill_node_2)
     result = job.wait(300)
-    check_recovery(result, fault_at, before, tmp_path, HOSTS[2], limit_s=60)
+    check_recovery(result, fault_at, before, tmp_path, HOSTS[2], limit_s=RECOVERY_LIMIT_S)
 
 
 def test_a_node_losing_its_link_relaunches_on_the_survivors(cluster, tmp_path):
@@ -157,8 +158,8 @@ def test_a_node_losing_its_link_relaunches_on_the_survivors(cluster, tmp_path):
     finally:
         subprocess.run(["ip", "link", "set", link, "up"], check=True)
     assert f"watchdog found lost: {HOSTS[2]}" in result.output, result.output
-    # Detection takes the stall check time plus the roll call's 10 s answer window.
-    check_recovery(result, fault_at, before, tmp_path, HOSTS[2], limit_s=STALL_CHECK + 10 + 40)
+    # Detection takes MPIDDP_PEER_CHECK_TIME (20 s) plus the roll call's 10 s answer window.
+    check_recovery(result, fault_at, before, tmp_path, HOSTS[2], limit_s=RECOVERY_LIMIT_S)
 
 
 def test_below_min_nodes_stops_with_the_snapshot_intact(cluster, tmp_path):
@@ -198,7 +199,7 @@ def slurm_on_nodes(cluster, tmp_path_factory):
         yield dict(os.environ, SLURM_CONF=conf, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
                    PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "scripts")]),
-                   UCX_TLS="tcp,self", MPIDDP_STALL_CHECK_TIME=str(STALL_CHECK))
+                   UCX_TLS="tcp,self")
     finally:
         subprocess.run(["bash", str(LOCAL_SLURM), "stop"], env=env, timeout=180)
 
@@ -242,5 +243,5 @@ def test_sbatch_job_goes_on_after_losing_a_node(slurm_on_nodes, tmp_path):
     assert re.search(r"final test accuracy 0\.9[3-9]\d* on 2 rank\(s\)", text), text
     times = timings(text, fault_at)
     print("elastic timings (sbatch/srun):", times)
-    assert times["fault_to_training_s"] < STALL_CHECK + 10 + 40, (times, text)
+    assert times["fault_to_training_s"] < RECOVERY_LIMIT_S, (times, text)
     assert_nothing_left(pids=training_pids)

@@ -114,7 +114,7 @@ def test_a_frozen_rank_ends_the_job_naming_it(tmp_path):
     # test_multinode.py) leaves the others inside an MPI call that never completes. The
     # watchdog's roll call must name it and end the job: check time + 10 s answer window.
     cmd, env = mpi_command("fault_worker.py", 3, tmp_path, mpi4py_run=False,
-                           env={"MPIDDP_STALL_CHECK_TIME": "2"})
+                           env={"MPIDDP_PEER_CHECK_TIME": "2"})
     job = Job(cmd, env)
     frozen = None
     try:

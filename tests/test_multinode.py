@@ -78,7 +78,7 @@ def test_training_equivalence_across_nodes(cluster):
 
 
 # ---- faults: a node's ranks killed, a node's link cut -------------------------------------
-STALL_CHECK = 10      # MPIDDP_STALL_CHECK_TIME in the fault tests (s)
+PEER_CHECK = 10       # MPIDDP_PEER_CHECK_TIME in the fault tests (s)
 
 
 def node_pids(node: int) -> list[int]:
@@ -103,14 +103,14 @@ def run_fault(tmp_path, break_node_1) -> tuple[MPIResult, float, int]:
     """Train on 2x2 until rank 0 has checkpointed, call ``break_node_1()``, and collect the
     job: (result, seconds from the fault to the job's end, last step checkpointed before)."""
     job = Job(*cluster_command("2x2", "fault_worker.py", tmp_path,
-                               env={"MPIDDP_STALL_CHECK_TIME": str(STALL_CHECK)}))
+                               env={"MPIDDP_PEER_CHECK_TIME": str(PEER_CHECK)}))
     wait_for_files(tmp_path / "checkpoint.pt", *(tmp_path / f"pid.{r}" for r in range(4)),
                    job=job, timeout=120)
     time.sleep(1)
     step_before = torch.load(tmp_path / "checkpoint.pt")["step"]
     start = time.monotonic()
     break_node_1()
-    result = job.wait(timeout=STALL_CHECK + 60)
+    result = job.wait(timeout=PEER_CHECK + 60)
     return result, time.monotonic() - start, step_before
 
 
@@ -119,7 +119,7 @@ def assert_ended_cleanly(result: MPIResult, elapsed: float, step_before: int, tm
     print(f"the job ended {elapsed:.1f} s after the fault")
     assert not result.timed_out, result.output
     assert result.returncode != 0, result.output
-    assert elapsed < STALL_CHECK + 30, (elapsed, result.output)
+    assert elapsed < PEER_CHECK + 30, (elapsed, result.output)
     deadline = time.monotonic() + 15        # a rank cut off from the launcher exits itself
     while (node_pids(0) or node_pids(1)) and time.monotonic() < deadline:
         time.sleep(0.5)

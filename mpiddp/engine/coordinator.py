@@ -47,7 +47,7 @@ def start_engine(comm: MPI.Comm, settings: Settings) -> "Engine":
     if private.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
         names = private.allgather((MPI.Get_processor_name(), launch_host()))
         watchdog = Watchdog(private.Dup(), [n for n, _ in names], lambda: engine.stats.cycles,
-                            settings.stall_check_time, launch_hosts=[h for _, h in names])
+                            settings.peer_check_time, launch_hosts=[h for _, h in names])
         engine.on_stop.append(watchdog.stop)
     return engine
 
