@@ -1,5 +1,6 @@
 """Single-process tests of the pure logic: settings, chunking, fusion plans, negotiation,
 the response cache and stall reports."""
+import math
 from dataclasses import fields
 from pathlib import Path
 
@@ -342,3 +343,68 @@ def test_overlap_trial_alternates_then_keeps_the_faster(monkeypatch):
     assert modes[steps - 1] is False and modes[2 * steps - 1] is True   # switches at phase ends
     assert agreed == [pytest.approx((0.2, 0.1))]   # untimed steps (the switches) left out
     assert trial.decision is False and modes[-1] is False
+
+
+# ---- the cost model and the automatic choice across nodes ---------------------------------
+def test_cost_model_matches_the_algorithms_step_counts():
+    from mpiddp.collectives.cost_model import (RING_STEP_OVERHEAD_S, LinkCosts, native_seconds,
+                                               ring_seconds)
+
+    link = LinkCosts(latency_s=1e-5, seconds_per_byte=1e-9)
+    n = 1 << 24
+    # Same bytes on the wire; the ring's 2(N-1) steps against Rabenseifner's 2 log2 N.
+    for ranks in (2, 4, 16):
+        wire = 2 * (ranks - 1) / ranks * n * 1e-9
+        assert ring_seconds(n, ranks, link) == pytest.approx(
+            wire + 2 * (ranks - 1) * (1e-5 + RING_STEP_OVERHEAD_S))
+        assert native_seconds(n, ranks, link) == pytest.approx(
+            wire + 2 * math.log2(ranks) * 1e-5)
+    # Not a power of two: two extra exchanges of the whole buffer (fold in, fold out).
+    assert native_seconds(n, 3, link) == pytest.approx(
+        4 / 3 * n * 1e-9 + 4 * 1e-5 + 2 * (1e-5 + n * 1e-9))
+    assert native_seconds(1024, 8, link) == pytest.approx(3 * (1e-5 + 1024e-9))  # doubling
+    assert ring_seconds(n, 1, link) == native_seconds(n, 1, link) == 0
+
+
+def test_ring_threshold_grows_with_nodes_and_link_speed():
+    from mpiddp.collectives.cost_model import (NEVER, RING_TOLERANCE, LinkCosts, native_seconds,
+                                               ring_seconds, ring_threshold)
+
+    slow, fast = LinkCosts.from_rate(1, 30), LinkCosts.from_rate(100, 5)
+    # 2 nodes on 1 Gbit/s: the 256 KiB measured there (docs/benchmarks.md, "Across nodes").
+    assert 200_000 < ring_threshold(2, slow) < 300_000
+    for link in (slow, fast):
+        sizes = [ring_threshold(n, link) for n in (2, 4, 8, 16, 64, 512)]
+        assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
+        for ranks in (2, 4, 16):
+            t = ring_threshold(ranks, link)
+            # At the threshold the ring's extra cost is the tolerance of the transfer time.
+            wire = 2 * (ranks - 1) / ranks * t * link.seconds_per_byte
+            assert ring_seconds(t, ranks, link) - native_seconds(t, ranks, link) == \
+                pytest.approx(RING_TOLERANCE * wire, rel=1e-3)
+    assert ring_threshold(16, fast) > 100 * ring_threshold(16, slow) / 2
+    assert ring_threshold(1, slow) == NEVER
+
+
+def test_automatic_choice_across_nodes_follows_the_measured_links():
+    from mpiddp.collectives.algorithms import LOCAL_RING_THRESHOLD, AlgorithmChoice
+    from mpiddp.collectives.cost_model import LinkCosts, ring_threshold
+    from mpiddp.collectives.topology import Topology
+
+    link = LinkCosts.from_rate(1, 30)
+    flat16 = AlgorithmChoice("auto", None, "auto", Topology(0, 16, 0, 1, 0, 16, True), link)
+    assert flat16.ring_threshold == ring_threshold(16, link)
+    assert flat16.choose(ring_threshold(16, link)).name == "native"
+    assert flat16.choose(ring_threshold(16, link) + 1).name == "ring"
+    assert flat16.choose(1 << 20).name == "native"       # the ring would take it at 2 nodes
+    two = AlgorithmChoice("auto", None, "auto", Topology(0, 2, 0, 1, 0, 2, True), link)
+    assert two.choose(1 << 20).name == "ring"
+    # 8 nodes x 2 ranks: the cross-node part's threshold is the 8-node ring's.
+    hier = AlgorithmChoice("auto", None, "auto", Topology(0, 16, 0, 2, 0, 8, True), link)
+    assert hier.cross_ring_threshold == ring_threshold(8, link)
+    assert hier.ring_threshold == max(LOCAL_RING_THRESHOLD, ring_threshold(8, link))
+    # A threshold the user set wins; one node ignores the links.
+    pinned = AlgorithmChoice("auto", 4096, "auto", Topology(0, 16, 0, 1, 0, 16, True), link)
+    assert (pinned.ring_threshold, pinned.cross_ring_threshold) == (4096, 4096)
+    local = AlgorithmChoice("auto", None, "auto", Topology(0, 2, 0, 2, 0, 1, True), link)
+    assert local.ring_threshold == LOCAL_RING_THRESHOLD

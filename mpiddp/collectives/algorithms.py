@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional
 
 from ..buffers.dtypes import DType
 from ..reduce_ops import ReduceOp
+from .cost_model import LinkCosts, ring_threshold
 from .flat import NATIVE, RING
 from .hierarchical import hierarchical_allreduce, pipeline_segments, scratch_elements
 from .native import native_allreduce
@@ -24,7 +25,9 @@ from .topology import Topology
 
 AUTO, HIERARCHICAL = "auto", "hierarchical"
 
-# Where MPIDDP_RING_THRESHOLD is unset, ``auto`` takes the ring above these sizes. Within a
+# Where MPIDDP_RING_THRESHOLD is unset and the links were not measured (``LinkCosts``: the
+# thresholds then follow the cost model, ``cost_model.ring_threshold``), ``auto`` takes the
+# ring above these sizes. Within a
 # node MPI's shared-memory algorithms win up to about 2 MiB. On a communicator with one rank
 # per node (one rank per node in the job, or the cross-node part of the hierarchical
 # all-reduce) the ring ties native MPI_Allreduce from 256 KiB (docs/benchmarks.md, "Across
@@ -135,19 +138,36 @@ class AlgorithmChoice:
     (hierarchical on one node): the ring then, never a wrong result."""
 
     def __init__(self, setting: str, ring_threshold: Optional[int], hierarchical: str,
-                 topology: Topology):
+                 topology: Topology, link: Optional[LinkCosts] = None):
         self.setting = setting
         self.hierarchical_setting = hierarchical
         self.topology = topology
+        self.link = link
         # The threshold for the whole communicator, and for the cross-node part of the
         # hierarchical all-reduce (one rank per node: a network ring). An explicit one wins.
-        self.ring_threshold = ring_threshold if ring_threshold is not None else \
-            default_ring_threshold(topology.spans_nodes and not topology.hierarchical_usable)
+        whole, cross = self.default_thresholds(topology, link)
+        self.ring_threshold = ring_threshold if ring_threshold is not None else whole
         self.ring = RingAllreduce()
         self.native = NativeAllreduce()
         self.hierarchical = HierarchicalAllreduce(
-            ring_threshold if ring_threshold is not None else NETWORK_RING_THRESHOLD)
+            ring_threshold if ring_threshold is not None else cross)
         self._by_name = {a.name: a for a in (self.ring, self.native, self.hierarchical)}
+
+    @staticmethod
+    def default_thresholds(topology: Topology, link: Optional[LinkCosts]) -> tuple[int, int]:
+        """(whole communicator, cross-node part) ring thresholds without a user setting.
+        Across nodes with measured links they come from the cost model for the number of
+        ranks in the network ring; the whole communicator's choice where the hierarchical
+        all-reduce applies (hierarchical against native) keeps at least the node-local
+        threshold, below which native stayed ahead (2x2, 1 MiB)."""
+        if not topology.spans_nodes or link is None:
+            return (default_ring_threshold(topology.spans_nodes and
+                                           not topology.hierarchical_usable),
+                    NETWORK_RING_THRESHOLD)
+        cross = ring_threshold(topology.cross_size, link)
+        if topology.hierarchical_usable:
+            return max(LOCAL_RING_THRESHOLD, cross), cross
+        return ring_threshold(topology.size, link), cross
 
     @property
     def cross_ring_threshold(self) -> int:

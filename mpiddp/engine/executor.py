@@ -12,6 +12,7 @@ unpacking) is in one place, ``Executor._execute``; statistics are recorded apart
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Callable, Optional
@@ -20,7 +21,8 @@ from mpi4py import MPI
 
 from ..buffers import backend_for
 from ..buffers.dtypes import DType, dtype_named, identity_value
-from ..collectives.algorithms import AlgorithmChoice, Links
+from ..collectives.algorithms import AUTO, AlgorithmChoice, Links
+from ..collectives.cost_model import LinkCosts, describe_threshold, measure_link_costs
 from ..collectives.native import allgatherv, alltoallv, broadcast
 from ..collectives.ring import chunk_bounds, ring_reduce_scatter
 from ..collectives.topology import node_layout
@@ -34,8 +36,11 @@ from .request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCE
 from .stats import EngineStats
 from .timeline import Timeline
 
+log = logging.getLogger("mpiddp")
+
 # complete(entry, info=None, error=None): releases the name and completes the handle.
 Complete = Callable[..., None]
+
 
 def result_scaling(backend, request, size: int, dtype):
     """The scaling after a reduction, as a function of one chunk (None: nothing to do): the
@@ -223,8 +228,24 @@ class Executor:
         self.local, self.cross, self.topology = node_layout(comm)
         # Adjustable at run time (set_allreduce_algorithm); start from the settings.
         self.algorithms = AlgorithmChoice(settings.allreduce_algorithm, settings.ring_threshold,
-                                          settings.hierarchical_allreduce, self.topology)
+                                          settings.hierarchical_allreduce, self.topology,
+                                          self._measure_links(settings))
         self._links: dict = {}
+
+    def _measure_links(self, settings: Settings) -> Optional[LinkCosts]:
+        """The network's latency and rate, measured (collectively) where the automatic choice
+        needs them: ranks on several nodes, ``auto``, no ring threshold set."""
+        if not self.topology.spans_nodes or settings.ring_threshold is not None or \
+                settings.allreduce_algorithm != AUTO:
+            return None
+        link = measure_link_costs(self.cross, self.comm)
+        if self.rank == 0:
+            whole, cross = AlgorithmChoice.default_thresholds(self.topology, link)
+            log.info("mpiddp: links between the %d nodes: %s; automatic all-reduce takes the "
+                     "ring from %s (whole communicator) and %s (across nodes)",
+                     self.topology.cross_size, link.describe(), describe_threshold(whole),
+                     describe_threshold(cross))
+        return link
 
     def links(self, backend) -> Links:
         """The transports for buffers of ``backend``: the whole, node-local and cross-node

@@ -1,0 +1,140 @@
+"""What an all-reduce costs, by algorithm: the alpha-beta model the automatic choice and
+docs/scaling.md use.
+
+For ``N`` ranks in a ring over links of latency ``alpha`` (one message, one way) and
+``beta`` seconds per byte, an all-reduce of ``n`` bytes costs
+
+* the ring (``ring.py``): ``2 (N-1)`` steps, each a message of ``n/N`` bytes plus a fixed
+  cost in Python (``RING_STEP_OVERHEAD_S``):
+  ``2 (N-1) (alpha + delta) + 2 (N-1)/N n beta``;
+* the MPI library's ``MPI_Allreduce`` (MPICH and Open MPI for large buffers: recursive halving
+  then doubling, Rabenseifner): the same bytes in ``2 ceil(log2 N)`` steps:
+  ``2 ceil(log2 N) alpha + 2 (N-1)/N n beta``; for small buffers (up to
+  ``NATIVE_SHORT_BYTES``) recursive doubling, ``ceil(log2 N) (alpha + n beta)``.
+
+The reduction's arithmetic is the same in both and left out. On these terms the MPI library's
+algorithm is never slower; the ring earns its place by what the terms leave out: it waits for
+the network without busy-polling the core that backward needs, it leaves transfers in flight
+(the pipelined hierarchical all-reduce), and over TCP it reached the link rate where
+``MPI_Allreduce`` did not (docs/benchmarks.md, "Across nodes": 4 nodes, 64 MiB, 1.5x). So the
+ring takes a buffer where its extra fixed cost is at most ``RING_TOLERANCE`` of the transfer
+time (``ring_threshold``). With the links' measured latency and rate that moves with N and the
+link: 1 Gbit/s and 30 us, 250 KB at 2 nodes (where the ring was measured to tie), 0.6 MB at 4,
+2.9 MB at 16, 12 MB at 64; 100 Gbit/s and 5 us, 25 MB at 2 nodes, 215 MB at 16: on fast links
+the MPI library's all-reduce carries nearly everything (docs/scaling.md).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+# Fixed cost of one ring step in Python and MPI beyond the message itself (posting the
+# transfers, waiting, the NumPy reduction's call): 4 KiB all-reduces on 2 emulated nodes of a
+# core each, ring 130 us against MPI_Allreduce's 35 us over 2 steps (docs/scaling.md).
+RING_STEP_OVERHEAD_S = 50e-6
+# The ring takes a buffer when its extra fixed cost is at most this share of the transfer:
+# at 2 nodes that is where the ring and MPI_Allreduce were measured to tie (256 KiB, 1 Gbit/s).
+RING_TOLERANCE = 0.05
+# MPICH's MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE: recursive doubling up to here.
+NATIVE_SHORT_BYTES = 2048
+NEVER = 1 << 62          # a threshold no buffer reaches
+
+
+@dataclass(frozen=True)
+class LinkCosts:
+    """A link's alpha (s per message) and beta (s per byte), as measured or assumed."""
+
+    latency_s: float
+    seconds_per_byte: float
+
+    @classmethod
+    def from_rate(cls, gbit_per_s: float, latency_us: float) -> "LinkCosts":
+        return cls(latency_us * 1e-6, 8.0 / (gbit_per_s * 1e9))
+
+    def describe(self) -> str:
+        return (f"latency {self.latency_s * 1e6:.0f} us, "
+                f"{8.0 / self.seconds_per_byte / 1e9:.3g} Gbit/s")
+
+
+def describe_threshold(nbytes: int) -> str:
+    return "never" if nbytes >= NEVER else f"{nbytes / 1e6:.3g} MB"
+
+
+def log2_steps(ranks: int) -> int:
+    return max(1, math.ceil(math.log2(ranks))) if ranks > 1 else 0
+
+
+def ring_seconds(nbytes: int, ranks: int, link: LinkCosts,
+                 step_overhead_s: float = RING_STEP_OVERHEAD_S) -> float:
+    """Predicted time of ``ring.py``'s all-reduce of ``nbytes`` over ``ranks`` ranks."""
+    if ranks < 2:
+        return 0.0
+    steps = 2 * (ranks - 1)
+    return steps * (link.latency_s + step_overhead_s) + \
+        steps * nbytes / ranks * link.seconds_per_byte
+
+
+def native_seconds(nbytes: int, ranks: int, link: LinkCosts) -> float:
+    """Predicted time of the MPI library's all-reduce (MPICH's default algorithms)."""
+    if ranks < 2:
+        return 0.0
+    rounds = log2_steps(ranks)
+    if nbytes <= NATIVE_SHORT_BYTES:
+        return rounds * (link.latency_s + nbytes * link.seconds_per_byte)
+    extra = 0 if ranks & (ranks - 1) == 0 else 2 * (link.latency_s + nbytes *
+                                                     link.seconds_per_byte)
+    return 2 * rounds * link.latency_s + 2 * (ranks - 1) / ranks * nbytes * \
+        link.seconds_per_byte + extra
+
+
+def ring_threshold(ranks: int, link: LinkCosts, tolerance: float = RING_TOLERANCE,
+                   step_overhead_s: float = RING_STEP_OVERHEAD_S) -> int:
+    """The size from which the ring carries a buffer across ``ranks`` nodes: where its extra
+    fixed cost over the MPI library's is at most ``tolerance`` of the transfer time
+    (``NEVER`` where that size would exceed any buffer)."""
+    if ranks < 2:
+        return NEVER
+    extra = 2 * (ranks - 1) * (link.latency_s + step_overhead_s) - \
+        2 * log2_steps(ranks) * link.latency_s
+    per_byte = tolerance * 2 * (ranks - 1) / ranks * link.seconds_per_byte
+    if per_byte <= 0:
+        return NEVER
+    threshold = extra / per_byte
+    return NEVER if threshold >= NEVER else max(0, int(threshold))
+
+
+# ---- measuring a link ------------------------------------------------------------------------
+PROBE_SMALL_BYTES = 8
+PROBE_LARGE_BYTES = 1 << 20     # above tc's burst on the emulated links; 8 ms at 1 Gbit/s
+PROBE_REPEATS = 3
+
+
+def measure_link_costs(pairs: MPI.Comm, agree: MPI.Comm) -> LinkCosts:
+    """Alpha and beta of the links between the ranks of ``pairs`` (one rank per node: each
+    exchanges with its ring neighbours, small messages then large ones, best of
+    ``PROBE_REPEATS``), agreed over ``agree`` (collective on both; the slowest link's values
+    on every rank, so that every rank derives the same choice). A ``pairs`` of one rank
+    measures nothing and takes the others' values."""
+    size, rank = pairs.Get_size(), pairs.Get_rank()
+    measured = np.zeros(2)
+    if size > 1:
+        right, left = (rank + 1) % size, (rank - 1) % size
+        times = []
+        for nbytes in (PROBE_SMALL_BYTES, PROBE_LARGE_BYTES):
+            send, recv = np.zeros(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+            best = math.inf
+            for _ in range(PROBE_REPEATS):
+                pairs.Barrier()
+                start = time.perf_counter()
+                pairs.Sendrecv(send, right, 77, recv, left, 77)
+                best = min(best, time.perf_counter() - start)
+            times.append(best)
+        small, large = times
+        measured[:] = small, max(large - small, 1e-12) / (PROBE_LARGE_BYTES - PROBE_SMALL_BYTES)
+    agreed = np.empty(2)
+    agree.Allreduce(measured, agreed, op=MPI.MAX)
+    return LinkCosts(float(agreed[0]), float(agreed[1]))
