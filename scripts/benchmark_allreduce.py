@@ -5,8 +5,9 @@ MPI_Allreduce (mpi4py, same MPI) and torch.distributed gloo, side by side in one
     mpiexec -n 4 python scripts/benchmark_allreduce.py --max-size 64M
 
 Prints, per message size and method: time per all-reduce (mean over iterations, slowest rank),
-algbw = size / time and busbw = algbw * 2(N-1)/N (as nccl-tests reports), and busbw relative
-to MPI_Allreduce. Each method's result is checked against the exact sum before timing.
+algbw = size / time and busbw = algbw * 2(N-1)/N (as nccl-tests reports), busbw relative
+to MPI_Allreduce, and the CPU seconds the whole process used per GB all-reduced (the mean
+over ranks: spinning while waiting counts). Each method's result is checked against the exact sum before timing.
 A separate latency section times a synchronous 4 KiB mpiddp.allreduce (median of many).
 
     mpiexec -n 2 python scripts/benchmark_allreduce.py --device cuda
@@ -165,11 +166,16 @@ def time_method(comm, setup, run, count, seconds, min_iters):
     one = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
     iters = max(min_iters, min(2000, int(seconds / max(one, 1e-6))))
     comm.Barrier()
+    cpu = time.process_time()
     start = time.perf_counter()
     for _ in range(iters):
         run(tensor)
     elapsed = time.perf_counter() - start
-    return comm.allreduce(elapsed, op=MPI.MAX) / iters
+    cpu = time.process_time() - cpu
+    # CPU of the whole process (every thread: the engine's, gloo's) per GB all-reduced,
+    # the mean over ranks.
+    cpu_per_gb = comm.allreduce(cpu / max(1, iters * count * 4) * 1e9, op=MPI.SUM) / comm.size
+    return comm.allreduce(elapsed, op=MPI.MAX) / iters, cpu_per_gb
 
 
 def latency(comm, nbytes=4096, iters=3000):
@@ -218,8 +224,9 @@ def main():
         print(f"# all-reduce benchmark: {size} ranks, float32 sum, {where}"
               f"{MPI.Get_library_version().splitlines()[0].strip()}, "
               f"torch {torch.__version__}, {os.cpu_count()} cores")
-        print("| size | method | time (us) | algbw (GB/s) | busbw (GB/s) | busbw vs MPI |")
-        print("|---:|---|---:|---:|---:|---:|")
+        print("| size | method | time (us) | algbw (GB/s) | busbw (GB/s) | busbw vs MPI | "
+              "CPU s/GB |")
+        print("|---:|---|---:|---:|---:|---:|---:|")
     nbytes = parse_size(args.min_size)
     while nbytes <= parse_size(args.max_size):
         count = nbytes // 4
@@ -228,11 +235,12 @@ def main():
             check(comm, name, setup, run, count)
             results[name] = time_method(comm, setup, run, count, args.seconds, args.min_iters)
         if rank == 0:
-            base = results["MPI_Allreduce"]
-            for name, seconds in results.items():
+            base = results["MPI_Allreduce"][0]
+            for name, (seconds, cpu_per_gb) in results.items():
                 algbw = nbytes / seconds / 1e9
                 print(f"| {human(nbytes)} | {name} | {seconds * 1e6:.1f} | {algbw:.3f} | "
-                      f"{algbw * factor:.3f} | {base / seconds:.2f} |", flush=True)
+                      f"{algbw * factor:.3f} | {base / seconds:.2f} | {cpu_per_gb:.2f} |",
+                      flush=True)
         nbytes *= 4
     median, mean = latency(comm)
     if rank == 0:

@@ -111,12 +111,14 @@ def mlp(width: int = 2048, depth: int = 6) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def build(args):
-    """(model, input batch, target batch) for this rank; same initial weights everywhere."""
+def build(args, nominal: bool = False):
+    """(model, input batch, target batch) for this rank; same initial weights everywhere.
+    ``nominal``: a simulated model at the nominal step even on a straggler (the baseline)."""
     torch.manual_seed(0)
     if args.model in sim.MODELS:
         model = sim.SimulatedModel(args.model, args.param_scale)
-        model.set_step_time(args.sim_step_s, args.batch_size, args.sim_optimizer_s)
+        slower = args.straggler if args.is_straggler and not nominal else 1.0
+        model.set_step_time(args.sim_step_s * slower, args.batch_size, args.sim_optimizer_s)
         return model, torch.zeros(args.batch_size, 1), None
     if args.model == "cnn":
         model = ResNet18(num_classes=1000)
@@ -215,7 +217,7 @@ def make_ddp(args, bucket_cap_mb: float, name: str) -> Variant:
 
 
 def make_single(args) -> Variant:
-    model, data, target = build(args)
+    model, data, target = build(args, nominal=True)
     optimizer = make_optimizer(args, model, model.parameters())
     return Variant("single", model, optimizer, data, target)
 
@@ -278,7 +280,8 @@ def parse_args(argv=None):
                    help="comma-separated: mpiddp, overlap (mpiddp with overlap_forward=True), "
                         "auto (overlap_forward='auto': its trial takes 24 steps; give as many "
                         "warm-up steps to time its choice), "
-                        "ddp (torch DDP over gloo), single (one process, the scaling "
+                        "native (mpiddp, every reduction by the MPI library's "
+                        "MPI_Allreduce), ddp (torch DDP over gloo), single (one process, the scaling "
                         "baseline); mpiddp:MB / overlap:MB / ddp:MB set the bucket size of "
                         "that variant (e.g. mpiddp:0,mpiddp:1000,ddp,ddp:1000)")
     p.add_argument("--overlap-forward", action="store_true",
@@ -311,6 +314,9 @@ def parse_args(argv=None):
     timing.add_argument("--device-profile", choices=sorted(sim.PROFILES), default=None,
                         help="the step a GPU takes (its measured ResNet-50 throughput, scaled "
                              "by MACs; sources in docs/benchmarks.md)")
+    s.add_argument("--straggler", type=float, default=1.0, metavar="FACTOR",
+                   help="the last node's ranks compute FACTOR times slower (e.g. 1.2: a node "
+                        "20%% slower); the one-process baseline keeps the nominal step")
     s.add_argument("--param-scale", type=float, default=1.0,
                    help="shrink every parameter tensor's first dimension by this factor "
                         "(fewer bytes to reduce, for quick tests); the timing stays the "
@@ -389,17 +395,26 @@ def report_bound(args, result: dict, names: list, nodes: int, params: int) -> No
 
 
 def uses_mpiddp(name: str) -> bool:
-    return name.split(":")[0] in ("mpiddp", "overlap", "auto")
+    return name.split(":")[0] in ("mpiddp", "overlap", "auto", "native")
+
+
+def select_algorithm(name: str) -> None:
+    """The 'native' variant: the standard path with every reduction through the MPI
+    library's MPI_Allreduce (the engine's native algorithm); the others: the automatic
+    choice. Collective; the engine starts from the settings at every init."""
+    if uses_mpiddp(name):
+        mpiddp.set_allreduce_algorithm("native" if name.startswith("native") else "auto")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [n for n in names
-               if n.split(":")[0] not in ("mpiddp", "overlap", "auto", "ddp", "single")]
+               if n.split(":")[0] not in ("mpiddp", "overlap", "auto", "native", "ddp",
+                                          "single")]
     if unknown or len(set(names)) != len(names):
         raise SystemExit(f"bad --variants {args.variants!r}: use mpiddp[:MB], overlap[:MB], "
-                         "auto[:MB], ddp[:MB], single")
+                         "auto[:MB], native[:MB], ddp[:MB], single")
     if (args.overlap_forward or any(n.startswith(("overlap", "auto")) for n in names)) \
             and not supports_overlap_forward():
         raise SystemExit(f"--overlap-forward / the overlap variant: the installed mpiddp "
@@ -417,6 +432,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(threads)
     nodes = size // local_size
     simulation = configure_simulation(args, nodes) if args.model in sim.MODELS else None
+    # Ranks sit on their nodes in blocks (mpiexec -ppn, srun's default): the last node's.
+    args.is_straggler = args.straggler != 1.0 and rank // local_size == (size - 1) // local_size
     if args.compression == "bf16" and not torch.cuda.is_available():
         # torch's bf16_compress_hook refuses anything but NCCL/XCCL: nothing to compare with.
         if rank == 0 and any(n.startswith("ddp") for n in names):
@@ -450,7 +467,9 @@ def main(argv=None) -> int:
                   f"{1e3 * args.sim_optimizer_s:.2f} ms) from {simulation}; no PCIe copies, "
                   "device memory traffic or kernel launches (docs/benchmarks.md)"
                   + (f"; parameters scaled by {args.param_scale:g}"
-                     if args.param_scale != 1 else ""), flush=True)
+                     if args.param_scale != 1 else "")
+                  + (f"; STRAGGLER: the last node's ranks compute {args.straggler:g}x slower"
+                     if args.straggler != 1 else ""), flush=True)
         described = {"cnn": f" (ResNet-18, {args.image_size}x{args.image_size} images)",
                      "mlp": f" ({args.depth}x{args.width}x{args.width})"}
         print(f"model {args.model}" + described.get(args.model, "")
@@ -463,6 +482,7 @@ def main(argv=None) -> int:
 
     for name, variant in variants.items():
         if name != "single" or rank == 0:
+            select_algorithm(name)
             for _ in range(args.warmup):
                 variant.step()
             variant.finish()
@@ -475,6 +495,7 @@ def main(argv=None) -> int:
         for name in order:
             if uses_mpiddp(name):
                 mpiddp.init()
+                select_algorithm(name)
                 mpiddp.reset_engine_stats()
             rate, cpu_ms = time_round(variants[name], args.steps, rank)
             rates[name].append(rate)
@@ -494,10 +515,12 @@ def main(argv=None) -> int:
     result = {"model": args.model, "batch_size": args.batch_size, "ranks": size,
               "threads": threads, "image_size": args.image_size, "params": params,
               "iters": args.iters, "steps": args.steps,
-              "overlap_forward": args.overlap_forward, "variants": {}}
+              "overlap_forward": args.overlap_forward, "bucket_cap_mb": args.bucket_cap_mb,
+              "ddp_bucket_mb": args.ddp_bucket_mb, "variants": {}}
     if simulation:
         result["simulation"] = {"step_s": args.sim_step_s, "optimizer_s": args.sim_optimizer_s,
-                                "chosen_by": simulation, "param_scale": args.param_scale}
+                                "chosen_by": simulation, "param_scale": args.param_scale,
+                                "straggler": args.straggler}
     width = max(8, *(len(n) for n in names))
     # CPU: the whole process (all threads) per step, the mean over ranks.
     print(f"\n{'variant':{width}s} {'step s':>7s} {'samples/s per rank':>19s} {'total':>8s} "

@@ -46,14 +46,21 @@ NEVER = 1 << 62          # a threshold no buffer reaches
 
 @dataclass(frozen=True)
 class LinkCosts:
-    """A link's alpha (s per message) and beta (s per byte), as measured or assumed."""
+    """A link's alpha (s per message) and beta (s per byte), as measured or assumed, and
+    the reduction's arithmetic per byte reduced (gamma: about 0.15 ns with NumPy on a host
+    core, for float32 sums; on a GPU negligible next to the link). Gamma is the same for
+    every algorithm, so the choice ignores it; the step model (scripts/scaling_model.py)
+    needs it."""
 
     latency_s: float
     seconds_per_byte: float
+    reduce_seconds_per_byte: float = 0.0
 
     @classmethod
-    def from_rate(cls, gbit_per_s: float, latency_us: float) -> "LinkCosts":
-        return cls(latency_us * 1e-6, 8.0 / (gbit_per_s * 1e9))
+    def from_rate(cls, gbit_per_s: float, latency_us: float,
+                  reduce_gb_per_s: float | None = None) -> "LinkCosts":
+        return cls(latency_us * 1e-6, 8.0 / (gbit_per_s * 1e9),
+                   1.0 / (reduce_gb_per_s * 1e9) if reduce_gb_per_s else 0.0)
 
     def describe(self) -> str:
         return (f"latency {self.latency_s * 1e6:.0f} us, "
@@ -75,7 +82,7 @@ def ring_seconds(nbytes: int, ranks: int, link: LinkCosts,
         return 0.0
     steps = 2 * (ranks - 1)
     return steps * (link.latency_s + step_overhead_s) + \
-        steps * nbytes / ranks * link.seconds_per_byte
+        steps * nbytes / ranks * link.seconds_per_byte + reduce_seconds(nbytes, ranks, link)
 
 
 def native_seconds(nbytes: int, ranks: int, link: LinkCosts) -> float:
@@ -84,11 +91,17 @@ def native_seconds(nbytes: int, ranks: int, link: LinkCosts) -> float:
         return 0.0
     rounds = log2_steps(ranks)
     if nbytes <= NATIVE_SHORT_BYTES:
-        return rounds * (link.latency_s + nbytes * link.seconds_per_byte)
+        return rounds * (link.latency_s + nbytes * (link.seconds_per_byte +
+                                                    link.reduce_seconds_per_byte))
     extra = 0 if ranks & (ranks - 1) == 0 else 2 * (link.latency_s + nbytes *
                                                      link.seconds_per_byte)
     return 2 * rounds * link.latency_s + 2 * (ranks - 1) / ranks * nbytes * \
-        link.seconds_per_byte + extra
+        link.seconds_per_byte + extra + reduce_seconds(nbytes, ranks, link)
+
+
+def reduce_seconds(nbytes: int, ranks: int, link: LinkCosts) -> float:
+    """The arithmetic of a bandwidth-optimal all-reduce: (N-1)/N of the buffer reduced."""
+    return (ranks - 1) / ranks * nbytes * link.reduce_seconds_per_byte
 
 
 def ring_threshold(ranks: int, link: LinkCosts, tolerance: float = RING_TOLERANCE,

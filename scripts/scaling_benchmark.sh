@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Scaling curves on the emulated cluster (docs/benchmarks.md, "Scaling to 16 nodes"), as root:
+#
+#   sudo scripts/scaling_benchmark.sh [OUTPUT_DIR]
+#
+# For each setting of SETTINGS (default "light heavy"), brings up 16 emulated nodes
+# (scripts/local_cluster.sh) and, for each node count of NODES (default "2 4 8 16", one rank
+# per node) and regime of REGIMES (default "compute balanced wire": the one-process step 2x,
+# 1x, 0.5x the wire time of the gradients at that N), runs the simulated accelerator model
+# MODEL (default sim-resnet50) with VARIANTS (default: the standard path, forward overlap,
+# every reduction through MPI_Allreduce, DDP-gloo and one process) side by side in one launch,
+# and writes each launch's JSON and output to OUTPUT_DIR (default scaling-results/).
+#
+#   light: 200 Mbit/s links, parameters scaled by 0.05: the same wire time as 1 Gbit/s at
+#          0.25, a fifth of the bytes; what it measures is the network and the algorithms.
+#   heavy: 1 Gbit/s links, parameters scaled by 0.25: five times the bytes per second of
+#          wire time, so the CPU per byte shows, as on a fast network.
+#
+# Both bucket sizes shrink with the parameters (mpiddp's 4 MB and DDP's 25 MB defaults times
+# the scale), so that a bucket holds the same layers as in the real model: unscaled, DDP's
+# one 25 MB bucket would hold the whole shrunken model and overlap nothing.
+#
+# Compute is a GIL-free wait (scripts/simulated_models.py), so on this machine's 2 cores only
+# communication uses the CPU. Then `python scripts/plot_scaling.py OUTPUT_DIR` prints the
+# tables and draws docs/img/scaling_efficiency.png.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${1:-scaling-results}"
+SETTINGS="${SETTINGS:-light heavy}"
+NODES="${NODES:-2 4 8 16}"
+REGIMES="${REGIMES:-compute balanced wire}"
+MODEL="${MODEL:-sim-resnet50}"
+VARIANTS="${VARIANTS:-mpiddp,overlap,native,ddp,single}"
+STEPS="${STEPS:-8}"
+ITERS="${ITERS:-2}"
+CLUSTER="$ROOT/scripts/local_cluster.sh"
+# shellcheck source=ensure_env.sh
+source "$ROOT/scripts/ensure_env.sh"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+CORES="$(getconf _NPROCESSORS_ONLN)"   # not nproc: it obeys OMP_NUM_THREADS
+mkdir -p "$OUT"
+trap 'bash "$CLUSTER" down >/dev/null 2>&1 || true' EXIT
+
+for setting in $SETTINGS; do
+  case "$setting" in
+    light) rate=200mbit gbit=0.2 scale=0.05 ;;
+    heavy) rate=1gbit gbit=1 scale=0.25 ;;
+    *) echo "unknown setting $setting (light, heavy)" >&2; exit 2 ;;
+  esac
+  bash "$CLUSTER" down >/dev/null 2>&1 || true
+  bash "$CLUSTER" up 16 "$rate"
+  for nodes in $NODES; do
+    yield=()
+    [ "$nodes" -gt "$CORES" ] && yield=(-genv MPIR_CVAR_ENABLE_HEAVY_YIELD 1)
+    for regime in $REGIMES; do
+      name="$OUT/$setting-$MODEL-$regime-${nodes}x1"
+      echo "### $setting, $MODEL, $regime, ${nodes}x1 ($(date -u +%T))"
+      bash "$CLUSTER" run "${nodes}x1" -- "${yield[@]}" \
+        python "$ROOT/scripts/synthetic_benchmark.py" --threads 1 --model "$MODEL" \
+        --param-scale "$scale" --regime "$regime" --link-gbit "$gbit" \
+        --variants "$VARIANTS" --iters "$ITERS" --steps "$STEPS" --warmup 2 \
+        --bucket-cap-mb "$(python3 -c "print(4 * $scale)")" \
+        --ddp-bucket-mb "$(python3 -c "print(25 * $scale)")" \
+        --json "$name.json" 2>&1 | grep -v "c10d\] The hostname" | tee "$name.txt"
+    done
+  done
+done
