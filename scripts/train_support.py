@@ -13,38 +13,19 @@ import torch
 from torch.utils.data import DistributedSampler
 
 import mpiddp
+from mpiddp.elastic import write_durably
 
 # sysexits.h EX_TEMPFAIL: "temporary failure, try again". train.py exits with it after a
 # preemption checkpoint; the job script requeues the job on it (scripts/slurm.sbatch).
 EXIT_PREEMPTED = 75
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(path: str, state: dict) -> None:
     """Write ``state`` so that ``path`` always holds a whole checkpoint, the old or the new one,
-    whatever happens meanwhile (the writer killed, the node losing power).
-
-    The data goes to a temporary file that is flushed and fsync'ed before it is renamed over
-    ``path`` (a rename of a file whose data is not on disk yet can survive a crash as an empty
-    file), and the directory is fsync'ed before and after the rename, so that the temporary
-    file's entry and then the rename itself are durable."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(directory)
-    os.replace(tmp, path)
-    _fsync_dir(directory)
+    whatever happens meanwhile (the writer killed, the node losing power): through a
+    temporary file, fsync and rename (``mpiddp.elastic.write_durably``)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_durably(path, lambda f: torch.save(state, f))
 
 
 class ResumableSampler(DistributedSampler):

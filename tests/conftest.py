@@ -7,6 +7,8 @@ a bridge. They run only with MPIDDP_SYSTEM_TESTS=1
 """
 import glob
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +45,24 @@ def pytest_addoption(parser):
 @pytest.fixture
 def soak_cycles(request) -> int:
     return request.config.getoption("--soak-cycles")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Three emulated nodes on 1 Gbit/s links (scripts/local_cluster.sh) for a system-test
+    module, torn down after it; skipped with the reason where they cannot be built."""
+    script = str(Path(__file__).parent.parent / "scripts" / "local_cluster.sh")
+    if os.geteuid() != 0:
+        pytest.skip("needs root: scripts/local_cluster.sh builds network namespaces")
+    subprocess.run(["bash", script, "down"], capture_output=True, timeout=60)
+    up = subprocess.run(["bash", script, "up", "3", "1gbit"], capture_output=True, text=True,
+                        timeout=60)
+    if up.returncode != 0:
+        pytest.skip("scripts/local_cluster.sh could not build the cluster:\n" + up.stderr)
+    try:
+        yield
+    finally:
+        subprocess.run(["bash", script, "down"], capture_output=True, timeout=60)
 
 
 def _mapped_shm() -> set[str]:

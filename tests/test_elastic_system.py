@@ -30,21 +30,6 @@ COMMIT_EVERY = 10
 HOSTS = [f"10.211.7.{i + 1}" for i in range(3)]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    if os.geteuid() != 0:
-        pytest.skip("needs root: scripts/local_cluster.sh builds network namespaces")
-    subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, timeout=60)
-    up = subprocess.run(["bash", str(CLUSTER), "up", "3", "1gbit"], capture_output=True,
-                        text=True, timeout=60)
-    if up.returncode != 0:
-        pytest.skip("scripts/local_cluster.sh could not build the cluster:\n" + up.stderr)
-    try:
-        yield
-    finally:
-        subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, timeout=60)
-
-
 def node_pids(node: int) -> list[int]:
     listed = subprocess.run(["ip", "netns", "pids", f"{PREFIX}{node}"], capture_output=True,
                             text=True).stdout.split()

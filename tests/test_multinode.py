@@ -24,21 +24,6 @@ pytestmark = [pytest.mark.system]
 CLUSTER = ROOT / "scripts" / "local_cluster.sh"
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    if os.geteuid() != 0:
-        pytest.skip("needs root: scripts/local_cluster.sh builds network namespaces")
-    subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, timeout=60)
-    up = subprocess.run(["bash", str(CLUSTER), "up", "3", "1gbit"], capture_output=True,
-                        text=True, timeout=60)
-    if up.returncode != 0:
-        pytest.skip("scripts/local_cluster.sh could not build the cluster:\n" + up.stderr)
-    try:
-        yield
-    finally:
-        subprocess.run(["bash", str(CLUSTER), "down"], capture_output=True, timeout=60)
-
-
 def run_on_cluster(layout: str, worker: str, *args, env: dict | None = None,
                    timeout: float = 240) -> MPIResult:
     return Job(*cluster_command(layout, worker, *args, env=env)).wait(timeout)

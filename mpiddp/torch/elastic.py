@@ -25,7 +25,7 @@ import queue
 import re
 import socket
 import threading
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 
@@ -44,14 +44,18 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_durably(path: str, payload: bytes) -> None:
-    """Write ``payload`` so that ``path`` either does not exist or holds all of it, whatever
-    happens meanwhile: data to a temporary name, fsync, rename, fsync of the directory (a
-    rename whose data is not on disk yet can survive a crash as an empty file)."""
+def write_durably(path: str, payload: bytes | Callable[[BinaryIO], Any]) -> None:
+    """Write ``payload`` (bytes, or a function that writes to the open file, such as
+    ``lambda f: torch.save(state, f)``) so that ``path`` either does not exist or holds all
+    of it, whatever happens meanwhile: data to a temporary name, fsync, rename, fsync of the
+    directory (a rename whose data is not on disk yet can survive a crash as an empty file)."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
-        f.write(payload)
+        if callable(payload):
+            payload(f)
+        else:
+            f.write(payload)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
