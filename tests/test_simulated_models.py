@@ -210,3 +210,24 @@ def test_benchmark_two_ranks(tmp_path):
         # Host CPU per step and rank well under the step (the device's time is sleep).
         assert variants[name]["cpu_ms_per_step"] < 100, (name, variants[name])
     assert "bound" in data and data["bound"]["wire_s"] == 0.0    # one node: no wire
+
+
+def test_benchmark_straggler_and_native_variant(tmp_path):
+    """--straggler slows the last node's ranks only (the one-process baseline keeps the nominal
+    step), the job runs at the straggler's pace without a stall report, and the 'native'
+    variant sends every reduction through MPI_Allreduce."""
+    out = tmp_path / "result.json"
+    result = run_mpi(str(ROOT / "scripts" / "synthetic_benchmark.py"), 2,
+                     "--model", "sim-resnet18", "--param-scale", "0.05", "--step-time", "0.1",
+                     "--iters", "1", "--steps", "3", "--warmup", "1", "--straggler", "1.5",
+                     "--variants", "mpiddp,native,single", "--json", out, timeout=150)
+    assert_ok(result)
+    assert "STRAGGLER: the last node's ranks compute 1.5x slower" in result.output
+    assert "stall" not in result.output.lower(), result.output
+    data = json.loads(out.read_text())
+    assert data["simulation"]["straggler"] == 1.5
+    variants = data["variants"]
+    assert 0.095 <= variants["single"]["step_s"] <= 0.14, variants["single"]
+    for name in ("mpiddp", "native"):       # paced by the slow ranks' 0.15 s
+        assert variants[name]["step_s"] >= 0.145, (name, variants[name])
+    assert "native engine on rank 0" in result.output
