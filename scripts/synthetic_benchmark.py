@@ -321,6 +321,8 @@ def parse_args(argv=None):
                    help="shrink every parameter tensor's first dimension by this factor "
                         "(fewer bytes to reduce, for quick tests); the timing stays the "
                         "real model's")
+    # Whether this rank is on the straggling node: main() decides once it knows the ranks.
+    p.set_defaults(is_straggler=False)
     args = p.parse_args(argv)
     if args.batch_size is None:
         args.batch_size = 16 if args.model == "mlp" else 32

@@ -171,7 +171,7 @@ print("SECOND", flush=True)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "FIRST"
-        tmp = Path(f"{path}.tmp")
+        tmp = Path(f"{path}.tmp{proc.pid}")     # write_durably's temporary name
         deadline = time.monotonic() + 60
         while not (tmp.exists() and tmp.stat().st_size > 1 << 20):
             assert time.monotonic() < deadline and proc.poll() is None, "never caught mid-write"
