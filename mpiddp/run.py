@@ -5,10 +5,13 @@ died or became unreachable, run it again on the nodes still alive (docs/elastic.
     python -m mpiddp.run --min-nodes 2 -- python train.py        # inside sbatch: srun
 
 The job itself goes on from its last ``mpiddp.elastic`` snapshot. Lost nodes are named by the
-ranks' lost-peer watchdog (files in ``MPIDDP_LOST_NODES_DIR``), by mpiexec ("RUNNING AT
-host") or srun ("srun: error: host: task"); they are left out of the next launch, and may
-rejoin a later one when the host discovery command lists them again. A job that fails with
-no node lost and no rank killed by a signal (a bug in the script) is not run again.
+ranks' lost-peer watchdog (files in ``MPIDDP_LOST_NODES_DIR``), by mpiexec (a rank "KILLED BY
+SIGNAL: 9" "RUNNING AT host"), by srun ("srun: error: host: task N: Killed") or, before
+every relaunch through mpiexec, by a probe that cannot start a process there in time; they
+are left out of the next launch, and may rejoin a later one when the host discovery command
+lists them again. A rank that crashed (a segmentation fault or an abort: MPICH's survivors
+can crash when a peer's link goes) does not make its node lost. A job that fails with no node
+lost and no rank killed or crashed (a bug in the script) is not run again.
 
 No torch and no MPI here: this process only starts and watches the launcher.
 """
@@ -27,8 +30,12 @@ import time
 
 EXIT_TOO_FEW_NODES = 3
 EXIT_PREEMPTED = 75          # the job asked to be requeued (scripts/train_support.py)
-HYDRA_LOST = re.compile(r"RUNNING AT (\S+)")
-HYDRA_SIGNALLED = re.compile(r"(EXIT CODE|KILLED BY SIGNAL): (9|15|6|11)\b")
+# Hydra's report of a rank that ended badly: "=   RUNNING AT host" then "=   EXIT CODE: n"
+# (or "KILLED BY SIGNAL: n"), n the signal for a signalled rank.
+HYDRA_ENDED = re.compile(r"RUNNING AT (\S+)\s*\n[=\s]*(?:EXIT CODE|KILLED BY SIGNAL): (\d+)")
+KILLED_SIGNALS = (9, 15)       # the node went (or its processes were killed with it)
+CRASH_SIGNALS = (6, 7, 11)     # the rank crashed on a node that may well be alive
+PROBE_TIMEOUT_S = 10.0         # a node that cannot start 'true' in this time is lost
 SRUN_LOST = re.compile(r"srun: error: (\S+): tasks? [\d\-,]+: (?:Killed|Terminated)|"
                        r"srun: error: Node failure on (\S+)")
 
@@ -120,6 +127,11 @@ class Launcher:
             return [(h, args.ranks_per_node) for h in names]
         return [("localhost", args.ranks_per_node)]
 
+    def mpiexec(self) -> list[str]:
+        if self.args.mpiexec:
+            return shlex.split(self.args.mpiexec)
+        return [shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"]
+
     def command(self, hosts: list[tuple[str, int]]) -> list[str]:
         if self.use_srun:
             per_node = hosts[0][1]
@@ -129,9 +141,7 @@ class Launcher:
                     f"--nodelist={','.join(h for h, _ in hosts)}",
                     *([f"--exclude={','.join(sorted(self.excluded))}"] if self.excluded else []),
                     *self.args.command]
-        mpiexec = shlex.split(self.args.mpiexec) if self.args.mpiexec else [
-            shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"]
-        return [*mpiexec, "-hosts", ",".join(f"{h}:{n}" for h, n in hosts),
+        return [*self.mpiexec(), "-hosts", ",".join(f"{h}:{n}" for h, n in hosts),
                 "-n", str(sum(n for _, n in hosts)), *self.args.command]
 
     def launch(self, hosts, restart: int, lost_dir: str) -> tuple[int, str]:
@@ -160,18 +170,66 @@ class Launcher:
                 pass
         return status, "".join(lines)
 
-    def lost_nodes(self, output: str, lost_dir: str) -> set[str]:
-        lost = set()
-        for name in os.listdir(lost_dir):
+    def lost_nodes(self, output: str, lost_dir: str) -> tuple[set[str], set[str], dict]:
+        """What the job's end says: (nodes lost by hydra's or srun's account, nodes where a
+        rank crashed, the watchdogs' reports {reporting node: nodes it found lost})."""
+        lost, crashed, reports = set(), set(), {}
+        for name in sorted(os.listdir(lost_dir)):
             if name.startswith("lost."):
                 with open(os.path.join(lost_dir, name)) as f:
-                    named = {line.strip() for line in f if line.strip()}
+                    lines = [line.strip() for line in f if line.strip()]
+                reporter = next((line[len("# from "):] for line in lines
+                                 if line.startswith("# from ")), f"rank {name[5:]}")
+                named = {line for line in lines if not line.startswith("#")}
                 say(f"rank {name[5:]}'s watchdog found lost: {', '.join(sorted(named))}")
-                lost |= named
-        lost.update(HYDRA_LOST.findall(output) if HYDRA_SIGNALLED.search(output) else [])
+                reports.setdefault(reporter, set()).update(named)
+        for host, code in HYDRA_ENDED.findall(output):
+            if int(code) in KILLED_SIGNALS:
+                lost.add(host)
+            elif int(code) in CRASH_SIGNALS:
+                crashed.add(host)
         for match in SRUN_LOST.finditer(output):
             lost.add(match.group(1) or match.group(2))
+        return lost, crashed, reports
+
+    def decide_lost(self, hosts: list[str], lost: set[str], reports: dict) -> set[str]:
+        """The nodes to leave out: those hydra or srun named, those the probe cannot start a
+        process on, and those the watchdogs named, except in the report of a node that is
+        itself lost (a node cut off finds every other node lost)."""
+        lost = set(lost) | self.unreachable([h for h in hosts if h not in lost])
+        for reporter, named in reports.items():
+            if reporter in lost:
+                say(f"not believing {reporter}'s watchdog: its own node is lost")
+            else:
+                lost |= named
         return lost
+
+    def unreachable(self, hosts: list[str]) -> set[str]:
+        """The hosts where the launcher cannot start ``true`` within ``PROBE_TIMEOUT_S`` (all
+        probed at once). Only through mpiexec: under srun, Slurm's node health does this."""
+        if self.use_srun or not hosts:
+            return set()
+        probes = {h: subprocess.Popen([*self.mpiexec(), "-hosts", f"{h}:1", "-n", "1", "true"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      start_new_session=True) for h in hosts}
+        deadline = time.monotonic() + PROBE_TIMEOUT_S
+        failed = set()
+        for host, probe in probes.items():
+            try:
+                if probe.wait(max(0.0, deadline - time.monotonic())) != 0:
+                    failed.add(host)
+            except subprocess.TimeoutExpired:
+                failed.add(host)
+            finally:
+                try:
+                    os.killpg(probe.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                probe.wait()
+        if failed:
+            say(f"probe: no process starts on {', '.join(sorted(failed))} within "
+                f"{PROBE_TIMEOUT_S:g} s: lost")
+        return failed
 
     def run(self) -> int:
         args = self.args
@@ -188,7 +246,7 @@ class Launcher:
             started = time.monotonic()
             with tempfile.TemporaryDirectory(prefix="mpiddp-run-") as lost_dir:
                 status, output = self.launch(hosts, restart, lost_dir)
-                lost = self.lost_nodes(output, lost_dir)
+                lost, crashed, reports = self.lost_nodes(output, lost_dir)
             ran = time.monotonic() - started
             if status == 0:
                 say(f"the job finished after {ran:.1f} s")
@@ -196,10 +254,20 @@ class Launcher:
             if status == EXIT_PREEMPTED:
                 say(f"the job was preempted (status {status}): passing it on")
                 return status
-            if not lost:
+            if not lost and not crashed and not reports:
                 say(f"the job failed (status {status}) with no node lost and no rank "
                     "killed: not running it again")
                 return status
+            if crashed:
+                say(f"a rank crashed on {', '.join(sorted(crashed))}")
+            # A crash may be a survivor's reaction to a node it lost, which nobody may have
+            # named yet; a watchdog may be on the cut-off side. So before relaunching, every
+            # node not known lost must prove that a process starts there.
+            lost = self.decide_lost([h for h, _ in hosts], lost, reports)
+            if not lost:
+                say(f"the job ended (status {status}) after {ran:.1f} s with every node "
+                    "alive: relaunching on the same nodes from the last snapshot")
+                continue
             # With a discovery command, a node lost now is left out of the next launch only:
             # the command may list it again later (it came back). A fixed list cannot say.
             self.excluded = lost if args.host_discovery_script else self.excluded | lost

@@ -121,7 +121,9 @@ run() {
 # the elastic launcher (python -m mpiddp.run --mpiexec "scripts/local_cluster.sh mpiexec").
 cluster_mpiexec() {
   local mpiexec; mpiexec="$(command -v mpiexec)"
-  in_node 0 "$mpiexec" -launcher ssh -launcher-exec "$ME" \
+  # -localhost: the proxies connect back to node 0 by its address (its name does not
+  # resolve in the other nodes; hydra only uses an address when node 0 is in -hosts).
+  in_node 0 "$mpiexec" -launcher ssh -launcher-exec "$ME" -localhost "$(address 0)" \
     -genv UCX_TLS tcp,self -genv GLOO_SOCKET_IFNAME eth0 \
     -genv PATH "$PATH" -genv PYTHONPATH "${PYTHONPATH:-}" \
     -genv OMP_NUM_THREADS "${OMP_NUM_THREADS:-1}" "$@"

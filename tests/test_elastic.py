@@ -224,13 +224,44 @@ def test_srun_command_excludes_the_lost_nodes():
 def test_lost_nodes_from_srun_and_hydra_output(tmp_path):
     from mpiddp.run import Launcher, parse_args
     launcher = Launcher(parse_args(["--", "true"]))
-    (tmp_path / "lost.0").write_text("n7\n")
+    (tmp_path / "lost.0").write_text("# from n1\nn7\n")
+    (tmp_path / "lost.3").write_text("# from n7\nn1\nn2\n")
     srun_out = "srun: error: n4: task 3: Killed\nsrun: error: Node failure on n5\n"
-    hydra_out = "=   PID 1 RUNNING AT 10.0.0.9\n=   EXIT CODE: 9\n"
-    assert launcher.lost_nodes(srun_out + hydra_out, str(tmp_path)) == {"n4", "n5", "n7",
-                                                                         "10.0.0.9"}
+    hydra_out = ("=   PID 1 RUNNING AT 10.0.0.9\n=   EXIT CODE: 9\n"
+                 "=   PID 2 RUNNING AT 10.0.0.8\n=   EXIT CODE: 11\n")
+    assert launcher.lost_nodes(srun_out + hydra_out, str(tmp_path)) == (
+        {"n4", "n5", "10.0.0.9"}, {"10.0.0.8"}, {"n1": {"n7"}, "n7": {"n1", "n2"}})
     # A rank that exits with an error status on a live node is not a lost node.
     (tmp_path / "empty").mkdir()
     assert launcher.lost_nodes("=   PID 1 RUNNING AT h\n=   EXIT CODE: 1\n"
                                "srun: error: n4: task 3: Exited with exit code 1\n",
-                               str(tmp_path / "empty")) == set()
+                               str(tmp_path / "empty")) == (set(), set(), {})
+
+
+def test_the_report_of_a_node_cut_off_is_not_believed(monkeypatch):
+    """n7 lost its link: to its watchdog n1 and n2 are lost, to n1's n7 is. The probe finds
+    n7 unreachable, so n7's report is discarded; a frozen rank on a reachable node (n3,
+    named by n1) is lost all the same."""
+    from mpiddp.run import Launcher, parse_args
+    launcher = Launcher(parse_args(["--", "true"]))
+    monkeypatch.setattr(launcher, "unreachable", lambda hosts: {"n7"} & set(hosts))
+    reports = {"n1": {"n7", "n3"}, "n7": {"n1", "n2"}}
+    assert launcher.decide_lost(["n1", "n2", "n3", "n7"], set(), reports) == {"n7", "n3"}
+    assert launcher.decide_lost(["n1", "n2", "n3"], {"n9"}, {}) == {"n9"}
+
+
+def test_probe_names_the_hosts_where_nothing_starts(tmp_path, monkeypatch):
+    """Before a relaunch the launcher starts 'true' on every remaining host through its
+    mpiexec; a host where that hangs (a cut link) or fails is lost, the others stay."""
+    import mpiddp.run as run
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!/bin/sh\n# -hosts HOST:1 -n 1 true\n"
+                    'case "$2" in down*) sleep 60 ;; broken*) exit 1 ;; esac\nexec "$5"\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(run, "PROBE_TIMEOUT_S", 2.0)
+    launcher = run.Launcher(run.parse_args(["--mpiexec", str(fake), "--", "true"]))
+    started = time.monotonic()
+    assert launcher.unreachable(["up1", "down1", "broken1", "up2"]) == {"down1", "broken1"}
+    assert time.monotonic() - started < 10
+    srun = run.Launcher(run.parse_args(["--launcher", "srun", "--", "true"]))
+    assert srun.unreachable(["down1"]) == set()       # Slurm's node health does it there

@@ -90,7 +90,8 @@ class Watchdog:
             elif now - since >= self.stalled_after:
                 missing = self.roll_call()
                 if missing:
-                    record_lost(sorted({self.launch_hosts[r] for r in missing}), self.rank)
+                    record_lost(sorted({self.launch_hosts[r] for r in missing}), self.rank,
+                                self.launch_hosts[self.rank])
                     self.on_lost(self.report(missing, now - since))
                     return
                 since = time.monotonic()        # everyone is there: a slow operation
@@ -149,17 +150,19 @@ def launch_host() -> str:
             or MPI.Get_processor_name())
 
 
-def record_lost(hosts: list[str], rank: int) -> None:
+def record_lost(hosts: list[str], rank: int, reporter: str) -> None:
     """Tell the elastic launcher (``mpiddp.run``) which nodes are lost: one file per
-    reporting rank, ``lost.<rank>``, a host per line, in the directory it names in
-    ``MPIDDP_LOST_NODES_DIR`` (nothing without it). Written before the job is ended."""
+    reporting rank, ``lost.<rank>``, ``# from <reporter's node>`` then a host per line, in the
+    directory it names in ``MPIDDP_LOST_NODES_DIR`` (nothing without it). Written before the
+    job is ended. The reporter's node lets the launcher discard the report of a node that
+    was itself cut off (to it, every other node is lost)."""
     directory = os.environ.get(LOST_NODES_DIR)
     if not directory:
         return
     try:
         tmp = os.path.join(directory, f".lost.{rank}.tmp")
         with open(tmp, "w") as f:
-            f.write("".join(f"{host}\n" for host in hosts))
+            f.write(f"# from {reporter}\n" + "".join(f"{host}\n" for host in hosts))
         os.replace(tmp, os.path.join(directory, f"lost.{rank}"))
     except OSError as exc:       # the report on stderr still names them
         sys.stderr.write(f"mpiddp: could not record the lost nodes in {directory}: {exc}\n")
