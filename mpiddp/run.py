@@ -196,6 +196,12 @@ class Launcher:
         """The nodes to leave out: those hydra or srun named, those the probe cannot start a
         process on, and those the watchdogs named, except in the report of a node that is
         itself lost (a node cut off finds every other node lost)."""
+        named = set().union(*reports.values())
+        if not named & set(reports):
+            # The reports agree (no reporter is named lost by another): no need to wait for
+            # the probe of the nodes they name, which takes its whole timeout on a cut link.
+            return set(lost) | named | self.unreachable(
+                [h for h in hosts if h not in lost | named])
         lost = set(lost) | self.unreachable([h for h in hosts if h not in lost])
         for reporter, named in reports.items():
             if reporter in lost:

@@ -248,6 +248,12 @@ def test_the_report_of_a_node_cut_off_is_not_believed(monkeypatch):
     reports = {"n1": {"n7", "n3"}, "n7": {"n1", "n2"}}
     assert launcher.decide_lost(["n1", "n2", "n3", "n7"], set(), reports) == {"n7", "n3"}
     assert launcher.decide_lost(["n1", "n2", "n3"], {"n9"}, {}) == {"n9"}
+    # Reports that agree are believed without probing the nodes they name.
+    probed = []
+    monkeypatch.setattr(launcher, "unreachable", lambda hosts: probed.extend(hosts) or set())
+    assert launcher.decide_lost(["n1", "n2", "n7"], set(), {"n1": {"n7"}, "n2": {"n7"}}) == \
+        {"n7"}
+    assert sorted(probed) == ["n1", "n2"]
 
 
 def test_probe_names_the_hosts_where_nothing_starts(tmp_path, monkeypatch):
