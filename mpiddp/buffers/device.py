@@ -40,11 +40,20 @@ _HALF_REDUCE = {"float16": "mpiddp_f16_reduce", "bfloat16": "mpiddp_bf16_reduce"
 _HALF_SCALE = {"float16": "mpiddp_f16_scale_kernel", "bfloat16": "mpiddp_bf16_scale_kernel"}
 
 
+def use_device(device_id: int) -> None:
+    """Make ``device_id`` current on the calling thread, and leave it so. Not ``with
+    cupy.cuda.Device(...)``: leaving that sets back the device that was current, which on a
+    thread that never chose one is device 0, and setting it creates a context on GPU 0."""
+    if runtime.getDevice() != device_id:
+        runtime.setDevice(device_id)
+
+
 class _DeviceState:
     """Per-device engine resources: streams and the compiled half-precision kernels."""
 
     def __init__(self, device_id: int):
         self.id = device_id
+        use_device(device_id)         # first: the guard below then restores this same device
         with cupy.cuda.Device(device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)       # the engine stream
             self.copy_stream = cupy.cuda.Stream(non_blocking=True)  # staging device->host
@@ -54,8 +63,8 @@ class _DeviceState:
     def kernel(self, name: str):
         k = self._kernels.get(name)
         if k is None:
-            with cupy.cuda.Device(self.id):
-                k = self._kernels[name] = self._module.get_function(name)
+            use_device(self.id)
+            k = self._kernels[name] = self._module.get_function(name)
         return k
 
 
@@ -70,18 +79,18 @@ class CupyCopier:
         self.device_id = state.id
 
     def pinned(self, nbytes: int) -> np.ndarray:
-        with cupy.cuda.Device(self.state.id):
-            memory = cupy.cuda.alloc_pinned_memory(nbytes)
+        use_device(self.state.id)
+        memory = cupy.cuda.alloc_pinned_memory(nbytes)
         return np.frombuffer(memory, np.uint8, nbytes)
 
     def sync(self) -> None:
         self.state.stream.synchronize()
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: int, stream):
-        with cupy.cuda.Device(self.state.id):
-            runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
-            event = cupy.cuda.Event(block=False, disable_timing=True)
-            event.record(stream)
+        use_device(self.state.id)
+        runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
+        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
         return event
 
     def to_host(self, host: np.ndarray, src_ptr: int, nbytes: int):
@@ -134,12 +143,15 @@ class DeviceBackend:
         return chosen if chosen is not None else runtime.getDevice()
 
     def state(self, device_id: int) -> _DeviceState:
+        """The resources of ``device_id``, whose device is now current on the calling thread
+        (before any CUDA call of the caller)."""
         state = self._states.get(device_id)
         if state is None:
             with self._lock:
                 state = self._states.get(device_id)
                 if state is None:
                     state = self._states[device_id] = _DeviceState(device_id)
+        use_device(device_id)
         return state
 
     def _array_state(self, array) -> _DeviceState:
@@ -150,16 +162,16 @@ class DeviceBackend:
         return self.state(self.device_id(device)).stream
 
     def _activate(self, state: _DeviceState) -> None:
-        """Make ``state``'s device and engine stream current on the calling (engine) thread."""
+        """Make ``state``'s engine stream current on the calling (engine) thread (``state()``
+        made its device current)."""
         if getattr(self._thread, "active", None) is not state:
-            cupy.cuda.Device(state.id).use()
             state.stream.use()
             self._thread.active = state
 
     # ---- the backend interface ------------------------------------------------------------
     def empty(self, count: int, dtype: DType):
         state = self.state(self.device_id())
-        with cupy.cuda.Device(state.id), state.stream:
+        with state.stream:
             # zeros, queued on the engine stream: later engine work is ordered after it
             return cupy.zeros(count, dtype=dtype.storage)
 
@@ -169,19 +181,18 @@ class DeviceBackend:
         if dst.size == 0:
             return
         state = self._array_state(dst)
-        with cupy.cuda.Device(state.id):
-            if dst.flags.c_contiguous and src.flags.c_contiguous:
-                # cudaMemcpyDefault: unified addressing also covers a source on another GPU
-                runtime.memcpyAsync(dst.data.ptr, src.data.ptr, dst.nbytes,
-                                    runtime.memcpyDefault, state.stream.ptr)
-            else:
-                with state.stream:
-                    dst[...] = src
+        if dst.flags.c_contiguous and src.flags.c_contiguous:
+            # cudaMemcpyDefault: unified addressing also covers a source on another GPU
+            runtime.memcpyAsync(dst.data.ptr, src.data.ptr, dst.nbytes,
+                                runtime.memcpyDefault, state.stream.ptr)
+        else:
+            with state.stream:
+                dst[...] = src
 
     def fill(self, array, value) -> None:
         if array.size:
             state = self._array_state(array)
-            with cupy.cuda.Device(state.id), state.stream:
+            with state.stream:
                 array.fill(value)
 
     def reduce_into(self, dst, src, op: ReduceOp, dtype: DType) -> None:
@@ -194,7 +205,7 @@ class DeviceBackend:
         if n == 0:
             return
         state = self._array_state(dst)
-        with cupy.cuda.Device(state.id), state.stream:
+        with state.stream:
             if dtype.name in _HALF_REDUCE:
                 kernel = state.kernel(_HALF_REDUCE[dtype.name])
                 kernel((launch_blocks(n),), (THREADS_PER_BLOCK,),
@@ -215,7 +226,7 @@ class DeviceBackend:
         if dtype.kind not in ("float", "int"):
             raise TypeError(f"cannot scale a {dtype.name} buffer by {factor}")
         state = self._array_state(array)
-        with cupy.cuda.Device(state.id), state.stream:
+        with state.stream:
             if dtype.kind == "int":     # as on the host: float64, truncated toward zero
                 array[...] = (array.astype(cupy.float64) * factor).astype(array.dtype)
             elif dtype.name in _HALF_SCALE:
@@ -242,8 +253,7 @@ class DeviceBackend:
             return
         pointer = _event_pointer(event)
         if pointer:
-            with cupy.cuda.Device(state.id):
-                runtime.streamWaitEvent(state.stream.ptr, pointer, 0)
+            runtime.streamWaitEvent(state.stream.ptr, pointer, 0)
 
     def _sync_all(self) -> None:
         for state in list(self._states.values()):

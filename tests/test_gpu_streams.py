@@ -1,0 +1,193 @@
+"""The device code's streams, events and devices, checked on a CPU with a fake CUDA layer
+(tests/workers/fake_cuda.py): a fake cupy and torch.cuda whose devices are per host thread and
+whose streams keep the order of their work, failing when a buffer is read before the event
+that guards it was waited for, when a thread touches a device other than its rank's own, or
+(counted) when a host wait spins a core.
+
+* Each rank's threads touch only its own device: the real engine (coordinator thread,
+  executor, DeviceBackend, staging) on one rank in this process, and on three ranks under
+  mpiexec, local rank k on cuda:k (tests/workers/gpu_fake_device_worker.py).
+* The staging and fusion code orders its copies by events on the right streams, also when
+  only device-side waits count (``strict``), and never spins waiting.
+* Outputs the engine allocates belong to the engine stream and are recorded for the
+  caller's stream; the caller's stream waits for the engine's done event.
+* The device is chosen from the launcher's local rank before MPI_Init.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+from mpi_launch import ROOT, WORKERS, assert_ok, run_mpi
+
+sys.path.insert(0, str(WORKERS))
+import fake_cuda  # noqa: E402
+from fake_cuda import DeviceError, FakeGPU, OrderingError  # noqa: E402
+
+from mpiddp import buffers  # noqa: E402
+from mpiddp.buffers.dtypes import dtype_named  # noqa: E402
+from mpiddp.config import read_settings  # noqa: E402
+from mpiddp.engine.handle import Handle  # noqa: E402
+from mpiddp.engine.request import ALLGATHER, ALLREDUCE, BROADCAST, Entry, Request  # noqa: E402
+from mpiddp.reduce_ops import ReduceOp  # noqa: E402
+from mpiddp.transport import cuda_aware  # noqa: E402
+
+F32 = dtype_named("float32")
+
+
+def make_fake(monkeypatch, count=2, allowed=1, strict=False) -> FakeGPU:
+    """Install a fake machine of ``count`` devices on which this process may use only
+    ``allowed``; the main thread has chosen it (as ``gpu.setup`` does at ``init()``)."""
+    gpu = FakeGPU(count, allowed, strict=strict)
+    fake_cuda.install(gpu, monkeypatch)
+    monkeypatch.setattr(buffers, "_backends", {"cpu": buffers._backends["cpu"]})
+    monkeypatch.setattr(cuda_aware, "_decision",
+                        cuda_aware.Decision(False, "0", None))    # staged through the host
+    buffers.set_default_device(allowed)
+    gpu.set_device(allowed, "gpu.setup on the main thread")
+    return gpu
+
+
+@pytest.fixture
+def restore_default_device():
+    yield
+    buffers.set_default_device(None)
+
+
+def producer_array(gpu, values, stream):
+    """A device array written by a kernel on ``stream`` (the user's producing stream), and
+    the event recorded after it."""
+    array = gpu.cupy.empty(len(values), np.asarray(values).dtype, name="user tensor")
+    with stream:
+        array[...] = np.asarray(values)
+    event = fake_cuda.FakeEvent(gpu)
+    event.record(stream)
+    return array, event
+
+
+def in_thread(fn):
+    """Run ``fn`` on a fresh host thread (device 0 current, as CUDA starts every thread);
+    re-raise what it raised."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:   # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="test-thread")
+    thread.start()
+    thread.join(60)
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
+# ---- the fake itself fails where it should --------------------------------------------------
+def test_fake_fails_on_a_read_before_the_guarding_event(monkeypatch, restore_default_device):
+    gpu = make_fake(monkeypatch)
+    cupy = gpu.cupy
+    producer, consumer = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    a, event = producer_array(gpu, np.arange(4, dtype=np.float32), producer)
+    b = cupy.empty(4, np.float32)
+    with consumer, pytest.raises(OrderingError, match=r"reads user tensor \[0:16\] before waiting"):
+        b[...] = a
+    consumer.wait_event(event)
+    with consumer:
+        b[...] = a                                  # ordered now
+    with pytest.raises(OrderingError):
+        gpu.host_read(b)                            # the host has not waited for consumer
+    event2 = cupy.cuda.Event(block=True)
+    event2.record(consumer)
+    event2.synchronize()
+    assert gpu.host_read(b).tolist() == [0, 1, 2, 3]
+
+
+def test_fake_fails_on_another_device_and_on_restoring_device_0(monkeypatch,
+                                                                 restore_default_device):
+    gpu = make_fake(monkeypatch)
+    with pytest.raises(DeviceError, match="cuda:0"):
+        gpu.cupy.cuda.runtime.setDevice(0)
+
+    def guard_on_a_fresh_thread():
+        with gpu.cupy.cuda.Device(1):           # CuPy restores device 0 when leaving
+            pass
+
+    with pytest.raises(DeviceError, match="restoring cuda:0"):
+        in_thread(guard_on_a_fresh_thread)
+    gpu.violations.clear()
+
+
+# ---- defect 3: every thread of a rank uses only the rank's device -----------------------------
+def _run_engine_on_one_rank(gpu, settings_env=None):
+    """The production engine (coordinator thread, executor, DeviceBackend, staging) on
+    COMM_SELF, with fake device arrays: allreduce (fused and alone), broadcast, allgather."""
+    from mpiddp.engine.coordinator import start_engine
+
+    settings = read_settings(dict(settings_env or {}))
+    engine = start_engine(MPI.COMM_SELF, settings)
+    engine.channel.abort = lambda: None      # a failure fails the handles, not pytest
+    cupy = gpu.cupy
+    user = cupy.cuda.Stream(non_blocking=True)
+    try:
+        entries, outputs = [], {}
+        for i, n in enumerate((5, 7, 1000)):
+            values = np.arange(n, dtype=np.float32) + i
+            array, event = producer_array(gpu, values, user)
+            request = Request(f"ar{i}", ALLREDUCE, "float32", (n,), "cuda",
+                              op=int(ReduceOp.SUM), postscale=2.0)
+            entries.append(Entry(request, array, array, Handle(request.name),
+                                 ready_event=event))
+            outputs[request.name] = (array, values * 2)
+        b, event = producer_array(gpu, np.full(3, 7, np.int32), user)
+        entries.append(Entry(Request("bc", BROADCAST, "int32", (3,), "cuda", root=0), b, b,
+                             Handle("bc"), ready_event=event))
+        outputs["bc"] = (b, np.full(3, 7))
+        g, event = producer_array(gpu, np.arange(6, dtype=np.float32), user)
+        holder = {}
+
+        def allocate(shape):          # the engine thread allocates the gathered output
+            holder["out"] = cupy.empty(shape, np.float32, name="gathered output")
+            return holder["out"]
+
+        entries.append(Entry(Request("ag", ALLGATHER, "float32", (6,), "cuda"), g, None,
+                             Handle("ag"), allocate=allocate, ready_event=event))
+        handles = engine.submit_many(entries)
+        for handle in handles:
+            try:
+                handle.wait(timeout=30)
+            except BaseException as exc:
+                raise AssertionError(f"{exc!r}; the fake saw: {gpu.violations}") from exc
+        for name, (array, want) in outputs.items():
+            np.testing.assert_array_equal(gpu.host_read(array, f"the test reading {name}"),
+                                          want, err_msg=name)
+        np.testing.assert_array_equal(gpu.host_read(holder["out"]), np.arange(6))
+    finally:
+        engine.shutdown("test over")
+
+
+def test_engine_threads_touch_only_the_rank_device(monkeypatch, restore_default_device):
+    """Rank on cuda:1 of 2: before the fix the coordinator thread (device 0 until set)
+    created a context on cuda:0 when a device guard restored 'its' device."""
+    gpu = make_fake(monkeypatch, count=2, allowed=1)
+    _run_engine_on_one_rank(gpu)
+    gpu.check_clean()
+    assert set(gpu.touched) == {1}, gpu.touched
+    assert any("coordinator" in name for name in gpu.touched[1]), gpu.touched
+
+
+def test_three_ranks_on_fake_gpus_touch_only_their_own():
+    """Local rank k on cuda:k of 3: init, the engine's threads, staging, join."""
+    result = run_mpi("gpu_fake_device_worker.py", 3, timeout=240,
+                     env={"MPIDDP_CUDA_AWARE": "0"})
+    assert_ok(result, expect_lines=3)
+    for k in range(3):
+        assert f"OK rank {k} on cuda:{k}" in result.output, result.output
