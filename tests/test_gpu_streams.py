@@ -191,3 +191,52 @@ def test_three_ranks_on_fake_gpus_touch_only_their_own():
     assert_ok(result, expect_lines=3)
     for k in range(3):
         assert f"OK rank {k} on cuda:{k}" in result.output, result.output
+
+
+# ---- defect 6: events on the right streams, waits that block ----------------------------------
+def _staging_round(gpu, comm_cls_args=(), segment=1024):
+    """Pack on the engine stream, a staged ring step and a broadcast to itself (COMM_SELF),
+    a kernel on what arrived, results read by the host after the engine's done event."""
+    from mpiddp.transport.staging import StagedComm
+
+    backend = buffers.backend_for("cuda")
+    user = gpu.cupy.cuda.Stream(non_blocking=True)
+    values = np.arange(3000, dtype=np.float32)
+    src, event = producer_array(gpu, values, user)
+    entry = Entry(Request("x", ALLREDUCE, "float32", (3000,), "cuda"), src, src, Handle("x"),
+                  ready_event=event)
+    backend.wait_ready(entry)
+    send = backend.empty(3000, F32)          # the fusion buffer
+    recv = backend.empty(3000, F32)
+    backend.copy(send, src)                  # packed on the engine stream
+    comm = StagedComm(fake_cuda.CheckingComm(MPI.COMM_SELF, gpu), backend.copier(), segment)
+    comm.Sendrecv([send, MPI.FLOAT], 0, recvbuf=[recv, MPI.FLOAT], source=0)
+    backend.scale_(recv, 2.0, F32)           # a kernel on what arrived
+    comm.Bcast([recv, MPI.FLOAT], root=0)
+    gathered = backend.empty(3000, F32)
+    comm.Allgatherv([recv, MPI.FLOAT], [gathered, [3000], [0], MPI.FLOAT])
+    backend.scale_(gathered, 0.5, F32)
+    done = backend.after_unpack("cuda")
+    comm.finish()
+    return backend, done, gathered, values
+
+
+def test_staging_orders_copies_by_events_on_the_right_streams(monkeypatch,
+                                                               restore_default_device):
+    """strict: a stream knows of another stream's work only through an event it waited for.
+    The staging copy stream reads the fusion buffer the engine stream wrote: it must wait
+    for the flush event recorded on the engine stream, not rely on the host's wait."""
+    gpu = make_fake(monkeypatch, strict=True)
+    _, _, gathered, values = _staging_round(gpu)
+    np.testing.assert_array_equal(gpu.host_read(gathered), values)
+    gpu.check_clean()
+
+
+def test_event_waits_block_instead_of_spinning(monkeypatch, restore_default_device):
+    gpu = make_fake(monkeypatch)
+    backend, done, gathered, values = _staging_round(gpu, segment=512)
+    np.testing.assert_array_equal(gpu.host_read(gathered), values)
+    backend.before_mpi("cuda")
+    assert gpu.spin_waits == 0, f"{gpu.spin_waits} host waits spun a core"
+    assert done is not None and done.block      # cudaEventBlockingSync
+    gpu.check_clean()

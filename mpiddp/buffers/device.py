@@ -10,10 +10,14 @@ Ordering, all without timing assumptions:
   (packing, reduce kernels, scaling, unpacking, staging copies to the device) is queued on it.
 * ``wait_ready(entry)`` makes the engine stream wait (on the device, not the host) for the
   ``torch.cuda.Event`` recorded on the stream that produced the tensor.
-* ``before_mpi`` and the staging transport (``transport.staging``) synchronise the engine stream
-  before MPI reads or writes a device buffer: MPI does not order itself against streams.
-* ``after_unpack`` synchronises the engine stream before the handles complete, so the
-  results are visible to any stream the caller uses next.
+* ``before_mpi`` and the staging transport (``transport.staging``) record the *flush event* on
+  the engine stream and wait for it before MPI reads or writes a device buffer: MPI does not
+  order itself against streams. The staging copy stream also waits for that event on the
+  device before it copies engine-written bytes to the host.
+* ``after_unpack`` records the *done event* on the engine stream and waits for it before the
+  handles complete; the torch layer makes the caller's stream wait for it too.
+* Every host wait is on an event made with ``cudaEventBlockingSync``: the thread sleeps
+  instead of spinning a core (``cudaStreamSynchronize`` would spin).
 * The engine thread's current CuPy stream is the engine stream, so a tensor the engine
   allocates (allgather output) is handed over through DLPack with the producer's stream
   (torch's current stream) ordered before the engine stream, as the DLPack protocol promises.
@@ -53,12 +57,29 @@ class _DeviceState:
 
     def __init__(self, device_id: int):
         self.id = device_id
+        self.flushed = None           # the last flush event of the engine stream
         use_device(device_id)         # first: the guard below then restores this same device
         with cupy.cuda.Device(device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)       # the engine stream
             self.copy_stream = cupy.cuda.Stream(non_blocking=True)  # staging device->host
             self._module = cupy.RawModule(code=KERNEL_SOURCE, options=("--std=c++11",))
             self._kernels = {}
+
+    def flush(self):
+        """Record the flush event on the engine stream: it completes once everything queued
+        there so far (packing into the fusion buffer, kernels, copies) has."""
+        use_device(self.id)
+        event = cupy.cuda.Event(block=True, disable_timing=True)
+        event.record(self.stream)
+        self.flushed = event
+        return event
+
+    def synchronize(self):
+        """Wait, sleeping rather than spinning, for the engine stream's work so far; returns
+        the flush event waited for."""
+        event = self.flush()
+        event.synchronize()
+        return event
 
     def kernel(self, name: str):
         k = self._kernels.get(name)
@@ -84,16 +105,22 @@ class CupyCopier:
         return np.frombuffer(memory, np.uint8, nbytes)
 
     def sync(self) -> None:
-        self.state.stream.synchronize()
+        self.state.synchronize()
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: int, stream):
         use_device(self.state.id)
         runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
-        event = cupy.cuda.Event(block=False, disable_timing=True)
+        event = cupy.cuda.Event(block=True, disable_timing=True)      # waited without spinning
         event.record(stream)
         return event
 
     def to_host(self, host: np.ndarray, src_ptr: int, nbytes: int):
+        state = self.state
+        if state.flushed is not None:
+            # The copy stream reads what the engine stream wrote: ordered after the flush
+            # event on the device, not only through the host's wait for it.
+            use_device(state.id)
+            runtime.streamWaitEvent(state.copy_stream.ptr, state.flushed.ptr, 0)
         return self._copy(host.ctypes.data, src_ptr, nbytes, runtime.memcpyDeviceToHost,
                           self.state.copy_stream)
 
@@ -255,18 +282,15 @@ class DeviceBackend:
         if pointer:
             runtime.streamWaitEvent(state.stream.ptr, pointer, 0)
 
-    def _sync_all(self) -> None:
-        for state in list(self._states.values()):
-            state.stream.synchronize()
-
     def before_mpi(self, device: str) -> None:
         """Everything queued on the engine stream is done before MPI touches a buffer."""
-        self._sync_all()
+        self.state(self.device_id(device)).synchronize()
 
-    def after_unpack(self, device: str) -> None:
-        """Results are in memory before the handles complete: the caller may read them on
-        any stream."""
-        self._sync_all()
+    def after_unpack(self, device: str):
+        """Results are in memory before the handles complete. Returns the done event,
+        recorded on the engine stream after the results, for the caller's stream to wait for
+        (``torch/streams.py``)."""
+        return self.state(self.device_id(device)).synchronize()
 
     def copier(self) -> CupyCopier:
         """The device side of a staging transport for this rank's engine device (see

@@ -36,7 +36,7 @@ class HostBackend:
         """Nothing is queued asynchronously on the host."""
 
     def after_unpack(self, device: str) -> None:
-        """Host results are visible as soon as they are written."""
+        """Host results are visible as soon as they are written (no done event)."""
 
     @staticmethod
     def copier():

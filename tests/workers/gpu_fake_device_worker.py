@@ -111,6 +111,6 @@ GPU.check_clean()
 assert set(GPU.touched) == {LOCAL}, f"rank {rank} touched {GPU.touched}"
 threads = GPU.touched[LOCAL]
 assert any("coordinator" in t for t in threads), threads
-# assert GPU.spin_waits == 0, f"{GPU.spin_waits} host waits spun a core"
+assert GPU.spin_waits == 0, f"{GPU.spin_waits} host waits spun a core"
 print(f"OK rank {rank} on cuda:{LOCAL}, threads {sorted(threads)}", flush=True)
 sys.exit(0)
