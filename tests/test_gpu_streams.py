@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import textwrap
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -240,3 +242,86 @@ def test_event_waits_block_instead_of_spinning(monkeypatch, restore_default_devi
     assert gpu.spin_waits == 0, f"{gpu.spin_waits} host waits spun a core"
     assert done is not None and done.block      # cudaEventBlockingSync
     gpu.check_clean()
+
+
+# ---- defect 6: the device is chosen before MPI_Init ---------------------------------------------
+def _stand_in(gpu):
+    return types.SimpleNamespace(**fake_cuda.torch_cuda_functions(gpu))
+
+
+@pytest.fixture
+def clean_local_device():
+    from mpiddp import gpu as gpu_setup
+
+    gpu_setup.reset()
+    yield
+    gpu_setup.reset()
+
+
+@pytest.mark.parametrize("variable", ["OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                                      "MV2_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK",
+                                      "SLURM_LOCALID"])
+def test_device_chosen_from_the_launchers_local_rank(variable, clean_local_device):
+    from mpiddp import local_device
+
+    gpu = FakeGPU(4, allowed=1)
+    assert local_device.select_before_mpi({variable: "5"}, _stand_in(gpu), {}) == 1
+    assert gpu.current() == 1 and set(gpu.touched) == {1}
+    assert local_device.chosen_before_mpi() == (1, variable)
+
+
+def test_device_choice_before_mpi_innermost_launcher_and_when_not(clean_local_device):
+    from mpiddp import local_device
+
+    gpu = FakeGPU(4)
+    both = {"SLURM_LOCALID": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "3"}   # mpirun inside srun
+    assert local_device.select_before_mpi(both, _stand_in(gpu), {}) == 3
+    for environ, modules, fake in (({}, {}, FakeGPU(4)),                    # no launcher
+                                   ({"MPI_LOCALRANKID": "1"}, {"mpi4py.MPI": 1}, FakeGPU(4)),
+                                   ({"MPI_LOCALRANKID": "1"}, {}, FakeGPU(0))):  # no GPU
+        local_device.reset()
+        assert local_device.select_before_mpi(environ, _stand_in(fake), modules) is None
+        assert not fake.touched and local_device.chosen_before_mpi() is None
+    chosen_by_program = FakeGPU(4)
+    chosen_by_program.set_device(2)
+    assert local_device.select_before_mpi({"MPI_LOCALRANKID": "1"},
+                                          _stand_in(chosen_by_program), {}) is None
+    assert chosen_by_program.current() == 2
+
+
+def test_init_confirms_the_choice_made_before_mpi(clean_local_device):
+    from mpiddp import gpu as gpu_setup, local_device
+
+    gpu = FakeGPU(4)
+    local_device.select_before_mpi({"MPI_LOCALRANKID": "1"}, _stand_in(gpu), {})
+    assert gpu_setup.select_device(1, _stand_in(gpu)) == 1
+    assert "chosen before MPI_Init from MPI_LOCALRANKID" in gpu_setup._how
+    local_device.reset()
+    gpu = FakeGPU(4)
+    local_device.select_before_mpi({"MPI_LOCALRANKID": "1"}, _stand_in(gpu), {})
+    assert gpu_setup.select_device(3, _stand_in(gpu)) == 3      # MPI's layout has the last word
+    assert gpu.current() == 3 and "MPI's node layout differs" in gpu_setup._how
+
+
+def test_import_mpiddp_chooses_the_device_before_mpi_init():
+    code = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, %r)
+        import torch, fake_cuda
+        gpu = fake_cuda.FakeGPU(4, allowed=2)
+        fake_cuda.install(gpu)
+        set_device = torch.cuda.set_device
+        seen = []
+        def recording(device):
+            seen.append("mpi4py.MPI" in sys.modules)
+            set_device(device)
+        torch.cuda.set_device = recording
+        import mpiddp
+        assert "mpi4py.MPI" in sys.modules
+        assert gpu.current() == 2 and seen == [False], (gpu.current(), seen)
+        print("OK")
+        """ % str(WORKERS))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPI_LOCALRANKID": "6"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, cwd=str(ROOT), env=env)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr

@@ -27,7 +27,7 @@ from mpiddp.engine.handle import Handle  # noqa: E402
 from mpiddp.engine.request import ALLGATHER, ALLREDUCE, BROADCAST, Entry, Request  # noqa: E402
 from mpiddp.transport import staging  # noqa: E402
 
-# assert GPU.current() == LOCAL, f"import mpiddp left cuda:{GPU.current()} current"
+assert GPU.current() == LOCAL, f"import mpiddp left cuda:{GPU.current()} current"
 # Every staged MPI call is checked against the fake's ordering (pinned slots).
 transport.device_comm = lambda comm, aware, copier, *a: staging.device_comm(
     fake_cuda.CheckingComm(comm, GPU), aware, copier, *a)
