@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import importlib
 import itertools
 import sys
 import threading
@@ -672,11 +673,26 @@ def install(gpu: FakeGPU, monkeypatch=None) -> types.ModuleType:
             monkeypatch.setattr(torch.cuda, name, value)
         else:
             setattr(torch.cuda, name, value)
-    for name in [n for n in sys.modules if n == "mpiddp.buffers.device"]:
-        if monkeypatch is not None:
-            monkeypatch.delitem(sys.modules, name)
-        else:
-            del sys.modules[name]
+    if monkeypatch is None:      # a worker, before it imports mpiddp: nothing to replace
+        return cupy
+    # mpiddp's device module binds CuPy when imported: a copy bound to the fake, which the
+    # monkeypatch takes away again (the real one, if imported, comes back).
+    name = "mpiddp.buffers.device"
+    import mpiddp.buffers as package
+
+    previous_module = sys.modules.pop(name, None)
+    previous_attribute = package.__dict__.get("device")
+    module = importlib.import_module(name)
+    if previous_module is not None:
+        sys.modules[name] = previous_module
+    else:
+        del sys.modules[name]
+    if previous_attribute is not None:
+        package.device = previous_attribute
+    else:
+        del package.device
+    monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(package, "device", module, raising=False)
     return cupy
 
 
