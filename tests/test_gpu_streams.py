@@ -325,3 +325,101 @@ def test_import_mpiddp_chooses_the_device_before_mpi_init():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120, cwd=str(ROOT), env=env)
     assert result.returncode == 0 and "OK" in result.stdout, result.stdout + result.stderr
+
+
+# ---- defects 5 and 6: torch tensors, the caller's streams --------------------------------------
+def test_flat_array_is_a_view_by_pointer_without_dlpack_waits(monkeypatch,
+                                                              restore_default_device):
+    from mpiddp.torch.views import flat_array
+
+    gpu = make_fake(monkeypatch)
+    t = fake_cuda.FakeCudaTensor(gpu, (4, 3))
+    waits = sum(1 for entry in gpu.log if entry[1] == "wait_event")
+    array = flat_array(t)
+    assert array.data.ptr == t.data_ptr() and array.size == 12 and array.dtype == np.float32
+    assert array.memory is t.array.memory
+    assert gpu.dlpack_syncs == 0, "DLPack made a stream wait that no one needs"
+    assert sum(1 for entry in gpu.log if entry[1] == "wait_event") == waits
+    assert flat_array(fake_cuda.FakeCudaTensor(gpu, (5,), torch.bfloat16)).dtype == np.uint16
+
+
+def test_engine_allocated_output_is_safe_on_the_callers_side_stream(monkeypatch,
+                                                                     restore_default_device):
+    """An allgather submitted from a side stream: the output the engine thread allocates
+    belongs to the engine stream and is recorded for the caller's stream (the caching
+    allocator must not hand it out while the caller still uses it), and the caller's stream
+    waits for the engine's done event before reading it (strict: the host's wait does not
+    count for a stream)."""
+    from mpiddp.engine.coordinator import start_engine
+    from mpiddp.torch import requests
+    from mpiddp.torch.handles import TensorHandle
+
+    gpu = make_fake(monkeypatch, strict=True)
+    monkeypatch.setattr(torch, "empty", fake_cuda.fake_empty(gpu, torch.empty))
+    engine = start_engine(MPI.COMM_SELF, read_settings({}))
+    engine.channel.abort = lambda: None
+    try:
+        side = torch.cuda.Stream()
+        x = fake_cuda.FakeCudaTensor(gpu, (6,), name="input")
+        with side:
+            x.array[...] = np.arange(6, dtype=np.float32)         # produced on the side stream
+        with torch.cuda.stream(side):
+            holder = {}
+            entry = requests._entry(Request("g", ALLGATHER, "float32", (6,), "cuda"), x,
+                                    allocate=requests._output_allocator(x, holder))
+            handle = TensorHandle(engine.submit_many([entry]), lambda: holder["output"])
+            try:
+                out = handle.wait()
+            except BaseException as exc:
+                raise AssertionError(f"{exc!r}; the fake saw: {gpu.violations}") from exc
+            with side:
+                result = gpu.cupy.empty(6, np.float32, name="caller's copy")
+                result[...] = out.array                          # the caller reads it
+        engine_stream = buffers.backend_for("cuda").state(1).stream
+        assert out.allocated_on == engine_stream, out.allocated_on
+        assert side in out.recorded, out.recorded
+        done = gpu.cupy.cuda.Event(block=True)
+        done.record(side)
+        done.synchronize()
+        np.testing.assert_array_equal(gpu.host_read(result), np.arange(6))
+        gpu.check_clean()
+    finally:
+        engine.shutdown("test over")
+
+
+def test_gradient_ready_event_is_recorded_on_the_producing_stream(monkeypatch,
+                                                                  restore_default_device):
+    """A bucket is flushed in the hook of its last gradient, possibly on another stream than
+    the one that produced the earlier gradients: each gradient's event is recorded in its
+    own hook, on its producing stream."""
+    from mpiddp.torch import gradient_sync
+    from mpiddp.torch.compression import Compression
+
+    gpu = make_fake(monkeypatch)
+    captured = []
+    monkeypatch.setattr(gradient_sync, "allreduce_request_",
+                        lambda tensor, name, *a, **kw: captured.append((name, kw)) or name)
+    monkeypatch.setattr(gradient_sync, "submit_together", lambda entries, ps: [
+        TensorStub() for _ in entries])
+    sync = gradient_sync.GradientSync(0, Compression.none, 1, ReduceOp.AVERAGE, 1.0, False,
+                                      25, None)
+
+    class Param:
+        def __init__(self, name):
+            self.grad = fake_cuda.FakeCudaTensor(gpu, (8,), name=name)
+
+    first, second = Param("g1"), Param("g2")
+    sync.names = {first: "g1", second: "g2"}
+    producer, other = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(producer):
+        sync._queue(first)
+    with torch.cuda.stream(other):
+        sync._queue(second)
+        sync._flush()
+    events = {name: kw.get("ready_event") for name, kw in captured}
+    assert events["g1"] is not None and events["g1"].stream == producer, events
+    assert events["g2"] is not None and events["g2"].stream == other, events
+
+
+class TensorStub:
+    _handles = ()

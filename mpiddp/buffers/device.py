@@ -193,6 +193,11 @@ class DeviceBackend:
         made its device current)."""
         if getattr(self._thread, "active", None) is not state:
             state.stream.use()
+            # And torch's: outputs the torch layer allocates on this thread (allgather,
+            # alltoall, reduce-scatter) belong to the engine stream, which writes them.
+            import torch
+
+            torch.cuda.set_stream(torch.cuda.ExternalStream(state.stream.ptr, state.id))
             self._thread.active = state
 
     # ---- the backend interface ------------------------------------------------------------

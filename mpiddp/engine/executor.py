@@ -299,7 +299,10 @@ class Executor:
         backend.before_mpi(device)
         operation.communicate(self, job, self.links(backend).whole, backend)
         operation.unpack(self, job, backend)
-        backend.after_unpack(device)
+        done = backend.after_unpack(device)
+        if done is not None:        # the caller's stream waits for it (torch/streams.py)
+            for entry in present:
+                entry.handle.done_event = done
         if timeline:
             end = time.perf_counter()
             for entry in present:

@@ -93,6 +93,7 @@ class FakeGPU:
         self._streams: dict[int, "FakeStream"] = {}
         self._defaults = {}
         self._events: dict = {}
+        self.dlpack_syncs = 0
         self.initialized = False
 
     # ---- devices -------------------------------------------------------------------------
@@ -332,6 +333,7 @@ class FakeEvent:
         self.gpu, self.block, self.device = gpu, block, gpu.current()
         self.ptr = gpu.new_ptr()
         self.clock: Optional[dict] = None
+        self.stream = None                    # where it was last recorded
         gpu._events[self.ptr] = self
 
     @property
@@ -343,6 +345,7 @@ class FakeEvent:
         self.gpu.enqueue(stream, "event record")
         with self.gpu.lock:
             self.clock = dict(stream.clock)
+            self.stream = stream
 
     def wait(self, stream=None) -> None:          # torch: stream waits for this event
         (stream or self.gpu.torch_stream()).wait_event(self)
@@ -377,7 +380,19 @@ class _Where:
 class FakeArray:
     """A flat (or any) device array: host memory plus its allocation's ordering state."""
 
-    def __init__(self, gpu: FakeGPU, memory: _Memory, host: np.ndarray):
+    _gpu: Optional[FakeGPU] = None       # for cupy.ndarray(shape, dtype, memptr)
+
+    def __init__(self, gpu, memory=None, host=None, memptr=None, strides=None):
+        if not isinstance(gpu, FakeGPU):      # cupy.ndarray(shape, dtype, memptr): a view
+            shape, dtype = gpu, np.dtype(memory if memory is not None else np.float32)
+            shape = (shape,) if isinstance(shape, int) else tuple(shape)
+            gpu, memptr = FakeArray._gpu, memptr if memptr is not None else host
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            memory = gpu.memory_at(memptr.ptr)
+            assert memory is not None and memptr.ptr + nbytes <= memory.end, "not device memory"
+            gpu.use_current("ndarray from a pointer")
+            buffer = (ctypes.c_uint8 * max(nbytes, 1)).from_address(memptr.ptr)
+            host = np.frombuffer(buffer, np.uint8, nbytes).view(dtype).reshape(shape)
         self.gpu, self.memory, self.host = gpu, memory, host
 
     # attributes CuPy arrays have
@@ -566,15 +581,18 @@ def _make_cupy(gpu: FakeGPU) -> types.ModuleType:
     cuda.UnownedMemory = UnownedMemory
     cuda.MemoryPointer = MemoryPointer
 
-    def ndarray_from(shape, dtype=np.float32, memptr=None, strides=None):
-        memory = gpu.memory_at(memptr.ptr)
-        count = int(np.prod(shape))
-        dtype = np.dtype(dtype)
-        host = np.ctypeslib.as_array(
-            (ctypes.c_uint8 * (count * dtype.itemsize)).from_address(memptr.ptr)).view(dtype)
-        return FakeArray(gpu, memory, host.reshape(shape))
+    FakeArray._gpu = gpu
 
-    cupy.ndarray_from = ndarray_from
+    def from_dlpack(tensor):
+        """DLPack's exchange: the consumer's stream (CuPy's current one) waits for the
+        producer's (torch's current one), an extra wait that views by pointer do not need."""
+        gpu.dlpack_syncs += 1
+        event = FakeEvent(gpu)
+        event.record(gpu.torch_stream())
+        gpu.cupy_stream().wait_event(event)
+        return tensor.array.reshape(-1)
+
+    cupy.from_dlpack = from_dlpack
 
     runtime.memcpyHostToHost, runtime.memcpyHostToDevice = 0, 1
     runtime.memcpyDeviceToHost, runtime.memcpyDeviceToDevice, runtime.memcpyDefault = 2, 3, 4
@@ -623,6 +641,66 @@ def _device_index(gpu, device) -> int:
     if index is None and isinstance(device, str):
         index = int(device.split(":")[1]) if ":" in device else None
     return gpu.current() if index is None else int(index)
+
+
+class FakeCudaTensor:
+    """Just enough of a CUDA ``torch.Tensor`` for the torch layer's stream handling: device
+    memory of the fake, the stream it was allocated on, the streams recorded for it."""
+
+    is_cuda, is_sparse, requires_grad = True, False, False
+
+    def __init__(self, gpu: FakeGPU, shape, dtype=None, name="tensor"):
+        import torch
+
+        self.gpu = gpu
+        self.dtype = dtype or torch.float32
+        self.shape = torch.Size(shape)
+        numpy_dtype = np.uint16 if self.dtype == torch.bfloat16 else \
+            torch.empty(0, dtype=self.dtype).numpy().dtype
+        self.array = gpu.cupy.empty(tuple(shape), numpy_dtype, name=name)
+        self.device = torch.device("cuda", self.array.memory.device)
+        self.allocated_on = gpu.torch_stream(self.device.index)
+        self.recorded: list = []
+
+    def data_ptr(self) -> int:
+        return self.array.data.ptr
+
+    def numel(self) -> int:
+        return self.array.size
+
+    def element_size(self) -> int:
+        return self.array.itemsize
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def is_contiguous(self, memory_format=None) -> bool:
+        return True
+
+    def get_device(self) -> int:
+        return self.device.index
+
+    def record_stream(self, stream) -> None:
+        self.recorded.append(stream)
+
+    def reshape(self, *shape):
+        return self
+
+    def view(self, *shape):
+        return self
+
+    def __repr__(self):
+        return f"<FakeCudaTensor {tuple(self.shape)} on {self.device}>"
+
+
+def fake_empty(gpu: FakeGPU, real_empty):
+    """``torch.empty`` that makes a ``FakeCudaTensor`` for a cuda device."""
+    def empty(*shape, dtype=None, device=None, **kw):
+        if device is not None and "cuda" in str(device):
+            dims = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
+            return FakeCudaTensor(gpu, tuple(dims), dtype, name="torch.empty output")
+        return real_empty(*shape, dtype=dtype, device=device, **kw)
+    return empty
 
 
 def torch_cuda_functions(gpu: FakeGPU) -> dict:
