@@ -58,6 +58,7 @@ class _DeviceState:
     def __init__(self, device_id: int):
         self.id = device_id
         self.flushed = None           # the last flush event of the engine stream
+        self.torch_stream = None      # the engine stream as torch sees it (allocating)
         use_device(device_id)         # first: the guard below then restores this same device
         with cupy.cuda.Device(device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)       # the engine stream
@@ -193,12 +194,18 @@ class DeviceBackend:
         made its device current)."""
         if getattr(self._thread, "active", None) is not state:
             state.stream.use()
-            # And torch's: outputs the torch layer allocates on this thread (allgather,
-            # alltoall, reduce-scatter) belong to the engine stream, which writes them.
-            import torch
-
-            torch.cuda.set_stream(torch.cuda.ExternalStream(state.stream.ptr, state.id))
             self._thread.active = state
+
+    def allocating(self):
+        """Around an entry's ``allocate``: tensors torch allocates inside belong to the
+        engine stream, which writes them (torch's current stream for the moment; the torch
+        layer records the caller's stream as a user too)."""
+        import torch
+
+        state = self.state(self.device_id())
+        if state.torch_stream is None:
+            state.torch_stream = torch.cuda.ExternalStream(state.stream.ptr, device=state.id)
+        return torch.cuda.stream(state.torch_stream)
 
     # ---- the backend interface ------------------------------------------------------------
     def empty(self, count: int, dtype: DType):
