@@ -116,12 +116,13 @@ def allreduce_entry(tensor, output, name: str, op: ReduceOp, prescale: float,
     check_scaling(dtype, prescale, postscale, name)
     request = Request(name, ALLREDUCE, dtype, tuple(tensor.shape), device_name(tensor),
                       op=int(op), prescale=float(prescale), postscale=float(postscale))
-    if ready_event is None:
-        ready_event = _ready_event(tensor)
+    source = tensor if output is tensor else contiguous(tensor)
+    if ready_event is None:     # after the copy contiguous() may have queued
+        ready_event = _ready_event(source)
     if output is tensor:        # in place on contiguous memory: one view serves both
         view = flat_array(tensor)
         return Entry(request, view, view, Handle(name), ready_event=ready_event)
-    return Entry(request, flat_array(contiguous(tensor)), flat_array(output), Handle(name),
+    return Entry(request, flat_array(source), flat_array(output), Handle(name),
                  ready_event=ready_event)
 
 
