@@ -423,3 +423,28 @@ def test_gradient_ready_event_is_recorded_on_the_producing_stream(monkeypatch,
 
 class TensorStub:
     _handles = ()
+
+
+def test_backend_on_a_thread_that_never_chose_a_device(monkeypatch, restore_default_device):
+    """The backend sets the rank's device on the calling thread before its CUDA calls, and
+    leaves it: no guard 'restores' device 0 on a thread that never set one."""
+    gpu = make_fake(monkeypatch, count=3, allowed=2)
+
+    def work():
+        backend = buffers.backend_for("cuda")
+        a, b = backend.empty(100, F32), backend.empty(100, F32)
+        backend.fill(a, 1.5)
+        backend.copy(b, a)
+        backend.reduce_into(a, b, ReduceOp.SUM, F32)
+        backend.scale_(a, 0.5, F32)
+        half = dtype_named("bfloat16")
+        h = backend.empty(10, half)
+        backend.reduce_into(h, h, ReduceOp.SUM, half)
+        backend.before_mpi("cuda")
+        backend.after_unpack("cuda")
+        return a
+
+    a = in_thread(work)
+    np.testing.assert_array_equal(gpu.host_read(a), np.full(100, 1.5))
+    gpu.check_clean()
+    assert set(gpu.touched) == {2}, gpu.touched

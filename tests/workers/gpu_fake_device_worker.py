@@ -26,6 +26,7 @@ from mpiddp import runtime, transport  # noqa: E402
 from mpiddp.engine.handle import Handle  # noqa: E402
 from mpiddp.engine.request import ALLGATHER, ALLREDUCE, BROADCAST, Entry, Request  # noqa: E402
 from mpiddp.transport import staging  # noqa: E402
+from mpi4py import MPI  # noqa: E402
 
 assert GPU.current() == LOCAL, f"import mpiddp left cuda:{GPU.current()} current"
 # Every staged MPI call is checked against the fake's ordering (pinned slots).
@@ -111,6 +112,9 @@ GPU.check_clean()
 assert set(GPU.touched) == {LOCAL}, f"rank {rank} touched {GPU.touched}"
 threads = GPU.touched[LOCAL]
 assert any("coordinator" in t for t in threads), threads
+if MPI.Query_thread() == MPI.THREAD_MULTIPLE and LOCAL != 0:
+    # the watchdog runs, and made cuda:k current (on cuda:0 it was current already)
+    assert any("watchdog" in t for t in threads), threads
 assert GPU.spin_waits == 0, f"{GPU.spin_waits} host waits spun a core"
 print(f"OK rank {rank} on cuda:{LOCAL}, threads {sorted(threads)}", flush=True)
 sys.exit(0)
