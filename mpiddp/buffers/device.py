@@ -18,9 +18,12 @@ Ordering, all without timing assumptions:
   handles complete; the torch layer makes the caller's stream wait for it too.
 * Every host wait is on an event made with ``cudaEventBlockingSync``: the thread sleeps
   instead of spinning a core (``cudaStreamSynchronize`` would spin).
-* The engine thread's current CuPy stream is the engine stream, so a tensor the engine
-  allocates (allgather output) is handed over through DLPack with the producer's stream
-  (torch's current stream) ordered before the engine stream, as the DLPack protocol promises.
+* Outputs the torch layer allocates on the engine thread (allgather, alltoall,
+  reduce-scatter) are allocated inside ``allocating()``, on the engine stream that writes
+  them; the torch layer records the caller's stream as their other user.
+* Every CUDA call is made with the buffer's device current on the calling thread
+  (``use_device``), which is left current: CUDA's current device is per host thread, and a
+  guard that "restores" device 0 on a thread that never chose one creates a context there.
 
 Buffers come from CuPy's default memory pool (plain ``cudaMalloc`` memory, which every
 CUDA-aware MPI can register) and are kept by the engine's ``BufferPool`` for the whole run.

@@ -95,8 +95,9 @@ def _entry(request: Request, tensor: torch.Tensor, output=None, allocate=None) -
 
 def _output_allocator(like: torch.Tensor, holder: dict):
     """An ``Entry.allocate`` that makes the output once the engine knows its shape (kept in
-    ``holder['output']``). It runs on the engine thread, whose current stream is the engine
-    stream; the caller's stream, taken now, is recorded as a user of the output."""
+    ``holder['output']``). It runs on the engine thread inside the backend's
+    ``allocating()``, so the output belongs to the engine stream that writes it; the caller's
+    stream, taken now, is recorded as its other user."""
     stream = caller_stream(like)
 
     def allocate(shape):
