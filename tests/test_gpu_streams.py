@@ -448,3 +448,24 @@ def test_backend_on_a_thread_that_never_chose_a_device(monkeypatch, restore_defa
     np.testing.assert_array_equal(gpu.host_read(a), np.full(100, 1.5))
     gpu.check_clean()
     assert set(gpu.touched) == {2}, gpu.touched
+
+
+def test_ready_event_follows_the_contiguous_copy(monkeypatch, restore_default_device):
+    """A non-contiguous input is reduced from a contiguous copy queued at the call: the
+    engine's ready event must be recorded after that copy."""
+    from mpiddp.torch import requests
+
+    gpu = make_fake(monkeypatch)
+    monkeypatch.setattr(requests, "check_tensor", lambda tensor, name: "float32")
+    side = torch.cuda.Stream()
+    x = fake_cuda.FakeCudaTensor(gpu, (6,), name="strided input", contiguous=False)
+    out = fake_cuda.FakeCudaTensor(gpu, (6,), name="output")
+    with torch.cuda.stream(side):
+        with side:
+            x.array[...] = np.arange(6, dtype=np.float32)
+        entry = requests.allreduce_entry(x, out, "x", ReduceOp.SUM, 1.0, 1.0)
+    engine = gpu.cupy.cuda.Stream(non_blocking=True)
+    engine.wait_event(entry.ready_event)
+    with engine:
+        gpu.cupy.empty(6, np.float32)[...] = entry.input      # the engine reads the copy
+    gpu.check_clean()

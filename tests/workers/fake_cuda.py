@@ -649,10 +649,10 @@ class FakeCudaTensor:
 
     is_cuda, is_sparse, requires_grad = True, False, False
 
-    def __init__(self, gpu: FakeGPU, shape, dtype=None, name="tensor"):
+    def __init__(self, gpu: FakeGPU, shape, dtype=None, name="tensor", contiguous=True):
         import torch
 
-        self.gpu = gpu
+        self.gpu, self._contiguous = gpu, contiguous
         self.dtype = dtype or torch.float32
         self.shape = torch.Size(shape)
         numpy_dtype = np.uint16 if self.dtype == torch.bfloat16 else \
@@ -675,7 +675,16 @@ class FakeCudaTensor:
         return len(self.shape)
 
     def is_contiguous(self, memory_format=None) -> bool:
-        return True
+        return self._contiguous
+
+    def contiguous(self):
+        """A contiguous copy, written by a kernel on torch's current stream."""
+        if self._contiguous:
+            return self
+        copy = FakeCudaTensor(self.gpu, tuple(self.shape), self.dtype, "contiguous copy")
+        with self.gpu.torch_stream(self.device.index):
+            copy.array[...] = self.array
+        return copy
 
     def get_device(self) -> int:
         return self.device.index
