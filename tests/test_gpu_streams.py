@@ -196,7 +196,7 @@ def test_three_ranks_on_fake_gpus_touch_only_their_own():
 
 
 # ---- defect 6: events on the right streams, waits that block ----------------------------------
-def _staging_round(gpu, comm_cls_args=(), segment=1024):
+def _staging_round(gpu, segment=1024):
     """Pack on the engine stream, a staged ring step and a broadcast to itself (COMM_SELF),
     a kernel on what arrived, results read by the host after the engine's done event."""
     from mpiddp.transport.staging import StagedComm

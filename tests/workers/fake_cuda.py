@@ -14,9 +14,12 @@ CPU test otherwise cannot see.
   host having waited for them (``synchronize``) before it enqueued the work. Each allocation
   remembers its last write and the reads since; reading a buffer whose last write the reader
   cannot have seen, or overwriting one whose readers it cannot have seen, fails
-  (``OrderingError``). The host is a reader and writer too (MPI on pinned memory, the test
-  reading results): see ``host_read``/``host_write``.
-* **Spinning.** ``synchronize`` on an event made without the blocking flag spins a core in
+  (``OrderingError``), by byte range. The host is a reader and writer too (MPI on pinned
+  memory through ``CheckingComm``, the test reading results): see ``host_read``.
+  ``strict=True``: a stream learns of other streams' work only through events it waited for,
+  not through the host having waited, which checks the device-side ordering on its own.
+* **Spinning.** ``synchronize`` on an event made without the blocking flag, or on a stream,
+  spins a core in
   CUDA; the fake counts such waits in ``spin_waits``.
 
 Memory is host memory (NumPy); a "device pointer" is its address, so pointer arithmetic and
