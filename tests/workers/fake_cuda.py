@@ -19,8 +19,7 @@ CPU test otherwise cannot see.
   ``strict=True``: a stream learns of other streams' work only through events it waited for,
   not through the host having waited, which checks the device-side ordering on its own.
 * **Spinning.** ``synchronize`` on an event made without the blocking flag, or on a stream,
-  spins a core in
-  CUDA; the fake counts such waits in ``spin_waits``.
+  spins a core in CUDA; the fake counts such waits in ``spin_waits``.
 
 Memory is host memory (NumPy); a "device pointer" is its address, so pointer arithmetic and
 ``ctypes.memmove`` work. ``install(gpu, monkeypatch=None)`` puts the fake ``cupy`` into
