@@ -1,5 +1,6 @@
 """GPU set-up at ``init()`` (runtime level): which device this rank uses, and whether MPI is
-CUDA-aware.
+CUDA-aware. (The device is first chosen when mpiddp is imported, before ``MPI_Init``, from
+the launcher's local rank: ``local_device.py``; here MPI's node layout confirms it.)
 
 Each rank uses one GPU, its *engine device*: ``local_rank % device_count`` among the devices
 it can see, chosen before the first CUDA call so that the CUDA context is created on the
@@ -17,6 +18,8 @@ import logging
 from typing import Optional
 
 from .buffers import set_default_device
+from . import local_device
+from .local_device import chosen_before_mpi
 from .transport import cuda_aware
 
 log = logging.getLogger("mpiddp")
@@ -49,6 +52,19 @@ def select_device(local_rank: int, cuda=None) -> Optional[int]:
         return None
     count = cuda.device_count()
     wanted = choose_device(local_rank, count)
+    early = chosen_before_mpi()
+    if cuda.is_initialized() and early is not None and early[0] == cuda.current_device():
+        # mpiddp's own choice at import, before MPI_Init, from the launcher's local rank;
+        # MPI's node layout has the last word.
+        if early[0] != wanted:
+            cuda.set_device(wanted)
+        _engine_device = wanted
+        set_default_device(wanted)
+        _how = (f"cuda:{wanted} = local rank {local_rank} % {count} visible device(s), "
+                f"chosen before MPI_Init from {early[1]}")
+        if early[0] != wanted:
+            _how += f" (which gave cuda:{early[0]}: MPI's node layout differs)"
+        return wanted
     if cuda.is_initialized():
         current = cuda.current_device()
         _engine_device = current
@@ -97,4 +113,5 @@ def reset() -> None:
     global _engine_device, _how
     _engine_device, _how = None, "no CUDA device"
     set_default_device(None)
+    local_device.reset()
     cuda_aware.reset()

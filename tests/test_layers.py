@@ -17,7 +17,7 @@ LAYERS = [
     {"transport"},
     {"collectives"},
     {"engine"},
-    {"gpu", "launch_check", "build_info", "run"},
+    {"gpu", "launch_check", "build_info", "run", "local_device"},
     {"runtime"},
     {"process_sets"},
     {"torch"},

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from .backend import BufferBackend
-from .default_device import default_device, set_default_device
+from .default_device import default_device, set_default_device, use_default_device
 from .host import HostBackend
 
 __all__ = ["BufferBackend", "HostBackend", "backend_for", "set_default_device",
-           "default_device"]
+           "default_device", "use_default_device"]
 
 _backends: dict = {"cpu": HostBackend()}
 

@@ -42,8 +42,13 @@ class BufferBackend(Protocol):
     def before_mpi(self, device: str) -> None:
         """Before MPI touches buffers of ``device``: finish the work queued on them."""
 
-    def after_unpack(self, device: str) -> None:
-        """After results are written: make them visible to the caller's streams."""
+    def allocating(self) -> Any:
+        """A context for the torch layer's allocation of an output (``Entry.allocate``):
+        device memory allocated inside belongs to the stream that will write it."""
+
+    def after_unpack(self, device: str) -> Optional[Any]:
+        """After results are written: make them visible to the caller's streams. Returns the
+        device event that marks them written (None on the host)."""
 
     def copier(self) -> Optional[Any]:
         """The device-host copier for staging (``transport.staging.Copier``); None on the

@@ -10,13 +10,20 @@ Ordering, all without timing assumptions:
   (packing, reduce kernels, scaling, unpacking, staging copies to the device) is queued on it.
 * ``wait_ready(entry)`` makes the engine stream wait (on the device, not the host) for the
   ``torch.cuda.Event`` recorded on the stream that produced the tensor.
-* ``before_mpi`` and the staging transport (``transport.staging``) synchronise the engine stream
-  before MPI reads or writes a device buffer: MPI does not order itself against streams.
-* ``after_unpack`` synchronises the engine stream before the handles complete, so the
-  results are visible to any stream the caller uses next.
-* The engine thread's current CuPy stream is the engine stream, so a tensor the engine
-  allocates (allgather output) is handed over through DLPack with the producer's stream
-  (torch's current stream) ordered before the engine stream, as the DLPack protocol promises.
+* ``before_mpi`` and the staging transport (``transport.staging``) record the *flush event* on
+  the engine stream and wait for it before MPI reads or writes a device buffer: MPI does not
+  order itself against streams. The staging copy stream also waits for that event on the
+  device before it copies engine-written bytes to the host.
+* ``after_unpack`` records the *done event* on the engine stream and waits for it before the
+  handles complete; the torch layer makes the caller's stream wait for it too.
+* Every host wait is on an event made with ``cudaEventBlockingSync``: the thread sleeps
+  instead of spinning a core (``cudaStreamSynchronize`` would spin).
+* Outputs the torch layer allocates on the engine thread (allgather, alltoall,
+  reduce-scatter) are allocated inside ``allocating()``, on the engine stream that writes
+  them; the torch layer records the caller's stream as their other user.
+* Every CUDA call is made with the buffer's device current on the calling thread
+  (``use_device``), which is left current: CUDA's current device is per host thread, and a
+  guard that "restores" device 0 on a thread that never chose one creates a context there.
 
 Buffers come from CuPy's default memory pool (plain ``cudaMalloc`` memory, which every
 CUDA-aware MPI can register) and are kept by the engine's ``BufferPool`` for the whole run.
@@ -40,22 +47,49 @@ _HALF_REDUCE = {"float16": "mpiddp_f16_reduce", "bfloat16": "mpiddp_bf16_reduce"
 _HALF_SCALE = {"float16": "mpiddp_f16_scale_kernel", "bfloat16": "mpiddp_bf16_scale_kernel"}
 
 
+def use_device(device_id: int) -> None:
+    """Make ``device_id`` current on the calling thread, and leave it so. Not ``with
+    cupy.cuda.Device(...)``: leaving that sets back the device that was current, which on a
+    thread that never chose one is device 0, and setting it creates a context on GPU 0."""
+    if runtime.getDevice() != device_id:
+        runtime.setDevice(device_id)
+
+
 class _DeviceState:
     """Per-device engine resources: streams and the compiled half-precision kernels."""
 
     def __init__(self, device_id: int):
         self.id = device_id
+        self.flushed = None           # the last flush event of the engine stream
+        self.torch_stream = None      # the engine stream as torch sees it (allocating)
+        use_device(device_id)         # first: the guard below then restores this same device
         with cupy.cuda.Device(device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)       # the engine stream
             self.copy_stream = cupy.cuda.Stream(non_blocking=True)  # staging device->host
             self._module = cupy.RawModule(code=KERNEL_SOURCE, options=("--std=c++11",))
             self._kernels = {}
 
+    def flush(self):
+        """Record the flush event on the engine stream: it completes once everything queued
+        there so far (packing into the fusion buffer, kernels, copies) has."""
+        use_device(self.id)
+        event = cupy.cuda.Event(block=True, disable_timing=True)
+        event.record(self.stream)
+        self.flushed = event
+        return event
+
+    def synchronize(self):
+        """Wait, sleeping rather than spinning, for the engine stream's work so far; returns
+        the flush event waited for."""
+        event = self.flush()
+        event.synchronize()
+        return event
+
     def kernel(self, name: str):
         k = self._kernels.get(name)
         if k is None:
-            with cupy.cuda.Device(self.id):
-                k = self._kernels[name] = self._module.get_function(name)
+            use_device(self.id)
+            k = self._kernels[name] = self._module.get_function(name)
         return k
 
 
@@ -70,21 +104,27 @@ class CupyCopier:
         self.device_id = state.id
 
     def pinned(self, nbytes: int) -> np.ndarray:
-        with cupy.cuda.Device(self.state.id):
-            memory = cupy.cuda.alloc_pinned_memory(nbytes)
+        use_device(self.state.id)
+        memory = cupy.cuda.alloc_pinned_memory(nbytes)
         return np.frombuffer(memory, np.uint8, nbytes)
 
     def sync(self) -> None:
-        self.state.stream.synchronize()
+        self.state.synchronize()
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: int, stream):
-        with cupy.cuda.Device(self.state.id):
-            runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
-            event = cupy.cuda.Event(block=False, disable_timing=True)
-            event.record(stream)
+        use_device(self.state.id)
+        runtime.memcpyAsync(dst, src, nbytes, kind, stream.ptr)
+        event = cupy.cuda.Event(block=True, disable_timing=True)      # waited without spinning
+        event.record(stream)
         return event
 
     def to_host(self, host: np.ndarray, src_ptr: int, nbytes: int):
+        state = self.state
+        if state.flushed is not None:
+            # The copy stream reads what the engine stream wrote: ordered after the flush
+            # event on the device, not only through the host's wait for it.
+            use_device(state.id)
+            runtime.streamWaitEvent(state.copy_stream.ptr, state.flushed.ptr, 0)
         return self._copy(host.ctypes.data, src_ptr, nbytes, runtime.memcpyDeviceToHost,
                           self.state.copy_stream)
 
@@ -134,12 +174,15 @@ class DeviceBackend:
         return chosen if chosen is not None else runtime.getDevice()
 
     def state(self, device_id: int) -> _DeviceState:
+        """The resources of ``device_id``, whose device is now current on the calling thread
+        (before any CUDA call of the caller)."""
         state = self._states.get(device_id)
         if state is None:
             with self._lock:
                 state = self._states.get(device_id)
                 if state is None:
                     state = self._states[device_id] = _DeviceState(device_id)
+        use_device(device_id)
         return state
 
     def _array_state(self, array) -> _DeviceState:
@@ -150,16 +193,27 @@ class DeviceBackend:
         return self.state(self.device_id(device)).stream
 
     def _activate(self, state: _DeviceState) -> None:
-        """Make ``state``'s device and engine stream current on the calling (engine) thread."""
+        """Make ``state``'s engine stream current on the calling (engine) thread (``state()``
+        made its device current)."""
         if getattr(self._thread, "active", None) is not state:
-            cupy.cuda.Device(state.id).use()
             state.stream.use()
             self._thread.active = state
+
+    def allocating(self):
+        """Around an entry's ``allocate``: tensors torch allocates inside belong to the
+        engine stream, which writes them (torch's current stream for the moment; the torch
+        layer records the caller's stream as a user too)."""
+        import torch
+
+        state = self.state(self.device_id())
+        if state.torch_stream is None:
+            state.torch_stream = torch.cuda.ExternalStream(state.stream.ptr, device=state.id)
+        return torch.cuda.stream(state.torch_stream)
 
     # ---- the backend interface ------------------------------------------------------------
     def empty(self, count: int, dtype: DType):
         state = self.state(self.device_id())
-        with cupy.cuda.Device(state.id), state.stream:
+        with state.stream:
             # zeros, queued on the engine stream: later engine work is ordered after it
             return cupy.zeros(count, dtype=dtype.storage)
 
@@ -169,19 +223,18 @@ class DeviceBackend:
         if dst.size == 0:
             return
         state = self._array_state(dst)
-        with cupy.cuda.Device(state.id):
-            if dst.flags.c_contiguous and src.flags.c_contiguous:
-                # cudaMemcpyDefault: unified addressing also covers a source on another GPU
-                runtime.memcpyAsync(dst.data.ptr, src.data.ptr, dst.nbytes,
-                                    runtime.memcpyDefault, state.stream.ptr)
-            else:
-                with state.stream:
-                    dst[...] = src
+        if dst.flags.c_contiguous and src.flags.c_contiguous:
+            # cudaMemcpyDefault: unified addressing also covers a source on another GPU
+            runtime.memcpyAsync(dst.data.ptr, src.data.ptr, dst.nbytes,
+                                runtime.memcpyDefault, state.stream.ptr)
+        else:
+            with state.stream:
+                dst[...] = src
 
     def fill(self, array, value) -> None:
         if array.size:
             state = self._array_state(array)
-            with cupy.cuda.Device(state.id), state.stream:
+            with state.stream:
                 array.fill(value)
 
     def reduce_into(self, dst, src, op: ReduceOp, dtype: DType) -> None:
@@ -194,7 +247,7 @@ class DeviceBackend:
         if n == 0:
             return
         state = self._array_state(dst)
-        with cupy.cuda.Device(state.id), state.stream:
+        with state.stream:
             if dtype.name in _HALF_REDUCE:
                 kernel = state.kernel(_HALF_REDUCE[dtype.name])
                 kernel((launch_blocks(n),), (THREADS_PER_BLOCK,),
@@ -215,7 +268,7 @@ class DeviceBackend:
         if dtype.kind not in ("float", "int"):
             raise TypeError(f"cannot scale a {dtype.name} buffer by {factor}")
         state = self._array_state(array)
-        with cupy.cuda.Device(state.id), state.stream:
+        with state.stream:
             if dtype.kind == "int":     # as on the host: float64, truncated toward zero
                 array[...] = (array.astype(cupy.float64) * factor).astype(array.dtype)
             elif dtype.name in _HALF_SCALE:
@@ -242,21 +295,17 @@ class DeviceBackend:
             return
         pointer = _event_pointer(event)
         if pointer:
-            with cupy.cuda.Device(state.id):
-                runtime.streamWaitEvent(state.stream.ptr, pointer, 0)
-
-    def _sync_all(self) -> None:
-        for state in list(self._states.values()):
-            state.stream.synchronize()
+            runtime.streamWaitEvent(state.stream.ptr, pointer, 0)
 
     def before_mpi(self, device: str) -> None:
         """Everything queued on the engine stream is done before MPI touches a buffer."""
-        self._sync_all()
+        self.state(self.device_id(device)).synchronize()
 
-    def after_unpack(self, device: str) -> None:
-        """Results are in memory before the handles complete: the caller may read them on
-        any stream."""
-        self._sync_all()
+    def after_unpack(self, device: str):
+        """Results are in memory before the handles complete. Returns the done event,
+        recorded on the engine stream after the results, for the caller's stream to wait for
+        (``torch/streams.py``)."""
+        return self.state(self.device_id(device)).synchronize()
 
     def copier(self) -> CupyCopier:
         """The device side of a staging transport for this rank's engine device (see

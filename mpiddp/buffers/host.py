@@ -1,6 +1,8 @@
 """Host (NumPy) buffers: allocation, copies and the reduction kernels for CPU tensors."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from .dtypes import DType
@@ -36,7 +38,12 @@ class HostBackend:
         """Nothing is queued asynchronously on the host."""
 
     def after_unpack(self, device: str) -> None:
-        """Host results are visible as soon as they are written."""
+        """Host results are visible as soon as they are written (no done event)."""
+
+    @staticmethod
+    def allocating():
+        """Host allocations need no stream."""
+        return contextlib.nullcontext()
 
     @staticmethod
     def copier():

@@ -16,6 +16,7 @@ from typing import Callable
 
 from mpi4py import MPI
 
+from ..buffers import use_default_device
 from ..config import Settings
 from ..errors import DuplicateNameError, EngineShutdownError, MpiddpError
 from .channel import ControlChannel, MPIChannel
@@ -145,6 +146,9 @@ class Engine:
     # ---- the coordinator thread -----------------------------------------------------------
     def _run(self) -> None:
         try:
+            # This thread's CUDA calls (device buffers, kernels, streams) go to the rank's
+            # own GPU: a new thread starts on device 0.
+            use_default_device()
             while self._cycle():
                 pass
         except BaseException as exc:  # a bug or an MPI failure: other ranks would hang

@@ -56,6 +56,12 @@ def result_scaling(backend, request, size: int, dtype):
     return scale
 
 
+def allocate(backend, entry, shape):
+    """The entry's output, allocated by the torch layer on the stream that writes it."""
+    with backend.allocating():
+        return entry.allocate(shape)
+
+
 class Job:
     """What one operation carries from ``prepare`` to ``unpack`` (fields as each kind needs)."""
 
@@ -146,7 +152,7 @@ class Allgather(Operation):
         request, sizes = job.request, batch[0].sizes
         row = math.prod(request.shape[1:])
         job.counts = [n * row for n in sizes]
-        job.output = entries[0].allocate((sum(sizes),) + tuple(request.shape[1:]))
+        job.output = allocate(backend, entries[0], (sum(sizes),) + tuple(request.shape[1:]))
         return job
 
     def communicate(self, ex, job, comm, backend):
@@ -160,7 +166,8 @@ class Alltoall(Operation):
         row = math.prod(request.shape[1:])
         received = [matrix[src][ex.rank] for src in range(ex.size)]
         job.counts = ([n * row for n in matrix[ex.rank]], [n * row for n in received])
-        job.output = entries[0].allocate((sum(received),) + tuple(request.shape[1:]))
+        job.output = allocate(backend, entries[0],
+                              (sum(received),) + tuple(request.shape[1:]))
         job.infos = [tuple(received)]      # the handle reports how many rows came from whom
         return job
 
@@ -192,7 +199,7 @@ class Reducescatter(Operation):
         request, rank = job.request, ex.rank
         mine = job.buf[job.bounds[rank]:job.bounds[rank + 1]]
         rows = job.row_bounds[rank + 1] - job.row_bounds[rank]
-        output = job.entries[0].allocate((rows,) + tuple(request.shape[1:]))
+        output = allocate(backend, job.entries[0], (rows,) + tuple(request.shape[1:]))
         backend.copy(output, mine)
         scale = result_scaling(backend, request, ex.size, job.dtype)
         if scale is not None:
@@ -299,7 +306,10 @@ class Executor:
         backend.before_mpi(device)
         operation.communicate(self, job, self.links(backend).whole, backend)
         operation.unpack(self, job, backend)
-        backend.after_unpack(device)
+        done = backend.after_unpack(device)
+        if done is not None:        # the caller's stream waits for it (torch/streams.py)
+            for entry in present:
+                entry.handle.done_event = done
         if timeline:
             end = time.perf_counter()
             for entry in present:

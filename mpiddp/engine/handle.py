@@ -13,12 +13,13 @@ class Handle:
     A plain lock, created held and released on completion, is the cheapest wake-up Python
     offers (a ``threading.Event`` costs several times more per handle)."""
 
-    __slots__ = ("name", "result", "info", "_lock", "_done", "_error")
+    __slots__ = ("name", "result", "info", "done_event", "_lock", "_done", "_error")
 
     def __init__(self, name: str, result=None):
         self.name = name
         self.result = result
         self.info = None            # extra agreed data, e.g. alltoall's received splits
+        self.done_event = None      # device results: the event recorded after writing them
         self._error: BaseException | None = None
         self._done = False
         self._lock = _thread.allocate_lock()

@@ -30,6 +30,8 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
+from ..buffers import use_default_device
+
 POLL_SECONDS = 0.25         # how often the watchdog answers pings and looks at the cycle count
 ANSWER_SECONDS = 10.0       # how long a roll call waits for the answers
 EXIT_GRACE_SECONDS = 10.0   # MPI_Abort that cannot reach the launcher: exit after this
@@ -81,6 +83,7 @@ class Watchdog:
 
     # ---- the thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        use_default_device()    # a CUDA-aware MPI may touch the current device: the rank's own
         last, since = self.progress(), time.monotonic()
         while not self._stop.wait(POLL_SECONDS):
             self._answer_pings()

@@ -5,9 +5,13 @@ topology, the engine's coordinator thread and the process-set table. Every call 
 running mpiddp goes through ``require()`` (``current.py``), which says clearly when
 ``init()`` is missing.
 """
+from ..local_device import select_before_mpi
 from .mpi_environment import prefer_yielding_waits
 
-prefer_yielding_waits()     # before the first import of mpi4py.MPI below initialises MPI
+# Before the first import of mpi4py.MPI below initialises MPI: the environment MPI reads, and
+# the GPU a CUDA-aware MPI binds to.
+prefer_yielding_waits()
+select_before_mpi()
 
 from .api import (cross_rank, cross_size, engine_stats, init, is_initialized,  # noqa: E402
                   local_rank, local_size, mpi_threads_supported, rank, reset_engine_stats,

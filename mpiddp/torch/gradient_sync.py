@@ -44,6 +44,7 @@ from .compression import WireCasts
 from .handles import combined
 from .handles import synchronize as wait_for
 from .requests import allreduce_request_, submit_together
+from .streams import ready_event
 
 # The autograd engine: queue_callback() runs a function once the current backward pass
 # has finished (every gradient accumulated), on the thread that ran it.
@@ -97,15 +98,17 @@ class PhaseMarks:
 class Pending:
     """One gradient reduction in flight."""
 
-    __slots__ = ("handle", "wire", "ctx", "local_zeros", "sparse", "cast_back")
+    __slots__ = ("handle", "wire", "ctx", "local_zeros", "sparse", "cast_back", "ready")
 
-    def __init__(self, handle, wire, ctx, local_zeros, sparse=False, cast_back=False):
+    def __init__(self, handle, wire, ctx, local_zeros, sparse=False, cast_back=False,
+                 ready=None):
         self.handle = handle          # TensorHandle of the all-reduce
         self.wire = wire              # the tensor being reduced (grad itself, or compressed)
         self.ctx = ctx                # compression context
         self.local_zeros = local_zeros  # this rank had no gradient: it contributed zeros
         self.sparse = sparse          # a sparse gradient reduced as dense: give back sparse
         self.cast_back = cast_back    # wire is a reused cast of param.grad: copy it back
+        self.ready = ready            # CUDA: event on the stream that produced wire
 
 
 class GradientSync:
@@ -229,7 +232,10 @@ class GradientSync:
         wire, ctx = (cast, grad.dtype) if cast is not None else self.compression.compress(grad)
         if not wire.is_contiguous():     # reduce a contiguous copy; synchronize copies back
             wire = wire.contiguous()
-        self.pending[param] = Pending(None, wire, ctx, zeros, sparse, cast_back=cast is not None)
+        # Recorded here, in the gradient's hook on the stream that produced it: the bucket
+        # may be flushed later, from another gradient's hook on another stream.
+        self.pending[param] = Pending(None, wire, ctx, zeros, sparse, cast_back=cast is not None,
+                                      ready=ready_event(wire))
         self.bucket.append(param)
         self.bucket_bytes += wire.numel() * wire.element_size()
 
@@ -248,7 +254,7 @@ class GradientSync:
             for k, piece in enumerate(pieces):
                 entries.append(allreduce_request_(
                     piece, name if len(pieces) == 1 else f"{name}#{k}", self.op,
-                    self.prescale, self.postscale, priority=priority))
+                    self.prescale, self.postscale, priority=priority, ready_event=item.ready))
             items.append((item, len(pieces)))
         self.bucket = []
         self.bucket_bytes = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..engine.handle import Handle
+from .streams import wait_done
 
 __all__ = ["TensorHandle", "synchronize", "poll"]
 
@@ -52,6 +53,9 @@ class TensorHandle:
                     error = error or exc
             if error is not None:
                 raise error
+            # Device results: the caller's current stream waits for the engine's done event.
+            wait_done(list({id(h.done_event): h.done_event for h in self._handles
+                            if h.done_event is not None}.values()))
             self._value = self._finalize()
             self._finished = True
         return self._value

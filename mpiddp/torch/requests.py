@@ -23,6 +23,7 @@ from ..reduce_ops import ReduceOp, check_op_for_dtype
 from ..runtime import ProcessSet
 from .handles import TensorHandle
 from .naming import collective_name
+from .streams import caller_stream, ready_event as stream_ready_event, record_use
 from .views import device_name, dtype_name, flat_array
 
 __all__ = ["allreduce_request_", "submit_together"]
@@ -84,11 +85,7 @@ def contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 def _ready_event(tensor: torch.Tensor):
     """For device tensors: an event on the producing stream the engine waits for."""
-    if not tensor.is_cuda:
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(tensor.device))
-    return event
+    return stream_ready_event(tensor)
 
 
 def _entry(request: Request, tensor: torch.Tensor, output=None, allocate=None) -> Entry:
@@ -98,26 +95,36 @@ def _entry(request: Request, tensor: torch.Tensor, output=None, allocate=None) -
 
 def _output_allocator(like: torch.Tensor, holder: dict):
     """An ``Entry.allocate`` that makes the output once the engine knows its shape (kept in
-    ``holder['output']``)."""
+    ``holder['output']``). It runs on the engine thread inside the backend's
+    ``allocating()``, so the output belongs to the engine stream that writes it; the caller's
+    stream, taken now, is recorded as its other user."""
+    stream = caller_stream(like)
+
     def allocate(shape):
-        holder["output"] = torch.empty(shape, dtype=like.dtype, device=like.device)
-        return flat_array(holder["output"])
+        output = holder["output"] = torch.empty(shape, dtype=like.dtype, device=like.device)
+        record_use(output, stream)
+        return flat_array(output)
     return allocate
 
 
 def allreduce_entry(tensor, output, name: str, op: ReduceOp, prescale: float,
-                    postscale: float) -> Entry:
+                    postscale: float, ready_event=None) -> Entry:
     """Check ``tensor`` and describe its all-reduce into ``output`` (which may be
-    ``tensor`` itself: in place)."""
+    ``tensor`` itself: in place). ``ready_event``: recorded where ``tensor`` was produced
+    (default: now, on the current stream)."""
     dtype = check_tensor(tensor, name)
     check_op_for_dtype(op, dtype_named(dtype).kind, dtype, name)
     check_scaling(dtype, prescale, postscale, name)
     request = Request(name, ALLREDUCE, dtype, tuple(tensor.shape), device_name(tensor),
                       op=int(op), prescale=float(prescale), postscale=float(postscale))
+    source = tensor if output is tensor else contiguous(tensor)
+    if ready_event is None:     # after the copy contiguous() may have queued
+        ready_event = _ready_event(source)
     if output is tensor:        # in place on contiguous memory: one view serves both
         view = flat_array(tensor)
-        return Entry(request, view, view, Handle(name), ready_event=_ready_event(tensor))
-    return _entry(request, contiguous(tensor), flat_array(output))
+        return Entry(request, view, view, Handle(name), ready_event=ready_event)
+    return Entry(request, flat_array(source), flat_array(output), Handle(name),
+                 ready_event=ready_event)
 
 
 def allreduce_output(tensor: torch.Tensor, in_place: bool):
@@ -227,7 +234,8 @@ def submit_checked(engine, kind: str, names: list[str], build: Callable[[], Buil
 
 def allreduce_request_(tensor: torch.Tensor, name: str, op: ReduceOp | int = ReduceOp.AVERAGE,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       priority: int = 0) -> Entry:
+                       priority: int = 0,
+                       ready_event: Optional["torch.cuda.Event"] = None) -> Entry:
     """Check ``tensor`` and describe an in-place all-reduce of it named ``name``, without
     submitting it: a building block for framework glue (``DistributedOptimizer``) that
     submits many at once with ``submit_together``. Does not need ``init()``.
@@ -241,6 +249,9 @@ def allreduce_request_(tensor: torch.Tensor, name: str, op: ReduceOp | int = Red
         postscale_factor: multiply the result by this (floating-point only). Default 1.0.
         priority: 0 (default) runs in submission order; > 0 lets the engine run it by
             urgency, 1 first (the same on every rank; see ``Request.priority``).
+        ready_event: for a CUDA tensor, a ``torch.cuda.Event`` recorded on the stream that
+            produced it, where it was produced (a gradient's hook); default None: recorded
+            now on the current stream.
 
     Returns:
         The request, to pass to ``submit_together``.
@@ -255,7 +266,7 @@ def allreduce_request_(tensor: torch.Tensor, name: str, op: ReduceOp | int = Red
     if not tensor.is_contiguous():
         raise ValueError(f"allreduce_request_ of '{name}' needs a contiguous tensor")
     entry = allreduce_entry(tensor, tensor, name, ReduceOp(op), prescale_factor,
-                            postscale_factor)
+                            postscale_factor, ready_event)
     if priority:
         entry.request = entry.request._replace(priority=int(priority))
     return entry

@@ -1,16 +1,28 @@
-"""Is the MPI library CUDA-aware? A run-time probe through ctypes, and the decision in force.
+"""Is the MPI library CUDA-aware? A run-time probe through ctypes, a decision table over its
+answers, and the decision in force.
 
-mpi4py has no query for this, but the libraries do, as extensions:
+mpi4py has no query for this, but the libraries do, as extensions, and not every answer means
+what it says. ``interpret`` is the table (a pure function of the library's version string, the
+answers of its query functions and the environment); ``probe`` gathers those inputs from the
+loaded library. Anything the table is unsure of is staged through host memory, with the reason
+logged: a wrong "yes" crashes or corrupts data, a wrong "no" only costs copies.
 
-* MPICH (4.0 and later): ``int MPIX_GPU_query_support(int gpu_type, int *is_supported)``
-  with ``MPIX_GPU_SUPPORT_CUDA`` (0). It is true only when MPICH was built with CUDA *and*
-  GPU support is enabled at run time (``MPIR_CVAR_ENABLE_GPU``, on by default in such builds).
-* Open MPI, and MPICH too: ``int MPIX_Query_cuda_support(void)`` (Open MPI declares it in
-  ``mpi-ext.h``; it returns 1 only when CUDA support is available at run time).
+* MPICH 4.0+ (and derivatives without a rule of their own): ``MPIX_GPU_query_support(
+  MPIX_GPU_SUPPORT_CUDA, &flag)`` is true when MPICH was built with CUDA *and* GPU support
+  is on at run time (``MPIR_CVAR_ENABLE_GPU``): its answer.
+* Cray MPICH: GPU support only with ``MPICH_GPU_SUPPORT_ENABLED=1`` set before ``MPI_Init``:
+  no unless it is set; then the query's answer (yes without a query).
+* Open MPI 4.1+ and 5.0 releases: ``MPIX_Query_cuda_support()`` is run-time support: its
+  answer.
+* Open MPI up to 4.0: ``MPIX_Query_cuda_support()`` returns the *build* flag: 1 is unsure
+  (built with CUDA, not necessarily usable), so stage; 0 is no.
+* Open MPI 5 release candidates answer 0 even with CUDA support: 0 is unsure (stage), 1 yes.
+* MVAPICH2 (-GDR) has no query function: yes with ``MV2_USE_CUDA=1``, else no.
+* Any other library: the answer of whichever query it has; none: no.
 
 The functions are looked up in the MPI library this process has loaded (the one mpi4py uses,
 found in ``/proc/self/maps``, or through mpi4py's extension module, whose dependencies
-``dlsym`` searches). A library without either function is treated as not CUDA-aware.
+``dlsym`` searches).
 
 ``MPIDDP_CUDA_AWARE`` overrides the probe: ``1`` (trust that device pointers may go to MPI),
 ``0`` (always stage through host memory) or ``auto`` (the default: probe).
@@ -35,17 +47,25 @@ _NOT_MPI = ("libmpi_cxx", "libmpi_mpifh", "libmpi_usempi", "libmpifort", "libmpi
 
 @dataclass(frozen=True)
 class Probe:
-    """What the MPI library says. ``supported`` is None when it offers no query."""
+    """What the MPI library says, as ``interpret`` reads it. ``supported`` is None when the
+    answer cannot be trusted or there is none (then device buffers are staged); ``reason``
+    says why, for the log."""
 
     supported: Optional[bool]
     library: Optional[str]     # path of the library that answered (or was searched)
     query: Optional[str]       # the function that answered
+    reason: str = ""           # why this answer (the decision table's row)
 
     def describe(self) -> str:
         where = os.path.basename(self.library) if self.library else "the MPI library"
-        if self.supported is None:
+        if self.query is None and self.supported is None and not self.reason:
             return f"{where} has no MPIX_GPU_query_support/MPIX_Query_cuda_support"
-        return f"{self.query} in {where} says {'yes' if self.supported else 'no'}"
+        if self.query is not None:
+            answer = {True: "yes", False: "no", None: "unsure"}[self.supported]
+            text = f"{self.query} in {where} says {answer}"
+        else:
+            text = where
+        return f"{text}: {self.reason}" if self.reason else text
 
 
 @dataclass(frozen=True)
@@ -93,25 +113,99 @@ def _candidates() -> list[str]:
     return paths
 
 
-def _ask(library: ctypes.CDLL) -> tuple[Optional[bool], Optional[str]]:
+@dataclass(frozen=True)
+class Answers:
+    """What one library offers: its version string and the raw answers of its query
+    functions (None: the function is absent, or failed)."""
+
+    version: str = ""
+    gpu_query: Optional[int] = None       # MPIX_GPU_query_support(CUDA) flag
+    cuda_query: Optional[int] = None      # MPIX_Query_cuda_support() result
+
+
+GPU_QUERY = "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA)"
+CUDA_QUERY = "MPIX_Query_cuda_support()"
+_OPEN_MPI = re.compile(r"Open MPI v(\d+)\.(\d+)(?:\.\d+)?(\S*)")
+
+
+def interpret(answers: Answers, environ=os.environ, library: Optional[str] = None) -> Probe:
+    """The decision table of the module docstring: what the library's answers mean."""
+    version = answers.version or ""
+    gpu, cuda = answers.gpu_query, answers.cuda_query
+    if "CRAY MPICH" in version.upper():
+        setting = environ.get("MPICH_GPU_SUPPORT_ENABLED", "")
+        if setting != "1":
+            return Probe(False, library, None,
+                         "Cray MPICH supports device buffers only with "
+                         "MPICH_GPU_SUPPORT_ENABLED=1 set before MPI starts (it is "
+                         f"{setting or 'not set'})")
+        if gpu is not None:
+            return Probe(bool(gpu), library, GPU_QUERY,
+                         "Cray MPICH, MPICH_GPU_SUPPORT_ENABLED=1")
+        return Probe(True, library, None, "Cray MPICH with MPICH_GPU_SUPPORT_ENABLED=1")
+    if "MVAPICH" in version.upper():
+        if environ.get("MV2_USE_CUDA", "") == "1":
+            return Probe(True, library, None,
+                         "MVAPICH2 has no query function; MV2_USE_CUDA=1 is set")
+        return Probe(False, library, None,
+                     "MVAPICH2 has no query function and MV2_USE_CUDA=1 is not set")
+    match = _OPEN_MPI.search(version)
+    if match is not None and cuda is not None:
+        major, minor, suffix = int(match.group(1)), int(match.group(2)), match.group(3)
+        if (major, minor) <= (4, 0):
+            if cuda:
+                return Probe(None, library, CUDA_QUERY,
+                             f"Open MPI {major}.{minor} answers with its build flag (built "
+                             "with CUDA, not necessarily usable): staging to be safe")
+            return Probe(False, library, CUDA_QUERY,
+                         f"Open MPI {major}.{minor} built without CUDA")
+        if "rc" in suffix.lower() and not cuda:
+            return Probe(None, library, CUDA_QUERY,
+                         f"Open MPI {major}.{minor}{suffix} (a release candidate) answers 0 "
+                         "even with CUDA support: staging to be safe")
+        return Probe(bool(cuda), library, CUDA_QUERY)
+    if gpu is not None:
+        return Probe(bool(gpu), library, GPU_QUERY)
+    if cuda is not None:
+        return Probe(bool(cuda), library, CUDA_QUERY)
+    return Probe(None, library, None)
+
+
+def _call_version(library: ctypes.CDLL) -> str:
+    get = getattr(library, "MPI_Get_library_version", None)
+    if get is None:
+        return ""
+    get.restype = ctypes.c_int
+    get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)]
+    text = ctypes.create_string_buffer(8192)     # MPI_MAX_LIBRARY_VERSION_STRING or more
+    length = ctypes.c_int(0)
+    if get(text, ctypes.byref(length)) != 0:
+        return ""
+    return text.value.decode("utf-8", "replace")
+
+
+def ask(library: ctypes.CDLL) -> Answers:
+    """Call the version and query functions ``library`` exports."""
+    gpu_answer = cuda_answer = None
     gpu_query = getattr(library, "MPIX_GPU_query_support", None)
     if gpu_query is not None:
         gpu_query.restype = ctypes.c_int
         gpu_query.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
         supported = ctypes.c_int(0)
         if gpu_query(MPIX_GPU_SUPPORT_CUDA, ctypes.byref(supported)) == 0:
-            return bool(supported.value), "MPIX_GPU_query_support(MPIX_GPU_SUPPORT_CUDA)"
+            gpu_answer = int(supported.value)
     cuda_query = getattr(library, "MPIX_Query_cuda_support", None)
     if cuda_query is not None:
         cuda_query.restype = ctypes.c_int
         cuda_query.argtypes = []
-        return bool(cuda_query()), "MPIX_Query_cuda_support()"
-    return None, None
+        cuda_answer = int(cuda_query())
+    return Answers(_call_version(library), gpu_answer, cuda_answer)
 
 
-def probe(libraries: Optional[list[str]] = None) -> Probe:
-    """Ask the loaded MPI library whether it can read and write CUDA device memory.
-    Call it after MPI is initialised (importing ``mpi4py.MPI`` does that)."""
+def probe(libraries: Optional[list[str]] = None, environ=os.environ) -> Probe:
+    """Ask the loaded MPI library whether it can read and write CUDA device memory, and read
+    the answer with ``interpret``. Call it after MPI is initialised (importing
+    ``mpi4py.MPI`` does that)."""
     searched = None
     for path in (_candidates() if libraries is None else libraries):
         try:
@@ -119,9 +213,9 @@ def probe(libraries: Optional[list[str]] = None) -> Probe:
         except OSError:
             continue
         searched = searched or path
-        supported, query = _ask(library)
-        if query is not None:
-            return Probe(supported, path, query)
+        answers = ask(library)
+        if answers.version or answers.gpu_query is not None or answers.cuda_query is not None:
+            return interpret(answers, environ, path)
     return Probe(None, searched, None)
 
 
@@ -147,6 +241,11 @@ def configure(setting: str) -> Decision:
         log.warning("MPIDDP_CUDA_AWARE=1 although %s: device pointers will be passed to MPI, "
                     "which crashes or corrupts data if MPI cannot read device memory",
                     _decision.probe.describe())
+    elif setting == "auto" and _decision.probe.supported is None and _decision.probe.reason:
+        # The library may well be CUDA-aware, but its answer cannot be trusted.
+        log.warning("CUDA-aware MPI: unsure (%s); device buffers are staged through host "
+                    "memory. Set MPIDDP_CUDA_AWARE=1 if this MPI can read device memory.",
+                    _decision.probe.describe())
     return _decision
 
 
@@ -169,8 +268,9 @@ def mpi_cuda_aware() -> bool:
     """Whether mpiddp hands CUDA device buffers to MPI directly.
 
     Decided at ``init()`` from ``MPIDDP_CUDA_AWARE`` (default ``auto``: ask the loaded MPI
-    library through ``MPIX_GPU_query_support`` or ``MPIX_Query_cuda_support``; a library
-    with neither counts as not CUDA-aware). Before ``init()`` the answer is worked out now,
+    library through ``MPIX_GPU_query_support`` or ``MPIX_Query_cuda_support``, or for
+    MVAPICH2 and Cray MPICH their environment switches; an answer that cannot be trusted, or
+    none, counts as not CUDA-aware). Before ``init()`` the answer is worked out now,
     from the environment and a fresh probe.
 
     Returns:
