@@ -1,4 +1,4 @@
-"""The device kernels checked without a device (issue 23, defect 1).
+"""The device kernels checked without a device (issue 23, defects 1 and 2).
 
 * The half-precision kernels' arithmetic, modelled in NumPy operation for operation
   (``device_kernels.emulate_*``), equals the host path (``host_reduce``) bit for bit on
@@ -9,6 +9,7 @@
   PTX executes no float instruction that flushes subnormals, and none that the model does not
   reproduce. The model is then run with the arithmetic the PTX actually has, so a flushing
   build fails here with the values it would get wrong.
+* The GPU worker reduces only the ops the device path reduces (no Adasum).
 
 Needs CuPy and NVRTC for the compile checks (``cupy-cuda12x`` and ``nvidia-cuda-nvrtc-cu12``
 from requirements-dev.txt); they skip with the reason where either is missing.
@@ -26,7 +27,7 @@ import pytest
 from mpiddp.buffers import device_kernels as dk
 from mpiddp.buffers import host_reduce
 from mpiddp.buffers.dtypes import DTYPES
-from mpiddp.reduce_ops import ReduceOp
+from mpiddp.reduce_ops import ReduceOp, combine_function, reducible_ops
 
 HALF = ("bfloat16", "float16")
 ARCHS = ("60", "70", "75", "80", "86", "90")
@@ -330,3 +331,46 @@ def test_flushing_model_does_flush():
     sub = np.array([0x0001], np.uint16)
     assert dk.emulate_reduce("bfloat16", sub, sub, dk.OP_SUM, FLUSHING_F32)[0] == 0
     assert dk.emulate_reduce("bfloat16", sub, sub, dk.OP_SUM)[0] == 0x0002
+
+
+# ---- defect 2: the GPU worker's ops -------------------------------------------------------
+def _gpu_worker():
+    workers = os.path.join(os.path.dirname(__file__), "workers")
+    if workers not in sys.path:
+        sys.path.insert(0, workers)
+    import gpu_worker
+
+    return gpu_worker
+
+
+def device_reduces(op, dtype):
+    """Whether ``DeviceBackend.reduce_into`` has a kernel for ``op`` on ``dtype``, by its own
+    dispatch: the half kernels' op codes, otherwise CuPy's function named by
+    ``combine_function`` (a KeyError there is the failure the worker used to hit)."""
+    if dtype.name in HALF:
+        return int(op) in dk.KERNEL_OPS and dk.KERNEL_OPS[int(op)] == combine_function(op, "float")
+    try:
+        name = combine_function(op, dtype.kind)
+    except KeyError:
+        return False
+    try:
+        import cupy
+    except Exception:
+        cupy = np                      # CuPy mirrors NumPy's names
+    return callable(getattr(cupy, name, None))
+
+
+@pytest.mark.parametrize("name", sorted(DTYPES))
+def test_gpu_worker_reduces_only_what_the_device_path_supports(name):
+    dtype = DTYPES[name]
+    ops = list(_gpu_worker().unit_ops(dtype))
+    assert ops and ReduceOp.ADASUM not in ops
+    assert all(device_reduces(op, dtype) for op in ops), ops
+    # and nothing the device path supports is left out
+    assert {op for op in ReduceOp if device_reduces(op, dtype)} == set(ops)
+
+
+def test_half_kernel_op_codes_are_the_reduce_op_values():
+    for op in reducible_ops("float"):
+        assert dk.KERNEL_OPS[int(op)] == combine_function(op, "float"), op
+    assert int(ReduceOp.ADASUM) not in dk.KERNEL_OPS

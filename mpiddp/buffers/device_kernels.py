@@ -26,7 +26,8 @@ import numpy as np
 
 # Reduction op codes as passed to the kernels: the values of mpiddp.ops.ReduceOp.
 OP_AVERAGE, OP_SUM, OP_MIN, OP_MAX, OP_PRODUCT = 0, 1, 2, 3, 4
-#: What ``mpiddp_combine`` does for each op code, by NumPy name.
+#: What ``mpiddp_combine`` does for each op code, by NumPy name (``reduce_ops``'s table must
+#: agree; any other code would fall into the switch's default, an add).
 KERNEL_OPS = {OP_AVERAGE: "add", OP_SUM: "add", OP_MIN: "minimum", OP_MAX: "maximum",
               OP_PRODUCT: "multiply"}
 
