@@ -9,16 +9,22 @@
   PTX executes no float instruction that flushes subnormals, and none that the model does not
   reproduce. The model is then run with the arithmetic the PTX actually has, so a flushing
   build fails here with the values it would get wrong.
+* The cubins NVRTC makes for sm_75 to sm_90 (what CuPy loads on such a device), disassembled
+  with nvdisasm: no FTZ and no FFMA in the machine code.
 * The GPU worker reduces only the ops the device path reduces (no Adasum).
 
 Needs CuPy and NVRTC for the compile checks (``cupy-cuda12x`` and ``nvidia-cuda-nvrtc-cu12``
-from requirements-dev.txt); they skip with the reason where either is missing.
+from requirements-dev.txt) and nvdisasm (``nvidia-cuda-nvdisasm``) for the machine code; they
+skip with the reason where one is missing.
 """
 from __future__ import annotations
 
 import glob
 import os
 import re
+import shutil
+import struct
+import subprocess
 import sys
 
 import numpy as np
@@ -220,14 +226,16 @@ class _Compiled(Exception):
     """Raised after NVRTC has compiled our source: loading the result needs a device."""
 
 
-def cupy_ptx(arch, monkeypatch):
-    """PTX of KERNEL_SOURCE for compute capability ``arch``, from the call ``cupy.RawModule``
+def cupy_compile(arch, monkeypatch, method="ptx"):
+    """KERNEL_SOURCE compiled for compute capability ``arch`` by the call ``cupy.RawModule``
     makes (``core.compile_with_cache(code, options, prepend_cupy_headers=False, ...)``) with
-    the options ``device.py`` passes. Only the device queries are replaced (the architecture,
-    and PTX instead of a cubin); the options CuPy adds itself are kept. Returns the options
-    NVRTC got and the PTX."""
-    if arch in _PTX_CACHE:
-        return _PTX_CACHE[arch]
+    the options ``device.py`` passes. Only the device queries are replaced: the architecture,
+    and ``method``: 'cubin' is what CuPy asks NVRTC for on a device (``-arch=sm_XX``), 'ptx'
+    the virtual-architecture text. The options CuPy adds itself are kept. Returns the options
+    NVRTC got and what it produced (PTX as text, a cubin as bytes)."""
+    key = arch, method
+    if key in _PTX_CACHE:
+        return _PTX_CACHE[key]
     from cupy._core import core
 
     compiler = COMPILER
@@ -237,21 +245,28 @@ def cupy_ptx(arch, monkeypatch):
     def record(program, options=(), log_stream=None):
         result = compile_program(program, options, log_stream)
         if "mpiddp_bf16_reduce" in (program.src or ""):
-            seen["options"], seen["ptx"] = tuple(options), result[0]
+            seen["options"], seen["output"] = tuple(options), result[0]
             raise _Compiled()
         return result
 
+    flag = f"-arch={'compute' if method == 'ptx' else 'sm'}_{arch}"
     monkeypatch.setenv("CUPY_CACHE_IN_MEMORY", "1")     # no disk cache: compile every time
     monkeypatch.setattr(compiler._NVRTCProgram, "compile", record)
     monkeypatch.setattr(compiler, "_get_arch", lambda: arch)
     monkeypatch.setattr(compiler, "_get_arch_for_options_for_nvrtc",
-                        lambda arch=None: (f"-arch=compute_{arch}", "ptx"))
+                        lambda arch=None: (flag, method))
     with pytest.raises(_Compiled):
         core.compile_with_cache(dk.KERNEL_SOURCE, dk.COMPILE_OPTIONS,
                                 prepend_cupy_headers=False, backend="nvrtc")
-    ptx = seen["ptx"].decode() if isinstance(seen["ptx"], bytes) else seen["ptx"]
-    _PTX_CACHE[arch] = seen["options"], ptx
-    return _PTX_CACHE[arch]
+    output = seen["output"]
+    if method == "ptx" and isinstance(output, bytes):
+        output = output.decode()
+    _PTX_CACHE[key] = seen["options"], output
+    return _PTX_CACHE[key]
+
+
+def cupy_ptx(arch, monkeypatch):
+    return cupy_compile(arch, monkeypatch, "ptx")
 
 
 def kernel_bodies(ptx):
@@ -324,6 +339,55 @@ def test_model_of_the_compiled_kernels_equals_host_path(arch, monkeypatch):
             assert_same_bits(name, dk.emulate_scale(name, values, factor, scale_f32),
                              host_scale_bits(name, values, factor, False), values,
                              what=f"x {factor} on compute_{arch}")
+
+
+# ---- the machine code: NVRTC's cubin (what CuPy loads on a device) disassembled -----------
+def _nvdisasm():
+    """nvdisasm from the ``nvidia-cuda-nvdisasm`` wheel (CUDA 13: it reads sm_75 and newer)."""
+    for root in sys.path:
+        for path in sorted(glob.glob(os.path.join(root, "nvidia", "cu*", "bin", "nvdisasm"))):
+            if os.access(path, os.X_OK):
+                return path
+    return shutil.which("nvdisasm")
+
+
+NVDISASM = _nvdisasm()
+SASS_ARCHS = ("75", "80", "86", "90")
+
+
+def elf_sections(data: bytes) -> dict:
+    """Section name -> bytes of a 64-bit little-endian ELF file (a cubin)."""
+    assert data[:4] == b"\x7fELF" and data[4] == 2, "not a 64-bit ELF"
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
+    names = headers[shstrndx][4]
+    sections = {}
+    for name, _type, _flags, _addr, offset, size in headers:
+        end = data.index(b"\0", names + name)
+        sections[data[names + name:end].decode()] = data[offset:offset + size]
+    return sections
+
+
+@needs_nvrtc
+@pytest.mark.skipif(NVDISASM is None, reason="nvdisasm is not installed "
+                    "(nvidia-cuda-nvdisasm from requirements-dev.txt)")
+@pytest.mark.parametrize("arch", SASS_ARCHS)
+def test_machine_code_has_no_flush_to_zero(arch, monkeypatch, tmp_path):
+    """ptxas (inside NVRTC) keeps the PTX's float semantics: no FTZ, no FFMA in the SASS of
+    the cubin CuPy would load (the old kernels had FADD.FTZ, FMUL.FTZ, FSETP.*.FTZ)."""
+    _, cubin = cupy_compile(arch, monkeypatch, "cubin")
+    sections = elf_sections(bytes(cubin))
+    for name in dk.KERNEL_NAMES:
+        raw = tmp_path / f"{name}.bin"
+        raw.write_bytes(sections[f".text.{name}"])
+        sass = subprocess.run([NVDISASM, "-b", f"SM{arch}", str(raw)], capture_output=True,
+                              text=True, check=True, timeout=60).stdout
+        assert "EXIT" in sass, sass[:500]
+        float_ops = set(re.findall(r"\b(F(?:ADD|MUL|SETP|MNMX|FMA|SEL)[A-Z0-9.]*)", sass))
+        assert not {op for op in float_ops if "FTZ" in op or op.startswith("FFMA")}, (
+            f"{name} sm_{arch}: {sorted(float_ops)}")
+        assert "MUFU" not in sass, name
 
 
 def test_flushing_model_does_flush():
