@@ -1,6 +1,6 @@
 """The device kernels checked without a device (issue 23, defects 1 and 2).
 
-* The half-precision kernels' arithmetic, modelled in NumPy operation for operation
+* The kernels' arithmetic (float16, bfloat16, float32), modelled in NumPy operation for operation
   (``device_kernels.emulate_*``), equals the host path (``host_reduce``) bit for bit on
   subnormals, infinities, NaN, ties, the largest finite values and signed zeros, for every op
   and for scaling.
@@ -36,12 +36,16 @@ from mpiddp.buffers.dtypes import DTYPES
 from mpiddp.reduce_ops import ReduceOp, combine_function, reducible_ops
 
 HALF = ("bfloat16", "float16")
+MODELLED = HALF + ("float32",)          # the dtypes with kernels of mpiddp's own
+BITS = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32}
 ARCHS = ("60", "70", "75", "80", "86", "90")
 SMALLEST_NORMAL = np.float32(2.0 ** -126)
 
 
 # ---- the host path, and comparison with it ------------------------------------------------
 def _widen(name, bits):
+    if name == "float32":
+        return np.asarray(bits, np.uint32).view(np.float32)
     with np.errstate(invalid="ignore"):
         return (dk.bf16_bits_to_f32 if name == "bfloat16" else dk.f16_bits_to_f32)(bits)
 
@@ -49,38 +53,41 @@ def _widen(name, bits):
 def host_reduce_bits(name, a, b, op):
     dtype = DTYPES[name]
     dst = a.copy().view(dtype.storage)
-    host_reduce.reduce_into(dst, b.copy().view(dtype.storage), ReduceOp(op), dtype)
-    return dst.view(np.uint16)
+    with np.errstate(all="ignore"):
+        host_reduce.reduce_into(dst, b.copy().view(dtype.storage), ReduceOp(op), dtype)
+    return dst.view(BITS[name])
 
 
 def host_scale_bits(name, bits, factor, exact):
     dtype = DTYPES[name]
     array = bits.copy().view(dtype.storage)
-    host_reduce.scale_(array, factor, dtype, exact)
-    return array.view(np.uint16)
+    with np.errstate(all="ignore"):
+        host_reduce.scale_(array, factor, dtype, exact)
+    return array.view(BITS[name])
 
 
 def assert_same_bits(name, got, host, a, b=None, op=None, what=""):
     """Bitwise equal, with the two latitudes the host path itself takes: its NaN bits and the
     sign of min/max of +0 and -0 differ between torch's vector loop and its scalar tail loop
     (measured: 0x7fc0 vs 0xffff for a bfloat16 NaN), so there any NaN, or either zero, is
-    the host's answer."""
+    the host's answer (kept for float32's NumPy loops too)."""
     got_nan, host_nan = np.isnan(_widen(name, got)), np.isnan(_widen(name, host))
     free = host_nan & got_nan
     if op in (dk.OP_MIN, dk.OP_MAX):
-        zero = lambda x: (x & 0x7FFF) == 0  # noqa: E731
+        magnitude = 0x7FFFFFFF if name == "float32" else 0x7FFF
+        zero = lambda x: (x & magnitude) == 0  # noqa: E731
         free |= zero(a) & zero(b) & zero(got) & zero(host)
     bad = np.flatnonzero(~free & (got != host))
     if bad.size:
-        rows = [f"a={a[i]:#06x}" + (f" b={b[i]:#06x}" if b is not None else "")
-                + f" model={got[i]:#06x} host={host[i]:#06x}" for i in bad[:8]]
+        rows = [f"a={a[i]:#x}" + (f" b={b[i]:#x}" if b is not None else "")
+                + f" model={got[i]:#x} host={host[i]:#x}" for i in bad[:8]]
         pytest.fail(f"{name} {what}: {bad.size} of {got.size} differ from the host path:\n"
                     + "\n".join(rows))
 
 
 # ---- inputs ---------------------------------------------------------------------------------
 def special_bits(name):
-    """Signed zeros, every subnormal (bfloat16) or a spread of them (float16), the smallest
+    """Signed zeros, every subnormal (bfloat16) or a spread of them (others), the smallest
     normals, values around 1 with even and odd last bits (ties for sums with 2^-p), powers of
     two across the range (products that underflow to subnormals or overflow), the largest
     finite values, infinities and NaNs (quiet, signalling, negative)."""
@@ -89,24 +96,34 @@ def special_bits(name):
         subnormals = np.arange(0, 1 << mantissa_bits)
         exps = [1, 2, 3, 30, 60, 66, 100, 118, 119, 120, 125, 126, 127, 128, 134, 135, 190,
                 200, 250, 253, 254]
-    else:
+    elif name == "float16":
         mantissa_bits, exp_max = 10, 0x1F
         subnormals = np.array([0, 1, 2, 3, 5, 0x1FF, 0x200, 0x201, 0x3FE, 0x3FF])
         exps = [1, 2, 3, 4, 5, 7, 10, 13, 14, 15, 16, 17, 20, 25, 28, 29, 30]
+    else:
+        mantissa_bits, exp_max = 23, 0xFF
+        subnormals = np.array([0, 1, 2, 3, 5, 0x3FFFFF, 0x400000, 0x400001, 0x7FFFFE,
+                               0x7FFFFF])
+        exps = [1, 2, 3, 24, 25, 30, 60, 100, 102, 103, 104, 126, 127, 128, 150, 151, 200,
+                250, 253, 254]
     top = (1 << mantissa_bits) - 1
     mantissas = np.array([0, 1, 2, 3, top >> 1, (top >> 1) + 1, top - 1, top])
     normal = [(e << mantissa_bits) | mantissas for e in exps]
     inf = exp_max << mantissa_bits
     specials = [inf, inf | 1, inf | (1 << (mantissa_bits - 1)), inf | top]   # inf, sNaN, qNaN
-    positive = np.concatenate([subnormals, *normal, specials]).astype(np.uint16)
-    return np.unique(np.concatenate([positive, positive | 0x8000])).astype(np.uint16)
+    bits = BITS[name]
+    sign = bits(1 << (8 * np.dtype(bits).itemsize - 1))
+    positive = np.concatenate([subnormals, *normal, specials]).astype(bits)
+    return np.unique(np.concatenate([positive, positive | sign])).astype(bits)
 
 
 def pairs(name):
     values = special_bits(name)
     a, b = np.meshgrid(values, values, indexing="ij")
     rng = np.random.default_rng(23)
-    random = rng.integers(0, 1 << 16, (2, 100_000), dtype=np.uint64).astype(np.uint16)
+    bits = BITS[name]
+    random = rng.integers(0, 1 << (8 * np.dtype(bits).itemsize), (2, 100_000),
+                          dtype=np.uint64).astype(bits)
     return (np.concatenate([a.ravel(), random[0]]), np.concatenate([b.ravel(), random[1]]))
 
 
@@ -121,7 +138,7 @@ def test_cpu_keeps_subnormals():
     assert tiny + tiny != 0 and SMALLEST_NORMAL / np.float32(2) != 0
 
 
-@pytest.mark.parametrize("name", HALF)
+@pytest.mark.parametrize("name", MODELLED)
 @pytest.mark.parametrize("op", sorted(dk.KERNEL_OPS))
 def test_model_reduce_equals_host_path(name, op):
     a, b = pairs(name)
@@ -129,13 +146,30 @@ def test_model_reduce_equals_host_path(name, op):
                      a, b, op, f"op {op}")
 
 
-@pytest.mark.parametrize("name", HALF)
+def scale_values(name):
+    """Special values, and every bit pattern (halves) or random ones (float32)."""
+    if name in HALF:
+        return np.concatenate([special_bits(name), np.arange(1 << 16, dtype=np.uint16)])
+    rng = np.random.default_rng(5)
+    return np.concatenate([special_bits(name), rng.integers(0, 1 << 32, 200_000,
+                                                            dtype=np.uint64).astype(np.uint32)])
+
+
+def model_scale(name, values, factor, exact, f32=dk.IEEE_F32):
+    """The kernel the device uses for a scaling: the half kernels scale in float32 whatever
+    ``exact`` says (as torch does on the host); float32 has an exact kernel (float64)."""
+    if name in HALF:
+        return dk.emulate_scale(name, values, factor, f32)
+    return dk.emulate_scale(name, values, factor, f32, exact=exact)
+
+
+@pytest.mark.parametrize("name", MODELLED)
 def test_model_scale_equals_host_path(name):
-    values = np.concatenate([special_bits(name), np.arange(1 << 16, dtype=np.uint16)])
+    values = scale_values(name)
     for factor in FACTORS:
-        want = dk.emulate_scale(name, values, factor)
         for exact in (False, True):      # Average's 1/size (exact) and user scale factors
-            assert_same_bits(name, want, host_scale_bits(name, values, factor, exact), values,
+            assert_same_bits(name, model_scale(name, values, factor, exact),
+                             host_scale_bits(name, values, factor, exact), values,
                              what=f"x {factor} exact={exact}")
 
 
@@ -164,6 +198,28 @@ def test_known_bfloat16_results(a, b, op, result):
         assert np.isnan(_widen("bfloat16", host)).all() and np.isnan(_widen("bfloat16", model))
     else:
         assert (host[0], model[0]) == (result, result)
+
+
+KNOWN_F32 = [
+    (0x00000001, 0x00000001, dk.OP_SUM, 0x00000002),    # smallest subnormal twice
+    (0x80000001, 0x00000000, dk.OP_MIN, 0x80000001),
+    (0x00400000, 0x00400000, dk.OP_SUM, 0x00800000),    # two subnormals: smallest normal
+    (0x1A000000, 0x25000000, dk.OP_PRODUCT, 0x00200000),   # 2^-75 * 2^-53 = 2^-128
+]
+
+
+@pytest.mark.parametrize("a, b, op, result", KNOWN_F32)
+def test_known_float32_results(a, b, op, result):
+    a, b = np.array([a], np.uint32), np.array([b], np.uint32)
+    assert host_reduce_bits("float32", a, b, op)[0] == result
+    assert dk.emulate_reduce("float32", a, b, op)[0] == result
+
+
+def test_known_float32_average_of_subnormals():
+    bits = np.array([0x00000001, 0x00000003, 0x00000005], np.uint32)
+    want = np.array([0x00000000, 0x00000002, 0x00000002], np.uint32)   # halves, ties to even
+    np.testing.assert_array_equal(host_scale_bits("float32", bits, 0.5, True), want)
+    np.testing.assert_array_equal(dk.emulate_scale("float32", bits, 0.5, exact=True), want)
 
 
 def test_known_bfloat16_scale_ties_in_the_subnormal_range():
@@ -291,10 +347,14 @@ def _flush(x):
     return np.where(np.abs(x) < SMALLEST_NORMAL, np.copysign(np.float32(0), x), x)
 
 
-# .ftz semantics (PTX ISA): subnormal inputs and results become zeros of the same sign.
-FLUSHING_F32 = dk.F32Arithmetic(lambda a, b: _flush(np.add(_flush(a), _flush(b))),
-                                lambda a, b: _flush(np.multiply(_flush(a), _flush(b))),
-                                lambda a, b: np.less(_flush(a), _flush(b)))
+# .ftz semantics (PTX ISA): subnormal float32 inputs and results become zeros of the same
+# sign (float64 has no .ftz).
+FLUSHING_F32 = dk.F32Arithmetic(
+    lambda a, b: _flush(np.add(_flush(a), _flush(b))),
+    lambda a, b: _flush(np.multiply(_flush(a), _flush(b))),
+    lambda a, b: np.less(_flush(a), _flush(b)),
+    lambda x: _flush(x).astype(np.float64), np.multiply,
+    lambda x: _flush(np.asarray(x, np.float64).astype(np.float32)))
 
 
 def arithmetic_of(body):
@@ -325,20 +385,22 @@ def test_model_of_the_compiled_kernels_equals_host_path(arch, monkeypatch):
     what a GPU would compute, and where a build flushes subnormals it shows the values."""
     _, ptx = cupy_ptx(arch, monkeypatch)
     bodies = kernel_bodies(ptx)
-    prefix = {"bfloat16": "mpiddp_bf16", "float16": "mpiddp_f16"}
-    for name in HALF:
+    prefix = {"bfloat16": "mpiddp_bf16", "float16": "mpiddp_f16", "float32": "mpiddp_f32"}
+    for name in MODELLED:
         a, b = pairs(name)
         reduce_f32 = arithmetic_of(bodies[prefix[name] + "_reduce"])
         for op in sorted(dk.KERNEL_OPS):
             got = dk.emulate_reduce(name, a, b, op, reduce_f32)
             assert_same_bits(name, got, host_reduce_bits(name, a, b, op), a, b, op,
                              f"op {op} on compute_{arch}")
-        scale_f32 = arithmetic_of(bodies[prefix[name] + "_scale_kernel"])
-        values = np.arange(1 << 16, dtype=np.uint16)
-        for factor in FACTORS:
-            assert_same_bits(name, dk.emulate_scale(name, values, factor, scale_f32),
-                             host_scale_bits(name, values, factor, False), values,
-                             what=f"x {factor} on compute_{arch}")
+        values = scale_values(name)
+        for exact in (False, True) if name == "float32" else (False,):
+            kernel = prefix[name] + ("_scale_exact_kernel" if exact else "_scale_kernel")
+            scale_f32 = arithmetic_of(bodies[kernel])
+            for factor in FACTORS:
+                assert_same_bits(name, model_scale(name, values, factor, exact, scale_f32),
+                                 host_scale_bits(name, values, factor, exact), values,
+                                 what=f"{kernel} x {factor} on compute_{arch}")
 
 
 # ---- the machine code: NVRTC's cubin (what CuPy loads on a device) disassembled -----------
@@ -384,9 +446,9 @@ def test_machine_code_has_no_flush_to_zero(arch, monkeypatch, tmp_path):
         sass = subprocess.run([NVDISASM, "-b", f"SM{arch}", str(raw)], capture_output=True,
                               text=True, check=True, timeout=60).stdout
         assert "EXIT" in sass, sass[:500]
-        float_ops = set(re.findall(r"\b(F(?:ADD|MUL|SETP|MNMX|FMA|SEL)[A-Z0-9.]*)", sass))
-        assert not {op for op in float_ops if "FTZ" in op or op.startswith("FFMA")}, (
-            f"{name} sm_{arch}: {sorted(float_ops)}")
+        opcodes = set(re.findall(r"\b([A-Z][A-Z0-9]*(?:\.[A-Z0-9_]+)+|[A-Z][A-Z0-9]+)\b", sass))
+        bad = {op for op in opcodes if "FTZ" in op.split(".") or op.split(".")[0] == "FFMA"}
+        assert not bad, f"{name} sm_{arch}: {sorted(bad)}"
         assert "MUFU" not in sass, name
 
 

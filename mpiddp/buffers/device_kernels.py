@@ -1,5 +1,5 @@
-"""CUDA source of the half-precision reduce and scale kernels, and a NumPy emulation of the
-same rounding, so the arithmetic can be checked on a machine without a GPU.
+"""CUDA source of the half-precision (and float32) reduce and scale kernels, and a NumPy
+emulation of the same arithmetic, so it can be checked on a machine without a GPU.
 
 float16 and bfloat16 buffers are reduced as raw ``uint16`` bits: CuPy has no bfloat16, and
 doing both formats the same way keeps one code path. Each element is widened to float32
@@ -19,6 +19,10 @@ without ``.ftz`` (``mpiddp_add``, ``mpiddp_mul``, ``mpiddp_less``); everything e
 arithmetic on the bits. ``F32_INSTRUCTIONS`` names those instructions and the NumPy operation
 that computes the same IEEE result; the tests compile the kernels through CuPy's own compile
 path and check that their PTX executes no other float arithmetic.
+
+The float32 kernels (``mpiddp_f32_*``) exist for the same reason: CuPy's own elementwise
+kernels (``cupy.add`` and the rest) are compiled with ``-ftz=true`` and flush float32
+subnormals on the device, where the host path keeps them.
 """
 from __future__ import annotations
 
@@ -178,15 +182,16 @@ MPIDDP_HD int mpiddp_isnan(float a) {
     return (mpiddp_f2u(a) & 0x7fffffffu) > 0x7f800000u;
 }
 
-/* op: 0 average, 1 sum (both add), 2 min, 3 max, 4 product. NaN in, NaN out. */
+/* op: 0 average, 1 sum (both add), 2 min, 3 max, 4 product. NaN in, NaN out. Min and max
+   of equal values (+0 and -0) give b, as NumPy's and torch's vector loops do. */
 MPIDDP_HD float mpiddp_combine(float a, float b, int op) {
     switch (op) {
     case 2:
         return (mpiddp_isnan(a) || mpiddp_isnan(b)) ? mpiddp_add(a, b)
-                                                    : (mpiddp_less(b, a) ? b : a);
+                                                    : (mpiddp_less(a, b) ? a : b);
     case 3:
         return (mpiddp_isnan(a) || mpiddp_isnan(b)) ? mpiddp_add(a, b)
-                                                    : (mpiddp_less(a, b) ? b : a);
+                                                    : (mpiddp_less(b, a) ? a : b);
     case 4:
         return mpiddp_mul(a, b);
     default:
@@ -208,6 +213,20 @@ MPIDDP_HD unsigned short mpiddp_bf16_scale(unsigned short a, float factor) {
 
 MPIDDP_HD unsigned short mpiddp_f16_scale(unsigned short a, float factor) {
     return mpiddp_f32_to_f16(mpiddp_mul(mpiddp_f16_to_f32(a), factor));
+}
+
+/* float32 scaled in float64 and rounded once (the host's exact scaling, Average's 1/size). */
+MPIDDP_HD float mpiddp_f32_scale_exact(float a, double factor) {
+#ifdef __CUDA_ARCH__
+    double wide, product;
+    float r;
+    asm("cvt.f64.f32 %0, %1;" : "=d"(wide) : "f"(a));
+    asm("mul.rn.f64 %0, %1, %2;" : "=d"(product) : "d"(wide), "d"(factor));
+    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(product));
+    return r;
+#else
+    return (float)((double)a * factor);
+#endif
 }
 """
 
@@ -237,11 +256,27 @@ extern "C" __global__ void mpiddp_f16_scale_kernel(unsigned short* x, long long 
                                                    float factor) {
     MPIDDP_GRID_LOOP(i, n) { x[i] = mpiddp_f16_scale(x[i], factor); }
 }
+
+/* float32: CuPy's own elementwise kernels are compiled with -ftz=true and would flush. */
+extern "C" __global__ void mpiddp_f32_reduce(float* dst, const float* src, long long n,
+                                             int op) {
+    MPIDDP_GRID_LOOP(i, n) { dst[i] = mpiddp_combine(dst[i], src[i], op); }
+}
+
+extern "C" __global__ void mpiddp_f32_scale_kernel(float* x, long long n, float factor) {
+    MPIDDP_GRID_LOOP(i, n) { x[i] = mpiddp_mul(x[i], factor); }
+}
+
+extern "C" __global__ void mpiddp_f32_scale_exact_kernel(float* x, long long n,
+                                                         double factor) {
+    MPIDDP_GRID_LOOP(i, n) { x[i] = mpiddp_f32_scale_exact(x[i], factor); }
+}
 #endif
 """
 
 KERNEL_NAMES = ("mpiddp_bf16_reduce", "mpiddp_f16_reduce", "mpiddp_bf16_scale_kernel",
-                "mpiddp_f16_scale_kernel")
+                "mpiddp_f16_scale_kernel", "mpiddp_f32_reduce", "mpiddp_f32_scale_kernel",
+                "mpiddp_f32_scale_exact_kernel")
 #: NVRTC options for ``cupy.RawModule(code=KERNEL_SOURCE, ...)``. CuPy adds ``-ftz=true``
 #: after these (a ``-ftz=false`` here would lose), hence the explicit PTX arithmetic above;
 #: ``-fmad=false`` keeps any future float code from being contracted into an fma.
@@ -279,17 +314,22 @@ def f32_to_f16_bits(values: np.ndarray) -> np.ndarray:
 
 
 class F32Arithmetic:
-    """The float32 operations the kernels execute, as NumPy functions (for the emulation)."""
+    """The float operations the kernels execute, as NumPy functions (for the emulation)."""
 
-    def __init__(self, add, mul, less):
+    def __init__(self, add, mul, less, widen64, mul64, narrow64):
         self.add, self.mul, self.less = add, mul, less
+        self.widen64, self.mul64, self.narrow64 = widen64, mul64, narrow64
 
 
-#: The float32 instructions in the kernel source (``mpiddp_add``, ``mpiddp_mul``,
-#: ``mpiddp_less``) and the operation each is in the emulation: IEEE 754 binary32, round to
-#: nearest even, subnormals kept, as NumPy computes on the CPU.
-F32_INSTRUCTIONS = {"add.rn.f32": "add", "mul.rn.f32": "mul", "setp.lt.f32": "less"}
-IEEE_F32 = F32Arithmetic(np.add, np.multiply, np.less)
+#: The float instructions in the kernel source (``mpiddp_add``, ``mpiddp_mul``,
+#: ``mpiddp_less``, ``mpiddp_f32_scale_exact``) and the operation each is in the emulation:
+#: IEEE 754, round to nearest even, subnormals kept, as NumPy computes on the CPU.
+F32_INSTRUCTIONS = {"add.rn.f32": "add", "mul.rn.f32": "mul", "setp.lt.f32": "less",
+                    "cvt.f64.f32": "widen64", "mul.rn.f64": "mul64",
+                    "cvt.rn.f32.f64": "narrow64"}
+IEEE_F32 = F32Arithmetic(np.add, np.multiply, np.less,
+                         lambda x: np.asarray(x, np.float32).astype(np.float64), np.multiply,
+                         lambda x: np.asarray(x, np.float64).astype(np.float32))
 
 
 def _isnan_bits(x: np.ndarray) -> np.ndarray:
@@ -302,8 +342,8 @@ def _combine_f32(a: np.ndarray, b: np.ndarray, op: int, f32: F32Arithmetic) -> n
     with np.errstate(all="ignore"):
         if op in (OP_MIN, OP_MAX):
             nan = _isnan_bits(a) | _isnan_bits(b)
-            pick_b = f32.less(b, a) if op == OP_MIN else f32.less(a, b)
-            return np.where(nan, f32.add(a, b), np.where(pick_b, b, a)).astype(np.float32)
+            pick_a = f32.less(a, b) if op == OP_MIN else f32.less(b, a)
+            return np.where(nan, f32.add(a, b), np.where(pick_a, a, b)).astype(np.float32)
         if op == OP_PRODUCT:
             return f32.mul(a, b)
         return f32.add(a, b)
@@ -311,8 +351,8 @@ def _combine_f32(a: np.ndarray, b: np.ndarray, op: int, f32: F32Arithmetic) -> n
 
 def emulate_reduce(dtype_name: str, a_bits: np.ndarray, b_bits: np.ndarray, op: int,
                    f32: F32Arithmetic = IEEE_F32):
-    """What the ``*_reduce`` kernels write into ``dst`` (uint16 bits). ``f32``: the float32
-    operations (the tests pass flushing ones to model a kernel compiled with ``.ftz``)."""
+    """What the ``*_reduce`` kernels write into ``dst`` (bits: uint16, uint32 for float32).
+    ``f32``: the float operations (the tests pass flushing ones to model ``.ftz``)."""
     widen, narrow = _codec(dtype_name)
     a = widen(a_bits).astype(np.float32)
     b = widen(b_bits).astype(np.float32)
@@ -320,10 +360,16 @@ def emulate_reduce(dtype_name: str, a_bits: np.ndarray, b_bits: np.ndarray, op: 
 
 
 def emulate_scale(dtype_name: str, bits: np.ndarray, factor: float,
-                  f32: F32Arithmetic = IEEE_F32):
-    """What the ``*_scale_kernel`` kernels write (uint16 bits)."""
+                  f32: F32Arithmetic = IEEE_F32, exact: bool = False):
+    """What the ``*_scale_kernel`` kernels write (bits); ``exact``: float32's
+    ``mpiddp_f32_scale_exact_kernel`` (float64 product, rounded once)."""
     widen, narrow = _codec(dtype_name)
     with np.errstate(all="ignore"):
+        if exact:
+            if dtype_name != "float32":
+                raise ValueError("exact scaling is a float32 kernel")
+            product = f32.mul64(f32.widen64(widen(bits)), np.float64(factor))
+            return narrow(np.asarray(f32.narrow64(product), dtype=np.float32))
         return narrow(np.asarray(f32.mul(widen(bits), np.float32(factor)), dtype=np.float32))
 
 
@@ -332,4 +378,7 @@ def _codec(dtype_name: str):
         return bf16_bits_to_f32, f32_to_bf16_bits
     if dtype_name == "float16":
         return f16_bits_to_f32, f32_to_f16_bits
-    raise ValueError(f"no half-precision kernel for {dtype_name}")
+    if dtype_name == "float32":         # float32 bits as uint32, unchanged by the codec
+        return (lambda bits: np.asarray(bits, np.uint32).view(np.float32),
+                lambda values: np.asarray(values, np.float32).view(np.uint32))
+    raise ValueError(f"no kernel for {dtype_name}")
