@@ -232,7 +232,7 @@ def test_known_bfloat16_scale_ties_in_the_subnormal_range():
 def test_kernel_source_has_what_the_model_mirrors():
     """The model's rounding and arithmetic are those of the source: bfloat16's integer
     round-to-nearest-even with NaN handled first, and one explicit PTX instruction (no .ftz)
-    for each float32 operation the model performs."""
+    for each float operation the model performs."""
     source = dk.KERNEL_SOURCE
     rounding = re.search(r"mpiddp_f32_to_bf16\(float value\) \{(.*?)\n\}", source, re.S)
     assert rounding, "the float32 -> bfloat16 rounding helper is gone"
@@ -319,6 +319,36 @@ def cupy_compile(arch, monkeypatch, method="ptx"):
         output = output.decode()
     _PTX_CACHE[key] = seen["options"], output
     return _PTX_CACHE[key]
+
+
+class _Anything:
+    """Stands in for any CuPy object the device state touches: callable, a context manager,
+    every attribute another one."""
+
+    def __call__(self, *args, **kwargs):
+        return self
+
+    def __getattr__(self, name):
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.skipif(COMPILER is None, reason=str(NO_NVRTC))
+def test_device_module_is_built_with_these_options(monkeypatch):
+    """The source and options compiled above are the ones ``device.py`` gives RawModule."""
+    from mpiddp.buffers import device
+
+    built = []
+    fake = _Anything()
+    fake.RawModule = lambda **kwargs: built.append(kwargs) or _Anything()
+    monkeypatch.setattr(device, "cupy", fake)
+    device._DeviceState(0)
+    assert built == [{"code": dk.KERNEL_SOURCE, "options": dk.COMPILE_OPTIONS}]
 
 
 def cupy_ptx(arch, monkeypatch):
