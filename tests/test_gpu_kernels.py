@@ -493,7 +493,7 @@ def test_flushing_model_does_flush():
 def _gpu_worker():
     workers = os.path.join(os.path.dirname(__file__), "workers")
     if workers not in sys.path:
-        sys.path.insert(0, workers)
+        sys.path.append(workers)
     import gpu_worker
 
     return gpu_worker
