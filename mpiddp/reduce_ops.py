@@ -54,6 +54,12 @@ def combine_function(op: ReduceOp, dtype_kind: str) -> str:
     return (_BOOL_COMBINE if dtype_kind == "bool" else _COMBINE)[ReduceOp(op)]
 
 
+def reducible_ops(dtype_kind: str) -> tuple[ReduceOp, ...]:
+    """The ops the buffer backends (host and device) can reduce on ``dtype_kind`` values: those
+    ``combine_function`` has a function for. Adasum is never among them."""
+    return tuple(_BOOL_COMBINE if dtype_kind == "bool" else _COMBINE)
+
+
 def check_op_for_dtype(op: ReduceOp, dtype_kind: str, dtype_name: str, tensor_name: str) -> None:
     """Raise ``ValueError`` for an (op, dtype) pair that has no sensible meaning."""
     if op == ReduceOp.ADASUM:

@@ -39,7 +39,7 @@ from cupy.cuda import runtime
 from ..errors import MpiddpError
 from ..reduce_ops import ReduceOp, combine_function
 from .default_device import default_device
-from .device_kernels import KERNEL_SOURCE, THREADS_PER_BLOCK, launch_blocks
+from .device_kernels import COMPILE_OPTIONS, KERNEL_SOURCE, THREADS_PER_BLOCK, launch_blocks
 from .dtypes import DType
 from .host_reduce import reduce_into as host_reduce_into
 
@@ -66,7 +66,7 @@ class _DeviceState:
         with cupy.cuda.Device(device_id):
             self.stream = cupy.cuda.Stream(non_blocking=True)       # the engine stream
             self.copy_stream = cupy.cuda.Stream(non_blocking=True)  # staging device->host
-            self._module = cupy.RawModule(code=KERNEL_SOURCE, options=("--std=c++11",))
+            self._module = cupy.RawModule(code=KERNEL_SOURCE, options=COMPILE_OPTIONS)
             self._kernels = {}
 
     def flush(self):
