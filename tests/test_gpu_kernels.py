@@ -347,6 +347,7 @@ def test_device_module_is_built_with_these_options(monkeypatch):
     fake = _Anything()
     fake.RawModule = lambda **kwargs: built.append(kwargs) or _Anything()
     monkeypatch.setattr(device, "cupy", fake)
+    monkeypatch.setattr(device, "use_device", lambda device_id: None)   # no CUDA runtime here
     device._DeviceState(0)
     assert built == [{"code": dk.KERNEL_SOURCE, "options": dk.COMPILE_OPTIONS}]
 

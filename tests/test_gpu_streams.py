@@ -469,3 +469,30 @@ def test_ready_event_follows_the_contiguous_copy(monkeypatch, restore_default_de
     with engine:
         gpu.cupy.empty(6, np.float32)[...] = entry.input      # the engine reads the copy
     gpu.check_clean()
+
+
+def test_floating_reductions_and_scaling_run_our_non_flushing_kernels(monkeypatch,
+                                                                     restore_default_device):
+    """float16, bfloat16 and float32 reduce and scale with mpiddp's kernels (no CuPy
+    elementwise kernel, which CuPy compiles with -ftz=true); float32's exact scaling (an
+    Average's 1/size) takes the float64 kernel, so a subnormal result survives as on the host."""
+    gpu = make_fake(monkeypatch, count=1, allowed=0)
+    backend = buffers.backend_for("cuda")
+    for name in ("float16", "bfloat16", "float32"):
+        dtype = dtype_named(name)
+        a, b = backend.empty(8, dtype), backend.empty(8, dtype)
+        backend.fill(a, 1.0)
+        backend.fill(b, 2.0)
+        for op in (ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
+            backend.reduce_into(a, b, op, dtype)
+        backend.scale_(a, 0.25, dtype)
+    tiny = backend.empty(1, F32)
+    backend.fill(tiny, 3e-38)                           # normal; a third of it is subnormal
+    backend.scale_(tiny, 1 / 3, F32, exact=True)
+    backend.after_unpack("cuda")
+    assert gpu.kernel_calls.count("mpiddp_f32_reduce") == 4, gpu.kernel_calls
+    assert {"mpiddp_f16_reduce", "mpiddp_bf16_reduce", "mpiddp_f16_scale_kernel",
+            "mpiddp_bf16_scale_kernel", "mpiddp_f32_scale_kernel",
+            "mpiddp_f32_scale_exact_kernel"} <= set(gpu.kernel_calls), gpu.kernel_calls
+    assert gpu.host_read(tiny)[0] == np.float32(np.float64(np.float32(3e-38)) / 3)
+    assert gpu.host_read(tiny)[0] != 0

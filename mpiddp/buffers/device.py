@@ -43,8 +43,12 @@ from .device_kernels import COMPILE_OPTIONS, KERNEL_SOURCE, THREADS_PER_BLOCK, l
 from .dtypes import DType
 from .host_reduce import reduce_into as host_reduce_into
 
-_HALF_REDUCE = {"float16": "mpiddp_f16_reduce", "bfloat16": "mpiddp_bf16_reduce"}
-_HALF_SCALE = {"float16": "mpiddp_f16_scale_kernel", "bfloat16": "mpiddp_bf16_scale_kernel"}
+# Our own kernels for the floating types whose results must equal the host path's bit for
+# bit: CuPy's elementwise kernels are compiled with -ftz=true and flush subnormals.
+_FLOAT_REDUCE = {"float16": "mpiddp_f16_reduce", "bfloat16": "mpiddp_bf16_reduce",
+                 "float32": "mpiddp_f32_reduce"}
+_FLOAT_SCALE = {"float16": "mpiddp_f16_scale_kernel", "bfloat16": "mpiddp_bf16_scale_kernel",
+                "float32": "mpiddp_f32_scale_kernel"}
 
 
 def use_device(device_id: int) -> None:
@@ -248,8 +252,8 @@ class DeviceBackend:
             return
         state = self._array_state(dst)
         with state.stream:
-            if dtype.name in _HALF_REDUCE:
-                kernel = state.kernel(_HALF_REDUCE[dtype.name])
+            if dtype.name in _FLOAT_REDUCE:
+                kernel = state.kernel(_FLOAT_REDUCE[dtype.name])
                 kernel((launch_blocks(n),), (THREADS_PER_BLOCK,),
                        (dst, src, np.int64(n), np.int32(int(op))))
             else:
@@ -257,7 +261,8 @@ class DeviceBackend:
 
     def scale_(self, array, factor: float, dtype: DType, exact: bool = False) -> None:
         """Multiply a floating-point buffer by ``factor`` in place on the device (Average's
-        1/size, pre/post scale factors). Half types compute in float32 and round once."""
+        1/size, pre/post scale factors) with our kernels: half types compute in float32 and
+        round once; float32 with ``exact`` computes in float64 and rounds once, as the host."""
         if factor == 1.0 or array.size == 0:
             return
         if isinstance(array, np.ndarray):
@@ -271,15 +276,18 @@ class DeviceBackend:
         with state.stream:
             if dtype.kind == "int":     # as on the host: float64, truncated toward zero
                 array[...] = (array.astype(cupy.float64) * factor).astype(array.dtype)
-            elif dtype.name in _HALF_SCALE:
-                kernel = state.kernel(_HALF_SCALE[dtype.name])
-                n = array.size
-                kernel((launch_blocks(n),), (THREADS_PER_BLOCK,),
-                       (array, np.int64(n), np.float32(factor)))
-            elif dtype.name == "float32":
-                cupy.multiply(array, np.float32(factor), out=array)
+            elif dtype.name == "float32" and exact:    # in float64, rounded once, as the host
+                self._launch(state, "mpiddp_f32_scale_exact_kernel", array, np.float64(factor))
+            elif dtype.name in _FLOAT_SCALE:
+                self._launch(state, _FLOAT_SCALE[dtype.name], array, np.float32(factor))
             else:
                 cupy.multiply(array, float(factor), out=array)
+
+    @staticmethod
+    def _launch(state, name: str, array, factor) -> None:
+        n = array.size
+        state.kernel(name)((launch_blocks(n),), (THREADS_PER_BLOCK,),
+                           (array, np.int64(n), factor))
 
     def wait_ready(self, entry) -> None:
         """Make the engine stream wait (on the device) for the event recorded on the stream

@@ -88,6 +88,7 @@ class FakeGPU:
         self.touched: dict[int, set] = {}       # device -> names of the threads that touched it
         self.violations: list[str] = []
         self.spin_waits = 0
+        self.kernel_calls: list[str] = []        # names of the RawModule kernels launched
         self.log: list[tuple] = []               # (thread, what, device, stream name)
         self._memories: list[_Memory] = []       # sorted by start address
         self._starts: list[int] = []
@@ -503,7 +504,10 @@ class _Kernel:
         from mpiddp.buffers.host_reduce import reduce_into, scale_
         from mpiddp.reduce_ops import ReduceOp
 
-        dtype = dtype_named("bfloat16" if "bf16" in self.name else "float16")
+        # The kernels' arithmetic is the host path's (tests/test_gpu_kernels.py proves it).
+        self.gpu.kernel_calls.append(self.name)
+        dtype = dtype_named("bfloat16" if "bf16" in self.name else
+                            "float32" if "f32" in self.name else "float16")
         if "reduce" in self.name:
             dst, src, _, op = args
             dst._run(self.name, reads=[dst, src])
@@ -511,7 +515,7 @@ class _Kernel:
         else:
             array, _, factor = args
             array._run(self.name, reads=[array])
-            scale_(array.host, float(factor), dtype)
+            scale_(array.host, float(factor), dtype, exact="exact" in self.name)
 
 
 class _Module:
