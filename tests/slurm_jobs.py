@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from contextlib import contextmanager
@@ -14,6 +15,30 @@ from contextlib import contextmanager
 import pytest
 
 from mpi_launch import ROOT
+
+
+LOCAL_SLURM = ROOT / "scripts" / "local_slurm.sh"
+
+
+@contextmanager
+def slurm_on_cluster_nodes(nodes: int, state_dir, **extra_env):
+    """Slurm on the first ``nodes`` nodes of the emulated cluster (scripts/local_slurm.sh:
+    slurmctld in node 0, a slurmd in each node under its own name and address); yields the
+    environment for its commands (over the shaped links, as between real nodes), stops it at
+    the end. Skips where Slurm is not installed and cannot be."""
+    env = dict(os.environ, LOCAL_SLURM_NODES=str(nodes), LOCAL_SLURM_DIR=str(state_dir))
+    start = subprocess.run(["bash", str(LOCAL_SLURM), "start"], env=env, capture_output=True,
+                           text=True, timeout=600)
+    if "apt-get could not install" in start.stderr:
+        pytest.skip("Slurm is not installed and could not be:\n" + start.stderr[-2000:])
+    assert start.returncode == 0, start.stderr[-3000:]
+    conf = re.search(r"export SLURM_CONF=(\S+)", start.stdout).group(1)
+    try:
+        yield dict(os.environ, SLURM_CONF=conf, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+                   UCX_TLS="tcp,self", **extra_env)
+    finally:
+        subprocess.run(["bash", str(LOCAL_SLURM), "stop"], env=env, timeout=180)
 
 
 @contextmanager

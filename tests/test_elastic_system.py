@@ -18,6 +18,7 @@ import pytest
 from mpi_launch import ROOT, Job, process_gone
 from mpiddp.elastic import list_snapshots
 from mpiddp.torch.elastic import _newest_readable
+from slurm_jobs import slurm_on_cluster_nodes
 
 pytestmark = [pytest.mark.system]
 CLUSTER = ROOT / "scripts" / "local_cluster.sh"
@@ -169,27 +170,15 @@ def test_below_min_nodes_stops_with_the_snapshot_intact(cluster, tmp_path):
 
 
 # ---- Slurm across the nodes: sbatch, the launcher inside it relaunching srun ----------------
-LOCAL_SLURM = ROOT / "scripts" / "local_slurm.sh"
 IN_NODE_0 = ("bash", str(CLUSTER), "exec", "0", "--")     # Slurm's commands run in node 0
 
 
 @pytest.fixture(scope="module")
 def slurm_on_nodes(cluster, tmp_path_factory):
-    env = dict(os.environ, LOCAL_SLURM_NODES="3",
-               LOCAL_SLURM_DIR=str(tmp_path_factory.mktemp("slurm") / "cluster"))
-    start = subprocess.run(["bash", str(LOCAL_SLURM), "start"], env=env, capture_output=True,
-                           text=True, timeout=600)
-    if "apt-get could not install" in start.stderr:
-        pytest.skip("Slurm is not installed and could not be:\n" + start.stderr[-2000:])
-    assert start.returncode == 0, start.stderr[-3000:]
-    conf = re.search(r"export SLURM_CONF=(\S+)", start.stdout).group(1)
-    try:
-        yield dict(os.environ, SLURM_CONF=conf, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-                   PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "scripts")]),
-                   UCX_TLS="tcp,self")
-    finally:
-        subprocess.run(["bash", str(LOCAL_SLURM), "stop"], env=env, timeout=180)
+    with slurm_on_cluster_nodes(3, tmp_path_factory.mktemp("slurm") / "cluster",
+                                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "scripts")])
+                                ) as env:
+        yield env
 
 
 def test_sbatch_job_goes_on_after_losing_a_node(slurm_on_nodes, tmp_path):

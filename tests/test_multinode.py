@@ -7,7 +7,6 @@ killed as a process group; the cluster is torn down at the end."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import torch
 
 from mpi_launch import (ROOT, WORKERS, Job, MPIResult, assert_ok, process_gone,
                         wait_for_files)
-from slurm_jobs import job as slurm_job, srun, wait_for_job
+from slurm_jobs import job as slurm_job, slurm_on_cluster_nodes, srun, wait_for_job
 
 pytestmark = [pytest.mark.system]
 CLUSTER = ROOT / "scripts" / "local_cluster.sh"
@@ -142,29 +141,15 @@ def test_a_node_losing_its_link_ends_the_job_naming_its_ranks(cluster, tmp_path)
 # ---- Slurm across the nodes -----------------------------------------------------------------
 # Last in this module: its daemons live in nodes 0 and 1, where the fault tests above expect no
 # process but their own once a job has ended.
-LOCAL_SLURM = ROOT / "scripts" / "local_slurm.sh"
 IN_NODE_0 = ("bash", str(CLUSTER), "exec", "0", "--")     # Slurm's commands run in node 0
 
 
 @pytest.fixture(scope="module")
 def slurm_on_nodes(cluster, tmp_path_factory):
-    """Slurm on two of the cluster's nodes (scripts/local_slurm.sh, LOCAL_SLURM_NODES=2):
-    slurmctld in node 0, a slurmd in each node under its own name and address."""
-    env = dict(os.environ, LOCAL_SLURM_NODES="2",
-               LOCAL_SLURM_DIR=str(tmp_path_factory.mktemp("slurm") / "cluster"))
-    start = subprocess.run(["bash", str(LOCAL_SLURM), "start"], env=env, capture_output=True,
-                           text=True, timeout=600)
-    if "apt-get could not install" in start.stderr:
-        pytest.skip("Slurm is not installed and could not be:\n" + start.stderr[-2000:])
-    assert start.returncode == 0, start.stderr[-3000:]
-    conf = re.search(r"export SLURM_CONF=(\S+)", start.stdout).group(1)
-    try:
-        yield dict(os.environ, SLURM_CONF=conf, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-                   # over the shaped links, as between real nodes (docs/multinode.md)
-                   UCX_TLS="tcp,self", MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
-    finally:
-        subprocess.run(["bash", str(LOCAL_SLURM), "stop"], env=env, timeout=180)
+    """Slurm on two of the cluster's nodes (tests/slurm_jobs.py)."""
+    with slurm_on_cluster_nodes(2, tmp_path_factory.mktemp("slurm") / "cluster",
+                                MPIR_CVAR_ENABLE_HEAVY_YIELD="1") as env:
+        yield env
 
 
 def test_srun_across_nodes(slurm_on_nodes):
