@@ -118,17 +118,21 @@ def allreduce_bytes(responses) -> tuple[list, int]:
 
 
 class Window:
-    """Bytes all-reduced between two points of time that are whole steps apart."""
+    """Bytes all-reduced between two points of time that are whole steps apart: from the
+    start of the first cycle that reduces something to the start of the cycle that reduces
+    a name for the ``steps + 1``-th time."""
 
-    def __init__(self, now: float):
-        self.start, self.bytes, self.counts = now, 0, {}
+    def __init__(self):
+        self.start, self.bytes, self.counts = None, 0, {}
 
     def add(self, names: list, nbytes: int, steps: int, now: float) -> Optional[float]:
         """Count a cycle's all-reduces (seen before it runs). When one of its names has run
         ``steps`` times already, the window closes: returns its score (bytes per us) and
         starts over at ``now`` with this cycle."""
         score = None
-        if any(self.counts.get(name, 0) >= steps for name in names):
+        if self.start is None:
+            self.start = now
+        elif any(self.counts.get(name, 0) >= steps for name in names):
             elapsed_us = (now - self.start) * 1e6
             score = self.bytes / elapsed_us if elapsed_us > 0 else 0.0
             self.start, self.bytes, self.counts = now, 0, {}
@@ -166,7 +170,7 @@ class Autotuner:
     cycle's agreed list before running it and ``applied`` when a ``Retune`` takes effect;
     ``observe`` returns the next ``Retune`` to announce, or None."""
 
-    def __init__(self, settings: Settings, start: Knobs, now: float, seed: int = 0):
+    def __init__(self, settings: Settings, start: Knobs, seed: int = 0):
         self.settings = settings
         self.start = start
         self.continuous, self.switches = tuned_knobs(start, settings)
@@ -185,19 +189,19 @@ class Autotuner:
             log.warning("mpiddp autotune: nothing to tune (every knob is set explicitly or "
                         "does not apply here)")
         # The first sample also settles the engine's start (negotiation, first buffers).
-        self._begin(now, extra_warmup=1)
+        self._begin(extra_warmup=1)
 
-    def _begin(self, now: float, extra_warmup: int = 0) -> None:
-        self.window = Window(now)
+    def _begin(self, extra_warmup: int = 0) -> None:
+        self.window = Window()
         self.warmup = self.settings.autotune_warmup_windows + extra_warmup
         self.window_scores: list = []
 
-    def applied(self, retune: Retune, now: float) -> None:
+    def applied(self, retune: Retune) -> None:
         self.current, self.waiting = retune.knobs, False
         if retune.final:
             self.finished = True
         else:
-            self._begin(now)
+            self._begin()
 
     def observe(self, responses, now: float) -> Optional[Retune]:
         if self.finished or self.waiting:

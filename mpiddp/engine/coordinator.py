@@ -67,7 +67,7 @@ class Engine:
         self.executor = make_executor(self.stats, self.timeline, self._complete)
         self.on_stop: list[Callable[[], None]] = []   # run on the coordinator when it stops
         # Autotune: rank 0 searches; every rank records what it applied at which cycle.
-        self.tuner = Autotuner(settings, self.executor.knobs(), time.perf_counter()) \
+        self.tuner = Autotuner(settings, self.executor.knobs()) \
             if settings.autotune and self.rank == 0 and self.size > 1 else None
         self.retunes: list[tuple[int, Retune]] = []
 
@@ -226,7 +226,7 @@ class Engine:
         self.policy.heartbeat = retune.knobs.cycle_time / 1000
         self.retunes.append((self.stats.cycles, retune))
         if self.tuner is not None:
-            self.tuner.applied(retune, time.perf_counter())
+            self.tuner.applied(retune)
 
     @property
     def autotune_finished(self) -> bool:
