@@ -195,10 +195,13 @@ def test_every_fake_rank_applies_the_same_settings_at_the_same_point(size):
 
 # ---- a real 2-rank run --------------------------------------------------------------------
 def test_two_ranks_tune_together_with_exact_results(tmp_path):
+    """Identical settings at identical cycles on both ranks, exact sums all along, the log's
+    samples and best, the explicit cycle time left alone."""
     path = tmp_path / "autotune.csv"
     env = {"MPIDDP_AUTOTUNE": "1", "MPIDDP_AUTOTUNE_LOG": str(path),
            "MPIDDP_AUTOTUNE_WARMUP_WINDOWS": "0", "MPIDDP_AUTOTUNE_STEPS_PER_WINDOW": "2",
-           "MPIDDP_AUTOTUNE_WINDOWS": "1", "MPIDDP_AUTOTUNE_MAX_SAMPLES": "6"}
+           "MPIDDP_AUTOTUNE_WINDOWS": "1", "MPIDDP_AUTOTUNE_MAX_SAMPLES": "6",
+           "MPIDDP_CYCLE_TIME": "7"}           # set explicitly: never changed
     result = run_mpi("autotune_worker.py", 2, 300, env=env, timeout=180)
     assert_ok(result, expect_lines=1)
     ranks = reported(result, "autotune")[0]["ranks"]
@@ -207,7 +210,8 @@ def test_two_ranks_tune_together_with_exact_results(tmp_path):
     assert ranks[0]["applied"] == ranks[1]["applied"]
     retunes = ranks[0]["retunes"]
     assert len(retunes) == 6 and retunes[-1][2]        # five samples after the start, the end
-    assert len({tuple(r[3:5]) for r in retunes}) > 2   # settings did change
+    assert len({(r[3], r[5]) for r in retunes}) > 2     # settings did change
+    assert {r[4] for r in retunes} == {7.0}
     rows = list(csv.DictReader(path.open()))
     assert [row["kind"] for row in rows] == ["start"] + ["sample"] * 5 + ["best"]
     best = rows[-1]
