@@ -238,7 +238,7 @@ class Autotuner:
         self.scores.append(score)
         self.log.write(sample, "start" if sample == 0 else "sample", self.current, score,
                        self.window_scores)
-        log.info("mpiddp autotune: sample %d [%s] scored %.1f bytes/us", sample,
+        log.info("mpiddp autotune: sample %d [%s] scored %.4g bytes/us", sample,
                  self.current.pin(), score)
         self.waiting = True
         limit = self.settings.autotune_max_samples
@@ -248,7 +248,7 @@ class Autotuner:
             best = bayes.best_sampled(self.points, self.scores)
             knobs = self.knobs[best]
             self.log.write(best, "best", knobs, self.scores[best])
-            log.warning("mpiddp autotune: done after %d samples; the best (sample %d, %.1f "
+            log.warning("mpiddp autotune: done after %d samples; the best (sample %d, %.4g "
                         "bytes/us) stays for the rest of the run. To pin it: %s",
                         len(self.scores), best, self.scores[best], knobs.pin())
             return Retune(knobs, best, final=True)
