@@ -129,6 +129,26 @@ def test_the_search_ends_with_its_best_sample_and_logs_every_sample(tmp_path):
     assert tuner.observe([response("g.0", 1000)] * 3, 1e6) is None
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_noisy_scores_still_end_within_5_percent(seed):
+    """3% noise on every sample's score (seeded: deterministic), 16 samples, a landscape
+    where the ring threshold matters most (as on one node: the ring for nearly everything)."""
+    def landscape(k):
+        f = math.log2(k.fusion_threshold / (4 << 20))
+        r = math.log2(k.ring_threshold / (64 << 10))
+        return 0.1 * (1 + 0.01 * f * f + 0.03 * max(r, 0) ** 1.5
+                      + 0.02 * abs(math.log(k.cycle_time / 20)))
+
+    noise = np.random.default_rng(100 + seed)
+    tuner = Autotuner(replace(FAST, autotune_max_samples=16),
+                      replace(START, hierarchical=None), seed=seed)
+    applied = simulate(tuner, lambda k: landscape(k) * (1 + 0.03 * noise.standard_normal()))
+    grid = min(landscape(Knobs(int(f), float(c), int(r)))
+               for f in np.geomspace(64 << 10, 64 << 20, 12)
+               for r in np.geomspace(16 << 10, 64 << 20, 12) for c in np.geomspace(1, 100, 6))
+    assert landscape(applied[-1].knobs) <= 1.05 * grid
+
+
 def test_explicit_and_inapplicable_knobs_are_not_searched():
     settings = read_settings({"MPIDDP_AUTOTUNE": "1", "MPIDDP_FUSION_THRESHOLD": "1048576",
                               "MPIDDP_AUTOTUNE_WARMUP_WINDOWS": "0",
