@@ -97,6 +97,14 @@ class SwitchOrPath:
         return value
 
 
+@dataclass(frozen=True)
+class Text:
+    """Any text (a file path); surrounding blanks removed, '' when unset."""
+
+    def __call__(self, name: str, raw: str) -> str:
+        return raw.strip()
+
+
 def setting(default, parser):
     """A field of ``Settings`` read from its environment variable with ``parser``."""
     return field(default=default, metadata={"parser": parser})
@@ -154,6 +162,33 @@ class Settings:
     # Refuse to start when the launcher started N > 1 tasks but MPI sees one process in each
     # (srun without PMI, or another MPI's mpiexec): see mpiddp/launch_check.py.
     launch_check: bool = setting(True, Boolean())
+    # Autotune (engine/autotune.py, docs/configuration.md "Autotune"): while the job trains,
+    # rank 0 searches the fusion threshold, cycle time, ring threshold and hierarchical
+    # all-reduce (those not set explicitly) and every rank applies each choice at the same
+    # cycle; at the end the best values stay for the rest of the run.
+    autotune: bool = setting(False, Boolean())
+    # A CSV file rank 0 writes every scored sample to (settings, score), then the best.
+    autotune_log: str = setting("", Text())
+    # Windows discarded after each change of settings (the engine settles: buffers grow).
+    autotune_warmup_windows: int = setting(1, Number(int))
+    # Steps per measuring window: the window closes when some all-reduce name has been
+    # reduced this many times in it (a name repeats once per training step).
+    autotune_steps_per_window: int = setting(3, Number(int, 1))
+    # Windows measured per sample; the sample's score is their median (bytes per us).
+    autotune_windows: int = setting(3, Number(int, 1))
+    # Samples (settings tried, the first being the starting settings) before the search ends.
+    autotune_max_samples: int = setting(20, Number(int, 1))
+
+    # Which of the fields above were set in the environment (filled by read_settings, not
+    # a variable of its own): autotune leaves an explicitly set value alone.
+    # Not compared: two runs with the same values have the same settings.
+    explicit: frozenset = field(default=frozenset(), compare=False,
+                                metadata={"derived": True})
+
+
+def setting_fields() -> list:
+    """The fields read from ``MPIDDP_*`` variables (not the derived ``explicit``)."""
+    return [f for f in fields(Settings) if not f.metadata.get("derived")]
 
 
 def env_name(field_name: str) -> str:
@@ -163,7 +198,7 @@ def env_name(field_name: str) -> str:
 def read_setting(field_name: str, environ=None):
     """One setting from ``environ`` (default ``os.environ``), parsed, or its default."""
     environ = os.environ if environ is None else environ
-    f = next(f for f in fields(Settings) if f.name == field_name)
+    f = next(f for f in setting_fields() if f.name == field_name)
     name = env_name(field_name)
     return f.metadata["parser"](name, environ[name]) if name in environ else f.default
 
@@ -172,7 +207,7 @@ def unknown_settings(environ=None) -> list[str]:
     """One message per ``MPIDDP_*`` variable that is neither a setting nor a script's own,
     with the closest known name when it looks like a typo. ``init()`` logs them on rank 0."""
     environ = os.environ if environ is None else environ
-    known = [env_name(f.name) for f in fields(Settings)] + list(SCRIPT_VARIABLES)
+    known = [env_name(f.name) for f in setting_fields()] + list(SCRIPT_VARIABLES)
     # Compare what follows the prefix: the shared "MPIDDP_" would make every name look close.
     suffixes = {name[len("MPIDDP_"):]: name for name in known}
     messages = []
@@ -188,4 +223,6 @@ def read_settings(environ=None) -> Settings:
     """Read and validate every ``MPIDDP_*`` setting from ``environ`` (default ``os.environ``).
     Unknown ``MPIDDP_*`` names are ignored here (see ``unknown_settings``)."""
     environ = os.environ if environ is None else environ
-    return Settings(**{f.name: read_setting(f.name, environ) for f in fields(Settings)})
+    names = [f.name for f in setting_fields()]
+    return Settings(**{name: read_setting(name, environ) for name in names},
+                    explicit=frozenset(n for n in names if env_name(n) in environ))

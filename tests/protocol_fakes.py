@@ -10,6 +10,7 @@ import threading
 from dataclasses import replace
 
 from mpiddp.config import Settings
+from mpiddp.engine.autotune import Knobs
 from mpiddp.engine.coordinator import Engine
 from mpiddp.engine.handle import Handle
 from mpiddp.engine.request import ALLREDUCE, Entry, Request, error_for
@@ -79,6 +80,14 @@ class RecordingExecutor:
         self.rank = rank
         self.complete = complete
         self.log: list = []          # (name, error or None), in execution order
+
+    def knobs(self):
+        """What a real executor reports for autotune: every knob applies."""
+        return Knobs(fusion_threshold=1 << 20, cycle_time=2.0, ring_threshold=1 << 21,
+                     hierarchical=True)
+
+    def retune(self, knobs) -> None:
+        self.log.append(("#retune", knobs))      # in the order, with the names it ran
 
     def run(self, responses, entries) -> None:
         for response in responses:

@@ -1,13 +1,12 @@
 """Single-process tests of the pure logic: settings, chunking, fusion plans, negotiation,
 the response cache and stall reports."""
 import math
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from mpiddp.collectives.ring import chunk_bounds
-from mpiddp.config import Settings, read_settings, unknown_settings
+from mpiddp.config import Settings, read_settings, setting_fields, unknown_settings
 from mpiddp.errors import LaunchError
 from mpiddp.launch_check import check_launch, ranks_on_this_node
 from mpiddp.engine.fusion import plan_batches
@@ -47,7 +46,7 @@ def test_every_setting_has_its_own_parser_and_is_documented():
     # Parsers are declared per field, never guessed from annotations (which are strings or
     # types depending on `from __future__ import annotations`).
     docs = (ROOT / "docs" / "configuration.md").read_text()
-    for f in fields(Settings):
+    for f in setting_fields():
         assert callable(f.metadata.get("parser")), f"{f.name} has no parser"
         assert f"MPIDDP_{f.name.upper()}" in docs, f"MPIDDP_{f.name.upper()} is not documented"
         if f.default is None:        # unset: decided at run time (e.g. by the node layout)

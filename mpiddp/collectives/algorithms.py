@@ -173,9 +173,13 @@ class AlgorithmChoice:
     def cross_ring_threshold(self) -> int:
         return self.hierarchical.cross_ring_threshold
 
-    def configure(self, setting: str, ring_threshold: Optional[int] = None) -> None:
-        """Switch at run time (``set_allreduce_algorithm``; at an agreed point of the order)."""
+    def configure(self, setting: str, ring_threshold: Optional[int] = None,
+                  hierarchical: Optional[str] = None) -> None:
+        """Switch at run time (``set_allreduce_algorithm``, autotune; at an agreed point of the
+        order). None: keep the current value."""
         self.setting = setting
+        if hierarchical is not None:
+            self.hierarchical_setting = hierarchical
         if ring_threshold is not None:
             self.ring_threshold = self.hierarchical.cross_ring_threshold = int(ring_threshold)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import traceback
 from typing import Callable
 
@@ -19,6 +20,7 @@ from mpi4py import MPI
 from ..buffers import use_default_device
 from ..config import Settings
 from ..errors import DuplicateNameError, EngineShutdownError, MpiddpError
+from .autotune import Autotuner, Retune
 from .channel import ControlChannel, MPIChannel
 from .executor import Executor
 from .handle import Handle
@@ -65,6 +67,10 @@ class Engine:
         self.policy = WaitPolicy(settings.cycle_time / 1000)
         self.executor = make_executor(self.stats, self.timeline, self._complete)
         self.on_stop: list[Callable[[], None]] = []   # run on the coordinator when it stops
+        # Autotune: rank 0 searches; every rank records what it applied at which cycle.
+        self.tuner = Autotuner(settings, self.executor.knobs()) \
+            if settings.autotune and self.rank == 0 and self.size > 1 else None
+        self.retunes: list[tuple[int, Retune]] = []
 
         self._lock = threading.Lock()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()   # entries and wake-up tokens
@@ -198,11 +204,17 @@ class Engine:
         else:
             stats.cached_cycles += 1
         result = protocol.conclude(bits, plan)
+        if result.retune is not None:       # the same cycle on every rank, before running it
+            self._retune(result.retune)
         stats.cache_hits += len(bits.ready)
         if self.timeline.enabled:
             for name in result.entries:
                 self.timeline.record(name, "agreed")
         if result.ready:
+            if self.tuner is not None:
+                retune = self.tuner.observe(result.ready, time.perf_counter())
+                if retune is not None:
+                    protocol.announce(retune)
             self.executor.run(result.ready, result.entries)
         self.policy.after_cycle(bool(result.ready), result.all_known, result.lacking)
         if result.stop_reason:
@@ -211,6 +223,19 @@ class Engine:
         if result.join_complete:
             self._complete_join()
         return True
+
+    def _retune(self, retune: Retune) -> None:
+        """Apply autotune's settings (from rank 0's plan, at this cycle on every rank)."""
+        self.executor.retune(retune.knobs)
+        self.policy.heartbeat = retune.knobs.cycle_time / 1000
+        self.retunes.append((self.stats.cycles, retune))
+        if self.tuner is not None:
+            self.tuner.applied(retune)
+
+    @property
+    def autotune_finished(self) -> bool:
+        """The search has ended on this rank and its best settings apply."""
+        return bool(self.retunes) and self.retunes[-1][1].final
 
     def _complete_join(self) -> None:
         # The last rank to join is the one that joined in the latest cycle (ties: highest).

@@ -28,6 +28,7 @@ from ..collectives.ring import chunk_bounds, ring_reduce_scatter
 from ..collectives.topology import node_layout
 from ..config import Settings
 from ..errors import MpiddpError
+from .autotune import Knobs
 from ..reduce_ops import ReduceOp
 from ..transport import transport_for
 from .fusion import BufferPool, plan_batches
@@ -231,6 +232,7 @@ class Executor:
         self.timeline = timeline
         self.complete = complete
         self.pool = BufferPool()
+        self.fusion_threshold = settings.fusion_threshold     # autotune changes it
         # Node-local and cross-node communicators (collective: every rank builds its engine).
         self.local, self.cross, self.topology = node_layout(comm)
         # Adjustable at run time (set_allreduce_algorithm); start from the settings.
@@ -271,10 +273,29 @@ class Executor:
         action, so that every rank switches between the same two batches)."""
         self.algorithms.configure(algorithm, ring_threshold)
 
+    def knobs(self) -> Knobs:
+        """The settings autotune may change, as they are now; None where one cannot matter
+        (the ring threshold when an algorithm is forced, the hierarchical switch where the
+        layout does not allow it)."""
+        algorithms = self.algorithms
+        auto = algorithms.setting == AUTO
+        return Knobs(self.fusion_threshold, self.settings.cycle_time,
+                     algorithms.ring_threshold if auto else None,
+                     algorithms.hierarchical_setting != "0"
+                     if auto and self.topology.hierarchical_usable else None)
+
+    def retune(self, knobs: Knobs) -> None:
+        """Apply autotune's settings (at an agreed point: the start of the same cycle on every
+        rank); the cycle time is the coordinator's."""
+        self.fusion_threshold = knobs.fusion_threshold
+        self.algorithms.configure(self.algorithms.setting, knobs.ring_threshold,
+                                  None if knobs.hierarchical is None else
+                                  "auto" if knobs.hierarchical else "0")
+
     def run(self, responses: list[Response], entries: dict) -> None:
         """Execute ``responses`` in order; ``entries`` maps names to this rank's entries
         (absent for a rank that has joined)."""
-        for batch in plan_batches(responses, self.settings.fusion_threshold):
+        for batch in plan_batches(responses, self.fusion_threshold):
             first = batch[0]
             if first.error is not None:
                 entry = entries.get(first.name)

@@ -12,7 +12,9 @@ A cycle, on every rank:
 4. Only if ``CycleBits.slow`` (some rank needs attention): ``slow_message()`` on every rank is
    gathered on rank 0, whose ``make_plan()`` checks agreement, fixes the order of newly
    complete names, assigns cache slots, decides shutdown and stall reports; the ``Plan`` is
-   broadcast.
+   broadcast. Rank 0's plan also carries autotune's next settings (``announce``: a ``RETUNE``
+   flag in rank 0's message makes the cycle slow), which every rank applies before executing
+   that cycle, so all switch at the same point of the order.
 5. ``conclude()``: cached ready names and the plan's responses, in that order, become the
    ``CycleResult`` that every rank executes identically. Prioritized all-reduces
    (``Request.priority > 0``) go last, most urgent first, up to ``priority_cycle_bytes``; the
@@ -35,7 +37,7 @@ from .stall import describe_stalls, find_stalls
 log = logging.getLogger("mpiddp")
 
 # Bits of the OR-flags word.
-NEW_NAMES, SHUTDOWN, STALL_CHECK, JOIN_CHANGED = 1, 2, 4, 8
+NEW_NAMES, SHUTDOWN, STALL_CHECK, JOIN_CHANGED, RETUNE = 1, 2, 4, 8, 16
 # Bits of the AND-flags word.
 JOINED = 1
 _MASK64 = (1 << 64) - 1
@@ -77,6 +79,7 @@ class Plan:
     stall: Optional[str]        # stall report, if any
     joined: tuple               # ranks that have joined
     table_waiting: bool         # rank 0 still holds uncached names that are incomplete
+    retune: object = None       # autotune's next settings (autotune.Retune), if any
 
 
 class CycleResult(NamedTuple):
@@ -90,6 +93,7 @@ class CycleResult(NamedTuple):
     # other ranks have submitted (only its own next submission can supply them).
     all_known: bool
     lacking: bool
+    retune: object = None       # settings to apply before executing ``ready`` (autotune)
 
 
 def _set_bits(bits: int) -> list:
@@ -129,6 +133,11 @@ class CycleProtocol:
         if settings.stall_shutdown_time:
             self._stall_period = min(self._stall_period, settings.stall_shutdown_time)
         self._last_stall_check = time.perf_counter()
+        self._announce = None           # rank 0: autotune's settings for the next plan
+
+    def announce(self, retune) -> None:
+        """Rank 0: send ``retune`` to every rank in the next plan (forces a slow cycle)."""
+        self._announce = retune
 
     # ---- this rank's state ----------------------------------------------------------------
     def add(self, entries) -> None:
@@ -182,6 +191,8 @@ class CycleProtocol:
             or_flags |= SHUTDOWN
         if self._join_changed:
             or_flags |= JOIN_CHANGED
+        if self._announce is not None:
+            or_flags |= RETUNE
         period = self._stall_period
         if now - oldest >= period and now - self._last_stall_check >= period:
             or_flags |= STALL_CHECK
@@ -265,9 +276,11 @@ class CycleProtocol:
             if stalls:
                 stall_text = describe_stalls(stalls)
                 log.warning("mpiddp stall warning (rank 0):\n%s", stall_text)
+        retune, self._announce = self._announce, None
         return Plan(responses=responses, cache=cache_updates,
                     shutdown="; ".join(shutdown) if shutdown else None, stall=stall_text,
-                    joined=tuple(sorted(joined)), table_waiting=len(self.table) > 0)
+                    joined=tuple(sorted(joined)), table_waiting=len(self.table) > 0,
+                    retune=retune)
 
     def _cache_put(self, slot: int, response) -> None:
         """Put an agreed response in ``slot``. A name still pending here whose slot is taken
@@ -306,7 +319,8 @@ class CycleProtocol:
             self.joined = self._others_joined = False
         all_known = bool(self.pending) and not self._table_waiting and self._all_pending_cached
         lacking = bool(bits.pending_bits & ~self._my_pending_bits)
-        return CycleResult(ready, entries, stop_reason, join_complete, all_known, lacking)
+        return CycleResult(ready, entries, stop_reason, join_complete, all_known, lacking,
+                           plan.retune if plan is not None else None)
 
     def _by_urgency(self, ready: list) -> list:
         """``ready`` with the prioritized all-reduces last, most urgent first, cut after

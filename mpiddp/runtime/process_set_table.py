@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from dataclasses import replace
 from typing import Callable, Optional, Sequence, Union
 
 from mpi4py import MPI
@@ -164,7 +165,8 @@ class ProcessSetTable:
         engine = comm = rank = None
         if sub != MPI.COMM_NULL:
             comm, rank = sub, ranks.index(me)
-            engine = self._start_engine(sub, self._settings)
+            # Autotune searches the global engine's settings only (one search, one log).
+            engine = self._start_engine(sub, replace(self._settings, autotune=False))
         self._register(process_set, self._next_id, ranks, engine, comm, rank)
         self._sets[self._next_id] = process_set
         self._next_id += 1
