@@ -111,7 +111,9 @@ def _stub(tmp_path, name: str, version: str, gpu=None, cuda=None) -> str:
 @pytest.mark.parametrize("row,version,gpu,cuda,environ,expected,reason", ROWS,
                          ids=[r[0] for r in ROWS])
 def test_probe_of_stub_libraries(tmp_path, row, version, gpu, cuda, environ, expected, reason):
-    path = _stub(tmp_path, "mpi_stub", version, gpu, cuda)
+    # Not named like an MPI library: loaded, it stays mapped, and the probe of the real
+    # library (tests/test_gpu.py) looks for MPI libraries among the mapped files.
+    path = _stub(tmp_path, "vendor_stub", version, gpu, cuda)
     found = cuda_aware.probe([str(tmp_path / "absent.so"), path], environ=environ)
     assert found.library == path
     assert found.supported is expected, found
