@@ -19,7 +19,6 @@ from typing import Optional
 
 from .buffers import set_default_device
 from . import local_device
-from .local_device import chosen_before_mpi
 from .transport import cuda_aware
 
 log = logging.getLogger("mpiddp")
@@ -52,7 +51,7 @@ def select_device(local_rank: int, cuda=None) -> Optional[int]:
         return None
     count = cuda.device_count()
     wanted = choose_device(local_rank, count)
-    early = chosen_before_mpi()
+    early = local_device.chosen_before_mpi()
     if cuda.is_initialized() and early is not None and early[0] == cuda.current_device():
         # mpiddp's own choice at import, before MPI_Init, from the launcher's local rank;
         # MPI's node layout has the last word.

@@ -203,11 +203,11 @@ class Launcher:
             return set(lost) | named | self.unreachable(
                 [h for h in hosts if h not in lost | named])
         lost = set(lost) | self.unreachable([h for h in hosts if h not in lost])
-        for reporter, named in reports.items():
+        for reporter, found in reports.items():
             if reporter in lost:
                 say(f"not believing {reporter}'s watchdog: its own node is lost")
             else:
-                lost |= named
+                lost |= found
         return lost
 
     def unreachable(self, hosts: list[str]) -> set[str]:

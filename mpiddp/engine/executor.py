@@ -28,9 +28,9 @@ from ..collectives.ring import chunk_bounds, ring_reduce_scatter
 from ..collectives.topology import node_layout
 from ..config import Settings
 from ..errors import MpiddpError
-from .autotune import Knobs
 from ..reduce_ops import ReduceOp
 from ..transport import transport_for
+from .autotune import Knobs
 from .fusion import BufferPool, plan_batches
 from .request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER,
                       Response, error_for)

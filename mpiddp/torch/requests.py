@@ -83,14 +83,9 @@ def contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
-def _ready_event(tensor: torch.Tensor):
-    """For device tensors: an event on the producing stream the engine waits for."""
-    return stream_ready_event(tensor)
-
-
 def _entry(request: Request, tensor: torch.Tensor, output=None, allocate=None) -> Entry:
     return Entry(request, flat_array(tensor), output, Handle(request.name),
-                 allocate=allocate, ready_event=_ready_event(tensor))
+                 allocate=allocate, ready_event=stream_ready_event(tensor))
 
 
 def _output_allocator(like: torch.Tensor, holder: dict):
@@ -119,7 +114,7 @@ def allreduce_entry(tensor, output, name: str, op: ReduceOp, prescale: float,
                       op=int(op), prescale=float(prescale), postscale=float(postscale))
     source = tensor if output is tensor else contiguous(tensor)
     if ready_event is None:     # after the copy contiguous() may have queued
-        ready_event = _ready_event(source)
+        ready_event = stream_ready_event(source)
     if output is tensor:        # in place on contiguous memory: one view serves both
         view = flat_array(tensor)
         return Entry(request, view, view, Handle(name), ready_event=ready_event)

@@ -21,10 +21,10 @@ nothing else needs the core and the sleeps stay under ``USER_WAITING_MAX_SLEEP_S
 of throughput; polling without sleeps, as before, spent the core for nothing: simulated
 ResNet-50 on 2 emulated nodes at 1 Gbit/s, balanced, 126-127 ms of CPU per step per rank
 polling, 75-76 ms with 20 us sleeps, at the same throughput, 111.6-111.7 against
-112.2-112.3 samples/s per rank, alternating runs). Everything else keeps MPI's blocking calls: small steps are over in moments,
-and MPI's collectives run several rounds, each of which would wait for a sleeping partner
-(measured: a nonblocking MPI_Allreduce of 256 KiB across 4 oversubscribed nodes took 14 ms
-with sleeps, 3.4 ms blocking).
+112.2-112.3 samples/s per rank, alternating runs). Everything else keeps MPI's blocking
+calls: small steps are over in moments, and MPI's collectives run several rounds, each of
+which would wait for a sleeping partner (measured: a nonblocking MPI_Allreduce of 256 KiB
+across 4 oversubscribed nodes took 14 ms with sleeps, 3.4 ms blocking).
 
 A step goes out as messages of at most ``SEGMENT_BYTES``, all posted at once. One message of
 several MB crawls while the process computes: MPI libraries send it with a rendezvous
