@@ -7,7 +7,8 @@ from mpi_launch import assert_ok, reported, run_mpi
 CHECKS = 15   # 'OK' lines collectives_worker.py prints on rank 0
 
 # (ranks, algorithm): every rank count; each algorithm on more than one of them.
-CASES = [(1, "auto"), (2, "ring"), (3, "auto"), (4, "native"), (4, "ring"), (8, "auto")]
+CASES = [(1, "auto"), (2, "ring"), (3, "auto"), (4, "native"), (4, "ring"), (8, "auto"),
+         (3, "halving_doubling"), (4, "halving_doubling")]
 
 
 @pytest.mark.parametrize("nprocs,algorithm", CASES, ids=[f"{n}ranks-{a}" for n, a in CASES])
@@ -19,8 +20,15 @@ def test_every_collective_matches_reference(nprocs, algorithm):
     batches, = reported(result, "allreduce every op x dtype x size")
     if nprocs > 1 and algorithm != "auto":      # a forced algorithm carries every batch
         assert batches[f"{algorithm}_batches"] > 0 and batches["fused_batches"] > 0, batches
-        others = {"ring", "native", "hierarchical"} - {algorithm}
+        others = {"ring", "halving_doubling", "native", "hierarchical"} - {algorithm}
         assert all(batches[f"{other}_batches"] == 0 for other in others), batches
+
+
+@pytest.mark.parametrize("nprocs", [2, 3, 5, 6, 8])
+def test_halving_doubling_matches_reference(nprocs):
+    # Powers of two and the fold of 1, 2 and 3 extra ranks, every op, dtype and odd size.
+    result = run_mpi("halving_doubling_worker.py", nprocs, timeout=150)
+    assert_ok(result, expect_lines=1)
 
 
 def test_auto_algorithm_uses_both_ring_and_native():

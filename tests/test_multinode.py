@@ -39,11 +39,11 @@ def cluster_command(layout: str, worker: str, *args, env: dict | None = None) ->
     return cmd, full_env
 
 
-@pytest.mark.parametrize("nodes,per_node", [(2, 2), (3, 1)], ids=["2x2", "3x1"])
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), (3, 1), (4, 1)], ids=["2x2", "3x1", "4x1"])
 def test_topology_and_hierarchical_allreduce_across_nodes(cluster, nodes, per_node):
     result = run_on_cluster(f"{nodes}x{per_node}", "multinode_worker.py", nodes, per_node,
                             env={"MPIDDP_HIERARCHICAL_ALLREDUCE": "1"})
-    assert_ok(result, expect_lines=5)
+    assert_ok(result, expect_lines=6 if (nodes, per_node) == (4, 1) else 5)
 
 
 def test_every_collective_across_nodes(cluster):

@@ -30,7 +30,7 @@ def test_settings_defaults_and_parsing():
     ({"MPIDDP_FUSION_THRESHOLD": "big"}, "MPIDDP_FUSION_THRESHOLD='big' is not a valid int"),
     ({"MPIDDP_FUSION_THRESHOLD": "-1"}, "must be at least 0"),
     ({"MPIDDP_CYCLE_TIME": "0"}, "MPIDDP_CYCLE_TIME"),
-    ({"MPIDDP_ALLREDUCE_ALGORITHM": "tree"}, "auto, ring, native"),
+    ({"MPIDDP_ALLREDUCE_ALGORITHM": "tree"}, "auto, ring, halving_doubling, native"),
     ({"MPIDDP_ABORT_ON_EXCEPTION": "maybe"}, "not a boolean"),
     ({"MPIDDP_STALL_SHUTDOWN_TIME": "soon"}, "MPIDDP_STALL_SHUTDOWN_TIME='soon'"),
     ({"MPIDDP_LAUNCH_CHECK": "maybe"}, "MPIDDP_LAUNCH_CHECK='maybe' is not a boolean"),
@@ -385,19 +385,60 @@ def test_ring_threshold_grows_with_nodes_and_link_speed():
     assert ring_threshold(1, slow) == NEVER
 
 
+def test_halving_doubling_costs_the_rings_bytes_in_fewer_steps():
+    from mpiddp.collectives.cost_model import (NEVER, RING_STEP_OVERHEAD_S, RING_TOLERANCE,
+                                               LinkCosts, halving_doubling_seconds,
+                                               halving_doubling_threshold, native_seconds,
+                                               ring_seconds)
+
+    link, n = LinkCosts(1e-5, 1e-9), 1 << 24
+    step = 1e-5 + RING_STEP_OVERHEAD_S
+    assert halving_doubling_seconds(n, 2, link) == pytest.approx(ring_seconds(n, 2, link))
+    assert halving_doubling_seconds(n, 16, link) == pytest.approx(
+        8 * step + 2 * 15 / 16 * n * 1e-9)
+    assert halving_doubling_seconds(n, 16, link) < ring_seconds(n, 16, link)
+    # 12 ranks: 8 take part, 4 fold their whole buffers in and get them back.
+    assert halving_doubling_seconds(n, 12, link) == pytest.approx(
+        6 * step + 2 * 7 / 8 * n * 1e-9 + 2 * (step + n * 1e-9))
+    for ranks in (2, 4, 16, 64):
+        t = halving_doubling_threshold(ranks, link)
+        wire = 2 * (ranks - 1) / ranks * t * link.seconds_per_byte
+        assert halving_doubling_seconds(t, ranks, link) - native_seconds(t, ranks, link) == \
+            pytest.approx(RING_TOLERANCE * wire, rel=1e-3)
+    assert halving_doubling_threshold(1, link) == NEVER
+
+
 def test_automatic_choice_across_nodes_follows_the_measured_links():
     from mpiddp.collectives.algorithms import LOCAL_RING_THRESHOLD, AlgorithmChoice
-    from mpiddp.collectives.cost_model import LinkCosts, ring_threshold
+    from mpiddp.collectives.cost_model import (LinkCosts, halving_doubling_threshold,
+                                               ring_threshold)
     from mpiddp.collectives.topology import Topology
 
     link = LinkCosts.from_rate(1, 30)
     flat16 = AlgorithmChoice("auto", None, "auto", Topology(0, 16, 0, 1, 0, 16, True), link)
-    assert flat16.ring_threshold == ring_threshold(16, link)
-    assert flat16.choose(ring_threshold(16, link)).name == "native"
-    assert flat16.choose(ring_threshold(16, link) + 1).name == "ring"
-    assert flat16.choose(1 << 20).name == "native"       # the ring would take it at 2 nodes
+    # 16 nodes: halving-doubling's 8 steps make it ours from a smaller size than the ring's 30.
+    threshold = halving_doubling_threshold(16, link)
+    assert threshold < ring_threshold(16, link) / 4
+    assert flat16.ring_threshold == threshold
+    assert flat16.choose(threshold).name == "native"
+    assert flat16.choose(threshold + 1).name == "halving_doubling"
+    assert flat16.choose(64 << 20).name == "halving_doubling"
+    assert flat16.choose(256 << 10).name == "native"     # the ring would take it at 2 nodes
     two = AlgorithmChoice("auto", None, "auto", Topology(0, 2, 0, 1, 0, 2, True), link)
-    assert two.choose(1 << 20).name == "ring"
+    assert two.choose(1 << 20).name == "ring"             # the same two messages: the ring
+    # 12 nodes at 1 Gbit/s: folding whole buffers costs more than the ring's extra steps.
+    twelve = AlgorithmChoice("auto", None, "auto", Topology(0, 12, 0, 1, 0, 12, True), link)
+    assert twelve.ring_threshold == ring_threshold(12, link)
+    assert twelve.choose(twelve.ring_threshold + 1).name == "ring"
+    assert twelve.choose(256 << 20).name == "ring"
+    # Without measured links: halving-doubling across nodes at powers of two from 4, the
+    # ring otherwise and within a node.
+    unmeasured = AlgorithmChoice("auto", None, "auto", Topology(0, 8, 0, 1, 0, 8, True))
+    assert unmeasured.choose(64 << 20).name == "halving_doubling"
+    assert AlgorithmChoice("auto", None, "auto", Topology(0, 6, 0, 1, 0, 6, True)) \
+        .choose(64 << 20).name == "ring"
+    assert AlgorithmChoice("auto", None, "auto", Topology(0, 8, 0, 8, 0, 1, False)) \
+        .choose(64 << 20).name == "ring"
     # 8 nodes x 2 ranks: the cross-node part's threshold is the 8-node ring's.
     hier = AlgorithmChoice("auto", None, "auto", Topology(0, 16, 0, 2, 0, 8, True), link)
     assert hier.cross_ring_threshold == ring_threshold(8, link)

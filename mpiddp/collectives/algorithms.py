@@ -16,8 +16,9 @@ from typing import NamedTuple, Optional
 
 from ..buffers.dtypes import DType
 from ..reduce_ops import ReduceOp
-from .cost_model import LinkCosts, ring_threshold
-from .flat import NATIVE, RING
+from . import halving_doubling
+from .cost_model import LinkCosts, halving_doubling_threshold, ring_threshold
+from .flat import HALVING_DOUBLING, NATIVE, RING
 from .hierarchical import hierarchical_allreduce, pipeline_segments, scratch_elements
 from .native import native_allreduce
 from .ring import ring_allreduce
@@ -71,6 +72,26 @@ class RingAllreduce:
         """All-reduce ``buf`` in place; returns the number of pieces it went in (1)."""
         ring_allreduce(links.whole, buf, scratch,
                        lambda dst, src: reduce_kernel(dst, src, op, dtype), postprocess)
+        return 1
+
+
+class HalvingDoublingAllreduce:
+    """Recursive halving then doubling over all the ranks (``halving_doubling.py``): the
+    ring's bytes in ``2 log2 N`` steps."""
+
+    name = HALVING_DOUBLING
+
+    def applies(self, topology: Topology) -> bool:
+        return True
+
+    def scratch_elements(self, count: int, itemsize: int, links: Links) -> int:
+        return halving_doubling.scratch_elements(count, links.whole.Get_size())
+
+    def run(self, links: Links, buf, scratch, dtype: DType, op: ReduceOp, reduce_kernel,
+            postprocess=None) -> int:
+        halving_doubling.halving_doubling_allreduce(
+            links.whole, buf, scratch, lambda dst, src: reduce_kernel(dst, src, op, dtype),
+            postprocess)
         return 1
 
 
@@ -132,7 +153,8 @@ class AlgorithmChoice:
     (``MPIDDP_ALLREDUCE_ALGORITHM``, ``MPIDDP_RING_THRESHOLD``,
     ``MPIDDP_HIERARCHICAL_ALLREDUCE``) and the communicator's topology.
 
-    ``auto``: native ``MPI_Allreduce`` up to the ring threshold, the ring above it; where the
+    ``auto``: native ``MPI_Allreduce`` up to the ring threshold, above it the ring or
+    recursive halving-doubling (``own_algorithm``); where the
     hierarchical all-reduce applies, it replaces the ring (``hierarchical=auto``) or every
     algorithm (``hierarchical=1``). A forced algorithm wins, except one that cannot apply
     (hierarchical on one node): the ring then, never a wrong result."""
@@ -148,10 +170,12 @@ class AlgorithmChoice:
         whole, cross = self.default_thresholds(topology, link)
         self.ring_threshold = ring_threshold if ring_threshold is not None else whole
         self.ring = RingAllreduce()
+        self.halving_doubling = HalvingDoublingAllreduce()
         self.native = NativeAllreduce()
         self.hierarchical = HierarchicalAllreduce(
             ring_threshold if ring_threshold is not None else cross)
-        self._by_name = {a.name: a for a in (self.ring, self.native, self.hierarchical)}
+        self._by_name = {a.name: a for a in (self.ring, self.halving_doubling, self.native,
+                                             self.hierarchical)}
 
     @staticmethod
     def default_thresholds(topology: Topology, link: Optional[LinkCosts]) -> tuple[int, int]:
@@ -167,6 +191,8 @@ class AlgorithmChoice:
         cross = ring_threshold(topology.cross_size, link)
         if topology.hierarchical_usable:
             return max(LOCAL_RING_THRESHOLD, cross), cross
+        if AlgorithmChoice.halving_doubling_fits(topology):
+            return halving_doubling_threshold(topology.size, link), cross
         return ring_threshold(topology.size, link), cross
 
     @property
@@ -190,8 +216,26 @@ class AlgorithmChoice:
             if chosen is self.hierarchical and self.hierarchical_setting == "0":
                 return self.ring
             return chosen if chosen.applies(self.topology) else self.ring
-        by_size = self.native if nbytes <= self.ring_threshold else self.ring
+        by_size = self.native if nbytes <= self.ring_threshold else self.own_algorithm(nbytes)
         if self.hierarchical_setting != "0" and self.hierarchical.applies(self.topology) and \
-                (self.hierarchical_setting == "1" or by_size is self.ring):
+                (self.hierarchical_setting == "1" or by_size is not self.native):
             return self.hierarchical
         return by_size
+
+    def own_algorithm(self, nbytes: int):
+        """Which of our algorithms takes a buffer above the threshold: halving-doubling with
+        one rank per node at a power of two from 4 ranks (the ring's bytes in fewer steps),
+        the ring otherwise. Other rank counts would fold whole buffers, which at the sizes
+        above the threshold costs more than the ring's extra steps (cost_model); within a
+        node the ring is what was measured (docs/benchmarks.md); with several ranks per node
+        halving-doubling's first steps would all cross the network at once (the hierarchical
+        all-reduce is the answer there)."""
+        return self.halving_doubling if self.halving_doubling_fits(self.topology) else self.ring
+
+    @staticmethod
+    def halving_doubling_fits(topology: Topology) -> bool:
+        """One rank per node, a power of two from 4: halving-doubling always beats the ring
+        (the same bytes in fewer steps); the thresholds are then its own."""
+        size = topology.size
+        return topology.spans_nodes and topology.uniform and topology.local_size == 1 and \
+            size >= 4 and size & (size - 1) == 0

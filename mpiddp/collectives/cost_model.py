@@ -7,18 +7,25 @@ For ``N`` ranks in a ring over links of latency ``alpha`` (one message, one way)
 * the ring (``ring.py``): ``2 (N-1)`` steps, each a message of ``n/N`` bytes plus a fixed
   cost in Python (``RING_STEP_OVERHEAD_S``):
   ``2 (N-1) (alpha + delta) + 2 (N-1)/N n beta``;
+* recursive halving then doubling (``halving_doubling.py``, Rabenseifner's algorithm, our
+  own): ``2 log2 P`` steps (``P`` the largest power of two <= ``N``) carrying the ring's
+  bytes, plus, where ``N`` is not a power of two, a fold of whole buffers before and after:
+  ``2 log2 P (alpha + delta) + 2 (P-1)/P n beta [+ 2 (alpha + delta + n beta)]``;
 * the MPI library's ``MPI_Allreduce`` (MPICH and Open MPI for large buffers: recursive halving
   then doubling, Rabenseifner): the same bytes in ``2 ceil(log2 N)`` steps:
   ``2 ceil(log2 N) alpha + 2 (N-1)/N n beta``; for small buffers (up to
   ``NATIVE_SHORT_BYTES``) recursive doubling, ``ceil(log2 N) (alpha + n beta)``.
 
 The reduction's arithmetic is the same in both and left out. On these terms the MPI library's
-algorithm is never slower; the ring earns its place by what the terms leave out: it waits for
-the network without busy-polling the core that backward needs, it leaves transfers in flight
-(the pipelined hierarchical all-reduce), and over TCP it reached the link rate where
-``MPI_Allreduce`` did not (docs/benchmarks.md, "Across nodes": 4 nodes, 64 MiB, 1.5x). So the
-ring takes a buffer where its extra fixed cost is at most ``RING_TOLERANCE`` of the transfer
-time (``ring_threshold``). With the links' measured latency and rate that moves with N and the
+algorithm is never slower; ours earn their place by what the terms leave out: they wait for
+the network without busy-polling the core that backward needs (with 16 ranks on 2 cores,
+MPI_Allreduce's polling took the CPU the other ranks needed: docs/benchmarks.md), they leave
+transfers in flight (the pipelined hierarchical all-reduce), and over TCP the ring reached the
+link rate where ``MPI_Allreduce`` did not (docs/benchmarks.md, "Across nodes": 4 nodes,
+64 MiB, 1.5x). So our algorithms take a buffer where their extra fixed cost is at most
+``RING_TOLERANCE`` of the transfer time (``ring_threshold``, ``halving_doubling_threshold``);
+between the two, the one the model finds faster (halving-doubling at every power of two from
+4 ranks: fewer steps, the same bytes). With the links' measured latency and rate that moves with N and the
 link: 1 Gbit/s and 30 us, 250 KB at 2 nodes (where the ring was measured to tie), 0.6 MB at 4,
 2.9 MB at 16, 12 MB at 64; 100 Gbit/s and 5 us, 25 MB at 2 nodes, 215 MB at 16: on fast links
 the MPI library's all-reduce carries nearly everything (docs/scaling.md).
@@ -99,6 +106,21 @@ def native_seconds(nbytes: int, ranks: int, link: LinkCosts) -> float:
         link.seconds_per_byte + extra + reduce_seconds(nbytes, ranks, link)
 
 
+def halving_doubling_seconds(nbytes: int, ranks: int, link: LinkCosts,
+                             step_overhead_s: float = RING_STEP_OVERHEAD_S) -> float:
+    """Predicted time of ``halving_doubling.py``'s all-reduce of ``nbytes`` over ``ranks``."""
+    if ranks < 2:
+        return 0.0
+    pof2 = 1 << (ranks.bit_length() - 1)
+    step = link.latency_s + step_overhead_s
+    seconds = 2 * log2_steps(pof2) * step + 2 * (pof2 - 1) / pof2 * nbytes * \
+        link.seconds_per_byte + reduce_seconds(nbytes, pof2, link)
+    if pof2 != ranks:        # the fold: whole buffers to a partner and back, one reduction
+        seconds += 2 * (step + nbytes * link.seconds_per_byte) + \
+            nbytes * link.reduce_seconds_per_byte
+    return seconds
+
+
 def reduce_seconds(nbytes: int, ranks: int, link: LinkCosts) -> float:
     """The arithmetic of a bandwidth-optimal all-reduce: (N-1)/N of the buffer reduced."""
     return (ranks - 1) / ranks * nbytes * link.reduce_seconds_per_byte
@@ -117,6 +139,21 @@ def ring_threshold(ranks: int, link: LinkCosts, tolerance: float = RING_TOLERANC
     if per_byte <= 0:
         return NEVER
     threshold = extra / per_byte
+    return NEVER if threshold >= NEVER else max(0, int(threshold))
+
+
+def halving_doubling_threshold(ranks: int, link: LinkCosts, tolerance: float = RING_TOLERANCE,
+                               step_overhead_s: float = RING_STEP_OVERHEAD_S) -> int:
+    """As ``ring_threshold``, for recursive halving-doubling: its extra fixed cost over the
+    MPI library's same algorithm is the Python overhead of its steps."""
+    if ranks < 2:
+        return NEVER
+    pof2 = 1 << (ranks.bit_length() - 1)
+    steps = 2 * log2_steps(pof2) + (0 if pof2 == ranks else 2)
+    per_byte = tolerance * 2 * (ranks - 1) / ranks * link.seconds_per_byte
+    if per_byte <= 0:
+        return NEVER
+    threshold = steps * step_overhead_s / per_byte
     return NEVER if threshold >= NEVER else max(0, int(threshold))
 
 

@@ -6,7 +6,7 @@ from ..reduce_ops import ReduceOp
 from .native import native_allreduce
 from .ring import ring_allreduce
 
-RING, NATIVE = "ring", "native"
+RING, NATIVE, HALVING_DOUBLING = "ring", "native", "halving_doubling"
 
 
 def flat_allreduce(transport, buf, scratch, dtype: DType, op: ReduceOp, algorithm: str,

@@ -195,9 +195,9 @@ def engine_stats() -> dict[str, int]:
         bit-vector all-reduce), ``slow_cycles`` (cycles that went through rank 0),
         ``tensors`` (requests completed, errors included), ``errors``, ``cache_hits``,
         ``allreduce_batches``, ``fused_batches``, ``fused_tensors``, ``max_batch_tensors``,
-        ``allreduce_bytes``, ``ring_batches``, ``native_batches``, ``hierarchical_batches``,
-        ``pipelined_batches`` (hierarchical batches cut into pipelined segments),
-        ``reducescatter_bytes``.
+        ``allreduce_bytes``, ``ring_batches``, ``halving_doubling_batches``, ``native_batches``,
+        ``hierarchical_batches``, ``pipelined_batches`` (hierarchical batches cut into
+        pipelined segments), ``reducescatter_bytes``.
 
     Raises:
         {needs_init}
@@ -226,7 +226,8 @@ def set_allreduce_algorithm(algorithm: str, ring_threshold: int | None = None) -
 
     Args:
         algorithm: ``'auto'`` (native ``MPI_Allreduce`` up to ``ring_threshold`` bytes, the
-            ring above), ``'ring'``, ``'native'`` or ``'hierarchical'``. Case-sensitive.
+            ring or recursive halving-doubling above), ``'ring'``, ``'halving_doubling'``,
+            ``'native'`` or ``'hierarchical'``. Case-sensitive.
         ring_threshold: the new threshold in bytes for ``'auto'``. Default None: keep the
             current one.
 

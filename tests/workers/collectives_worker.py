@@ -64,7 +64,8 @@ def check_allreduce():
         check_close(name, mpiddp.synchronize(handle), reference(name, (n,), dtype, op), dtype)
     after = mpiddp.engine_stats()
     ok("allreduce every op x dtype x size",
-       **{key: after[key] - before[key] for key in ("ring_batches", "native_batches",
+       **{key: after[key] - before[key] for key in ("ring_batches", "halving_doubling_batches",
+                                                    "native_batches",
                                                     "hierarchical_batches", "fused_batches")})
     for op in (mpiddp.Min, mpiddp.Max):
         name = f"ar.bool.{op.name}"

@@ -55,18 +55,32 @@ assert pipelined == (1 if expected else 0), pipelined
 if rank == 0:
     print(f"OK a 16 MiB all-reduce across nodes, pipelined: {bool(pipelined)}", flush=True)
 
-# Across nodes, with MPIDDP_RING_THRESHOLD unset, a 512 KiB buffer takes the ring (or the
-# hierarchical all-reduce), not native MPI_Allreduce: the network threshold is 256 KiB.
+# Across nodes, with MPIDDP_RING_THRESHOLD unset, a 512 KiB buffer takes one of our
+# algorithms (the ring, halving-doubling or the hierarchical all-reduce), not native
+# MPI_Allreduce: the network threshold is 256 KiB.
 before = mpiddp.engine_stats()
 got = mpiddp.allreduce(torch.ones(128 * 1024), op=mpiddp.Sum, name="ring_threshold.512k")
 assert torch.all(got == size)
 after = mpiddp.engine_stats()
 assert after["native_batches"] == before["native_batches"], (before, after)
-assert after["ring_batches"] + after["hierarchical_batches"] > \
-    before["ring_batches"] + before["hierarchical_batches"], (before, after)
+OWN = ("ring_batches", "halving_doubling_batches", "hierarchical_batches")
+assert sum(after[k] for k in OWN) > sum(before[k] for k in OWN), (before, after)
 if rank == 0:
-    print("OK a 512 KiB all-reduce across nodes takes the ring (network ring threshold)",
+    print("OK a 512 KiB all-reduce across nodes takes our algorithm (network threshold)",
           flush=True)
+
+# One rank per node at a power of two from 4: the automatic choice's large-buffer algorithm is
+# recursive halving-doubling (the ring's bytes in 2 log2 N steps), over real TCP here.
+if PER_NODE == 1 and NODES >= 4 and NODES & (NODES - 1) == 0:
+    before = mpiddp.engine_stats()
+    tensor = torch.arange(1 << 20, dtype=torch.float32) * (rank + 1)
+    got = mpiddp.allreduce(tensor, op=mpiddp.Sum, name="halving_doubling.4m")
+    want = torch.arange(1 << 20, dtype=torch.float32) * (size * (size + 1) // 2)
+    assert torch.equal(got, want)
+    after = mpiddp.engine_stats()
+    assert after["halving_doubling_batches"] == before["halving_doubling_batches"] + 1, after
+    if rank == 0:
+        print("OK a 4 MiB all-reduce across nodes takes recursive halving-doubling", flush=True)
 
 # Uneven data across nodes: odd ranks make one more all-reduce (small, and large enough for
 # the ring's polite steps), then every rank joins; joined ranks contribute zeros.
