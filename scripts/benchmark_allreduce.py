@@ -1,4 +1,4 @@
-"""All-reduce benchmark: mpiddp (ring and auto, through the engine) against native
+"""All-reduce benchmark: mpiddp (ring, halving-doubling and auto, through the engine) against native
 MPI_Allreduce (mpi4py, same MPI) and torch.distributed gloo, side by side in one run.
 
     mpiexec -n 2 python scripts/benchmark_allreduce.py
@@ -65,8 +65,9 @@ def make_methods(comm: MPI.Comm, with_gloo: bool):
     def native_run(tensor):
         comm.Allreduce(MPI.IN_PLACE, [tensor.numpy(), MPI.FLOAT], MPI.SUM)
 
-    methods = {"mpiddp ring": engine("ring"), "mpiddp auto": engine("auto"),
-               "MPI_Allreduce": (lambda t: None, native_run)}
+    methods = {"mpiddp ring": engine("ring"),
+               "mpiddp halving-doubling": engine("halving_doubling"),
+               "mpiddp auto": engine("auto"), "MPI_Allreduce": (lambda t: None, native_run)}
     if with_gloo:
         import torch.distributed as dist
         methods["torch gloo"] = (lambda t: None, lambda t: dist.all_reduce(t))

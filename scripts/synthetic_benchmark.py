@@ -59,6 +59,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import simulated_models as sim  # noqa: E402  (a sibling script, not a package)
 
 REGIMES = {"balanced": 1.0, "compute": 2.0, "wire": 0.5}   # one-process step / wire time
+ALGORITHM_NAMES = ("ring", "halving_doubling", "native", "hierarchical")   # <name>_batches
 
 
 # ---- models -------------------------------------------------------------------------------
@@ -565,7 +566,9 @@ def main(argv=None) -> int:
         print(f"{name} engine on rank 0, last round, per step: {st['cycles'] / steps:.0f} "
               f"cycles, {st['allreduce_batches'] / steps:.0f} reductions "
               f"({st['fused_batches'] / steps:.0f} fused), "
-              f"{st['allreduce_bytes'] / steps / 1e6:.0f} MB")
+              f"{st['allreduce_bytes'] / steps / 1e6:.0f} MB; by algorithm: " +
+              ", ".join(f"{algorithm} {st[f'{algorithm}_batches'] / steps:.0f}"
+                        for algorithm in ALGORITHM_NAMES if st[f"{algorithm}_batches"]))
     sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:
