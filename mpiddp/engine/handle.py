@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import _thread
 
-from ..transport.network import user_waiting
 
 
 class Handle:
@@ -30,10 +29,8 @@ class Handle:
 
     def wait(self, timeout: float | None = None):
         if not self._done:
-            with user_waiting():    # this thread's core is free: transfers may poll hard
-                if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-                    raise TimeoutError(
-                        f"collective '{self.name}' did not finish within {timeout} s")
+            if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+                raise TimeoutError(f"collective '{self.name}' did not finish within {timeout} s")
             self._lock.release()    # let any other waiter through too
         if self._error is not None:
             raise self._error

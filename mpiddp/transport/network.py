@@ -14,16 +14,19 @@ ranks sit on different nodes. The ring's point-to-point steps (``start_sendrecv`
 node meanwhile) and completed by ``wait_for_transfer``: a short spin, then tests separated by
 sleeps of a tenth of the time waited so far, at most ``MAX_TRANSFER_SLEEP_SECONDS`` (short,
 because MPI pushes more bytes into the socket only when tested), so a transfer finishes a
-little late at most while the core is free for computing. Once a user thread of this
-process blocks waiting for a collective (``user_waiting``, entered by ``Handle.wait``),
-nothing else needs the core and the sleeps stay under ``USER_WAITING_MAX_SLEEP_SECONDS``
-(measured, MLP on 2 nodes, communication-bound: sleeps of up to 200 us throughout cost 6-7%
-of throughput; polling without sleeps, as before, spent the core for nothing: simulated
-ResNet-50 on 2 emulated nodes at 1 Gbit/s, balanced, 126-127 ms of CPU per step per rank
-polling, 75-76 ms with 20 us sleeps, at the same throughput, 111.6-111.7 against
-112.2-112.3 samples/s per rank, alternating runs). Everything else keeps MPI's blocking
-calls: small steps are over in moments, and MPI's collectives run several rounds, each of
-which would wait for a sleeping partner (measured: a nonblocking MPI_Allreduce of 256 KiB
+little late at most while the core is free for computing, and free of the waking that costs
+CPU: 200 us whether or not a user thread waits for the collective. (A user thread that
+waits leaves its core idle, and the previous rule polled harder then: flat out at first,
+later with sleeps of at most 20 us. It bought nothing measurable and cost CPU: 2 emulated
+nodes at 1 Gbit/s, ring all-reduce of 1-16 MiB at the link rate either way, 1.9-2.4 s of CPU
+per GB all-reduced with 20 us, 1.2-1.8 with 200 us; the MLP, communication-bound, 437-463 ms
+of CPU per step with 20 us, 295-335 with 200 us, 0.95-0.98x and 0.98-1.02x DDP-gloo's
+throughput, alternating runs, docs/benchmarks.md "CPU per byte"). Longer sleeps stall the
+transfer: MPI over UCX/TCP moves a bounded amount per call (1 ms sleeps: 0.43-0.55x the
+bandwidth at 4-16 MiB; docs/multinode.md).
+
+Everything else keeps MPI's blocking calls: small steps are over in moments, and MPI's
+collectives run several rounds, each of which would wait for a sleeping partner (measured: a nonblocking MPI_Allreduce of 256 KiB
 across 4 oversubscribed nodes took 14 ms with sleeps, 3.4 ms blocking).
 
 A step goes out as messages of at most ``SEGMENT_BYTES``, all posted at once. One message of
@@ -38,10 +41,7 @@ per piece where the network has one.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
-from typing import Iterator
 
 from mpi4py import MPI
 
@@ -52,39 +52,16 @@ SEGMENT_BYTES = 1024 * 1024
 TRANSFER_SPIN_SECONDS = 100e-6
 FIRST_SLEEP_SECONDS = 10e-6
 MAX_TRANSFER_SLEEP_SECONDS = 200e-6
-# While a user thread waits: sleeps of at most this (a Linux sleep lasts about 50 us more),
-# so the transfer finishes at most ~70 us late while the core is no longer spun.
-USER_WAITING_MAX_SLEEP_SECONDS = 20e-6
-
-
-_waiting_lock = threading.Lock()
-_waiting_users = 0       # user threads of this process blocked on a collective
-
-
-@contextlib.contextmanager
-def user_waiting() -> Iterator[None]:
-    """Mark a user thread as blocked on a collective for the duration (its core is idle)."""
-    global _waiting_users
-    with _waiting_lock:
-        _waiting_users += 1
-    try:
-        yield
-    finally:
-        with _waiting_lock:
-            _waiting_users -= 1
 
 
 def wait_for_transfer(requests: list) -> None:
     """Complete ``requests``: spin briefly, then sleep a tenth of the time waited so far
-    between tests (from 10 us to ``MAX_TRANSFER_SLEEP_SECONDS``, or to
-    ``USER_WAITING_MAX_SLEEP_SECONDS`` while a user thread waits for a collective)."""
+    between tests (from 10 us to ``MAX_TRANSFER_SLEEP_SECONDS``)."""
     start = time.perf_counter()
     while not MPI.Request.Testall(requests):
         waited = time.perf_counter() - start
         if waited > TRANSFER_SPIN_SECONDS:
-            cap = USER_WAITING_MAX_SLEEP_SECONDS if _waiting_users else \
-                MAX_TRANSFER_SLEEP_SECONDS
-            time.sleep(min(max(waited / 10, FIRST_SLEEP_SECONDS), cap))
+            time.sleep(min(max(waited / 10, FIRST_SLEEP_SECONDS), MAX_TRANSFER_SLEEP_SECONDS))
 
 
 def _byte_view(spec) -> memoryview:
