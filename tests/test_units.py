@@ -422,7 +422,10 @@ def test_automatic_choice_across_nodes_follows_the_measured_links():
     assert flat16.ring_threshold == threshold
     assert flat16.choose(threshold).name == "native"
     assert flat16.choose(threshold + 1).name == "halving_doubling"
-    assert flat16.choose(64 << 20).name == "halving_doubling"
+    # ... up to where the ring's extra steps cost at most the tolerance: the ring above.
+    assert flat16.choose(ring_threshold(16, link)).name == "halving_doubling"
+    assert flat16.choose(ring_threshold(16, link) + 1).name == "ring"
+    assert flat16.choose(64 << 20).name == "ring"
     assert flat16.choose(256 << 10).name == "native"     # the ring would take it at 2 nodes
     two = AlgorithmChoice("auto", None, "auto", Topology(0, 2, 0, 1, 0, 2, True), link)
     assert two.choose(1 << 20).name == "ring"             # the same two messages: the ring
@@ -431,14 +434,12 @@ def test_automatic_choice_across_nodes_follows_the_measured_links():
     assert twelve.ring_threshold == ring_threshold(12, link)
     assert twelve.choose(twelve.ring_threshold + 1).name == "ring"
     assert twelve.choose(256 << 20).name == "ring"
-    # Without measured links: halving-doubling across nodes at powers of two from 4, the
-    # ring otherwise and within a node.
+    # Without measured links (a threshold set by the user, or one node) the ring: nothing
+    # says where halving-doubling would pay.
     unmeasured = AlgorithmChoice("auto", None, "auto", Topology(0, 8, 0, 1, 0, 8, True))
-    assert unmeasured.choose(64 << 20).name == "halving_doubling"
-    assert AlgorithmChoice("auto", None, "auto", Topology(0, 6, 0, 1, 0, 6, True)) \
-        .choose(64 << 20).name == "ring"
-    assert AlgorithmChoice("auto", None, "auto", Topology(0, 8, 0, 8, 0, 1, False)) \
-        .choose(64 << 20).name == "ring"
+    assert {unmeasured.choose(n).name for n in (1 << 20, 64 << 20)} == {"ring"}
+    eight_local = AlgorithmChoice("auto", None, "auto", Topology(0, 8, 0, 8, 0, 1, False), link)
+    assert eight_local.choose(4 << 20).name == "ring"
     # 8 nodes x 2 ranks: the cross-node part's threshold is the 8-node ring's.
     hier = AlgorithmChoice("auto", None, "auto", Topology(0, 16, 0, 2, 0, 8, True), link)
     assert hier.cross_ring_threshold == ring_threshold(8, link)

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional
 
 from ..buffers.dtypes import DType
 from ..reduce_ops import ReduceOp
-from . import halving_doubling
+from . import cost_model, halving_doubling
 from .cost_model import LinkCosts, halving_doubling_threshold, ring_threshold
 from .flat import HALVING_DOUBLING, NATIVE, RING
 from .hierarchical import hierarchical_allreduce, pipeline_segments, scratch_elements
@@ -169,6 +169,9 @@ class AlgorithmChoice:
         # hierarchical all-reduce (one rank per node: a network ring). An explicit one wins.
         whole, cross = self.default_thresholds(topology, link)
         self.ring_threshold = ring_threshold if ring_threshold is not None else whole
+        # Up to here halving-doubling, above it the ring (``own_algorithm``).
+        self.halving_doubling_limit = cost_model.ring_threshold(topology.size, link) \
+            if link is not None and self.halving_doubling_fits(topology) else 0
         self.ring = RingAllreduce()
         self.halving_doubling = HalvingDoublingAllreduce()
         self.native = NativeAllreduce()
@@ -223,19 +226,22 @@ class AlgorithmChoice:
         return by_size
 
     def own_algorithm(self, nbytes: int):
-        """Which of our algorithms takes a buffer above the threshold: halving-doubling with
-        one rank per node at a power of two from 4 ranks (the ring's bytes in fewer steps),
-        the ring otherwise. Other rank counts would fold whole buffers, which at the sizes
-        above the threshold costs more than the ring's extra steps (cost_model); within a
-        node the ring is what was measured (docs/benchmarks.md); with several ranks per node
-        halving-doubling's first steps would all cross the network at once (the hierarchical
-        all-reduce is the answer there)."""
-        return self.halving_doubling if self.halving_doubling_fits(self.topology) else self.ring
+        """Which of our algorithms takes a buffer above the threshold. Halving-doubling has
+        the ring's bytes in fewer steps; it takes a buffer up to where the ring's extra steps
+        cost at most ``RING_TOLERANCE`` of the transfer (the ring's threshold against the
+        MPI library's algorithm), the ring above: on the emulated cluster (16 nodes, 1
+        Gbit/s) halving-doubling was ahead at 1 MiB, level at 4 MiB and behind at 16-64 MiB
+        (docs/benchmarks.md, "Halving-doubling"), which the model, blind to what the CPU
+        does per byte, cannot tell. Only where the links were measured, with one rank per
+        node at a power of two from 4 (``halving_doubling_fits``): other rank counts would
+        fold whole buffers; with several ranks per node its first steps would all cross the
+        network at once (the hierarchical all-reduce is the answer there)."""
+        return self.halving_doubling if nbytes <= self.halving_doubling_limit else self.ring
 
     @staticmethod
     def halving_doubling_fits(topology: Topology) -> bool:
-        """One rank per node, a power of two from 4: halving-doubling always beats the ring
-        (the same bytes in fewer steps); the thresholds are then its own."""
+        """One rank per node, a power of two from 4 ranks: where halving-doubling applies,
+        the threshold against the MPI library's algorithm is its own."""
         size = topology.size
         return topology.spans_nodes and topology.uniform and topology.local_size == 1 and \
             size >= 4 and size & (size - 1) == 0

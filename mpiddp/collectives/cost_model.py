@@ -23,12 +23,14 @@ MPI_Allreduce's polling took the CPU the other ranks needed: docs/benchmarks.md)
 transfers in flight (the pipelined hierarchical all-reduce), and over TCP the ring reached the
 link rate where ``MPI_Allreduce`` did not (docs/benchmarks.md, "Across nodes": 4 nodes,
 64 MiB, 1.5x). So our algorithms take a buffer where their extra fixed cost is at most
-``RING_TOLERANCE`` of the transfer time (``ring_threshold``, ``halving_doubling_threshold``);
-between the two, the one the model finds faster (halving-doubling at every power of two from
-4 ranks: fewer steps, the same bytes). With the links' measured latency and rate that moves with N and the
-link: 1 Gbit/s and 30 us, 250 KB at 2 nodes (where the ring was measured to tie), 0.6 MB at 4,
-2.9 MB at 16, 12 MB at 64; 100 Gbit/s and 5 us, 25 MB at 2 nodes, 215 MB at 16: on fast links
-the MPI library's all-reduce carries nearly everything (docs/scaling.md).
+``RING_TOLERANCE`` of the transfer time (``halving_doubling_threshold`` where
+halving-doubling applies: one rank per node, a power of two from 4; ``ring_threshold``);
+halving-doubling up to the ring's threshold, the ring above it (``algorithms.py``). With the
+links' measured latency and rate that moves with N and the link: 1 Gbit/s and 30 us, the
+ring's threshold is 250 KB at 2 nodes (where the ring was measured to tie), 0.6 MB at 4,
+2.9 MB at 16, 12 MB at 64, halving-doubling's 0.33 MB at 4, 0.53 MB at 16, 0.76 MB at 64;
+100 Gbit/s and 5 us, 25 MB at 2 nodes, at 16 nodes ring 215 MB, halving-doubling 53 MB: on
+fast links the MPI library's all-reduce carries most buffers (docs/scaling.md).
 """
 from __future__ import annotations
 

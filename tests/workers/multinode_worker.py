@@ -8,6 +8,7 @@ import sys
 import torch
 
 import mpiddp
+from mpiddp.runtime import current
 
 torch.set_num_threads(1)
 NODES, PER_NODE = int(sys.argv[1]), int(sys.argv[2])
@@ -69,18 +70,28 @@ if rank == 0:
     print("OK a 512 KiB all-reduce across nodes takes our algorithm (network threshold)",
           flush=True)
 
-# One rank per node at a power of two from 4: the automatic choice's large-buffer algorithm is
-# recursive halving-doubling (the ring's bytes in 2 log2 N steps), over real TCP here.
+# One rank per node at a power of two from 4: with the links measured, the buffers between the
+# threshold against MPI_Allreduce and the ring's take recursive halving-doubling (the ring's
+# bytes in 2 log2 N steps), over real TCP here; larger ones the ring.
 if PER_NODE == 1 and NODES >= 4 and NODES & (NODES - 1) == 0:
-    before = mpiddp.engine_stats()
-    tensor = torch.arange(1 << 20, dtype=torch.float32) * (rank + 1)
-    got = mpiddp.allreduce(tensor, op=mpiddp.Sum, name="halving_doubling.4m")
-    want = torch.arange(1 << 20, dtype=torch.float32) * (size * (size + 1) // 2)
-    assert torch.equal(got, want)
-    after = mpiddp.engine_stats()
-    assert after["halving_doubling_batches"] == before["halving_doubling_batches"] + 1, after
+    choice = current.require("test").engine.executor.algorithms
+    assert choice.link is not None and \
+        choice.ring_threshold < choice.halving_doubling_limit, vars(choice)
+    for nbytes, algorithm in (((choice.ring_threshold + choice.halving_doubling_limit) // 2,
+                               "halving_doubling"),
+                              (choice.halving_doubling_limit * 2, "ring")):
+        count = nbytes // 4
+        before = mpiddp.engine_stats()
+        tensor = torch.arange(count, dtype=torch.float32) * (rank + 1)
+        got = mpiddp.allreduce(tensor, op=mpiddp.Sum, name=f"own.{count}")
+        want = torch.arange(count, dtype=torch.float32) * (size * (size + 1) // 2)
+        assert torch.equal(got, want), algorithm
+        after = mpiddp.engine_stats()
+        key = f"{algorithm}_batches"
+        assert after[key] == before[key] + 1, (algorithm, nbytes, after)
     if rank == 0:
-        print("OK a 4 MiB all-reduce across nodes takes recursive halving-doubling", flush=True)
+        print(f"OK across {NODES} nodes, halving-doubling up to "
+              f"{choice.halving_doubling_limit} bytes, the ring above", flush=True)
 
 # Uneven data across nodes: odd ranks make one more all-reduce (small, and large enough for
 # the ring's polite steps), then every rank joins; joined ranks contribute zeros.
