@@ -5,8 +5,8 @@ emulated cluster's measurements, then extrapolated to hundreds of nodes.
     python scripts/scaling_model.py extrapolate                  # 64-512 nodes, 10-100 Gbit/s
 
 The all-reduce of each fused buffer costs what ``mpiddp.collectives.cost_model`` says for the
-algorithm the engine picks (the ring above its N- and link-dependent threshold, the MPI
-library's algorithm below), plus a negotiation cycle (a small all-reduce). The step is an
+algorithm the engine picks (the MPI library's below an N- and link-dependent threshold,
+halving-doubling or the ring above), plus a negotiation cycle (a small all-reduce). The step is an
 event simulation of one rank, as the engine runs it: backward produces the gradients layer by
 layer in reverse (the simulated models' per-layer MACs), a bucket is reduced once its last
 gradient is ready, one reduction at a time, in order; the standard path starts the next
@@ -27,8 +27,11 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import simulated_models as sim  # noqa: E402
-from mpiddp.collectives.cost_model import (LinkCosts, native_seconds,  # noqa: E402
+from mpiddp.collectives.algorithms import AlgorithmChoice  # noqa: E402
+from mpiddp.collectives.cost_model import (LinkCosts, halving_doubling_seconds,  # noqa: E402
+                                           halving_doubling_threshold, native_seconds,
                                            ring_seconds, ring_threshold)
+from mpiddp.collectives.topology import Topology  # noqa: E402
 
 NEGOTIATION_BYTES = 3 * 128 + 16     # a cached cycle's bit vectors and flags (engine.md)
 
@@ -49,13 +52,22 @@ class Job:
 
     def cycle_s(self, buffers: list[int], algorithm: str = "auto") -> float:
         """One engine cycle: the negotiation (a small all-reduce), then each fused buffer's
-        all-reduce by the engine's choice (or every one by ``native``)."""
+        all-reduce by the engine's choice (or every one by ``native``): as
+        ``AlgorithmChoice`` picks with one rank per node and measured links, the MPI
+        library's algorithm up to the threshold, halving-doubling (a power of two from 4
+        nodes) up to the ring's threshold, the ring above."""
         extra = {} if self.step_overhead_s is None else {"step_overhead_s": self.step_overhead_s}
-        threshold = ring_threshold(self.nodes, self.link, **extra)
+        ring_above = ring_threshold(self.nodes, self.link, **extra)
+        halving_doubling = AlgorithmChoice.halving_doubling_fits(
+            Topology(0, self.nodes, 0, 1, 0, self.nodes, True))
+        native_up_to = halving_doubling_threshold(self.nodes, self.link, **extra) \
+            if halving_doubling else ring_above
         seconds = native_seconds(NEGOTIATION_BYTES, self.nodes, self.link)
         for nbytes in buffers:
-            if algorithm == "native" or (algorithm == "auto" and nbytes <= threshold):
+            if algorithm == "native" or (algorithm == "auto" and nbytes <= native_up_to):
                 seconds += native_seconds(nbytes, self.nodes, self.link)
+            elif algorithm == "auto" and halving_doubling and nbytes <= ring_above:
+                seconds += halving_doubling_seconds(nbytes, self.nodes, self.link, **extra)
             else:
                 seconds += ring_seconds(nbytes, self.nodes, self.link, **extra)
         return seconds
