@@ -48,14 +48,16 @@ def soak_cycles(request) -> int:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """Three emulated nodes on 1 Gbit/s links (scripts/local_cluster.sh) for a system-test
-    module, torn down after it; skipped with the reason where they cannot be built."""
+def cluster(request):
+    """Emulated nodes on 1 Gbit/s links (scripts/local_cluster.sh) for a system-test module,
+    three or the module's ``CLUSTER_NODES``, torn down after it; skipped with the reason
+    where they cannot be built."""
+    nodes = getattr(request.module, "CLUSTER_NODES", 3)
     script = str(Path(__file__).parent.parent / "scripts" / "local_cluster.sh")
     if os.geteuid() != 0:
         pytest.skip("needs root: scripts/local_cluster.sh builds network namespaces")
     subprocess.run(["bash", script, "down"], capture_output=True, timeout=60)
-    up = subprocess.run(["bash", script, "up", "3", "1gbit"], capture_output=True, text=True,
+    up = subprocess.run(["bash", script, "up", str(nodes), "1gbit"], capture_output=True, text=True,
                         timeout=60)
     if up.returncode != 0:
         pytest.skip("scripts/local_cluster.sh could not build the cluster:\n" + up.stderr)

@@ -21,6 +21,7 @@ from slurm_jobs import job as slurm_job, slurm_on_cluster_nodes, srun, wait_for_
 
 pytestmark = [pytest.mark.system]
 CLUSTER = ROOT / "scripts" / "local_cluster.sh"
+CLUSTER_NODES = 4            # the conftest fixture's size: 4x1 reaches halving-doubling
 
 
 def run_on_cluster(layout: str, worker: str, *args, env: dict | None = None,
