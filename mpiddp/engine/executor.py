@@ -22,7 +22,8 @@ from mpi4py import MPI
 from ..buffers import backend_for
 from ..buffers.dtypes import DType, dtype_named, identity_value
 from ..collectives.algorithms import AUTO, AlgorithmChoice, Links
-from ..collectives.cost_model import LinkCosts, describe_threshold, measure_link_costs
+from ..collectives.cost_model import (LinkCosts, describe_threshold, measure_link_costs,
+                                     ring_threshold)
 from ..collectives.native import allgatherv, alltoallv, broadcast
 from ..collectives.ring import chunk_bounds, ring_reduce_scatter
 from ..collectives.topology import node_layout
@@ -250,10 +251,14 @@ class Executor:
         link = measure_link_costs(self.cross, self.comm)
         if self.rank == 0:
             whole, cross = AlgorithmChoice.default_thresholds(self.topology, link)
-            log.info("mpiddp: links between the %d nodes: %s; automatic all-reduce takes the "
-                     "ring from %s (whole communicator) and %s (across nodes)",
-                     self.topology.cross_size, link.describe(), describe_threshold(whole),
-                     describe_threshold(cross))
+            own = "the ring"
+            if AlgorithmChoice.halving_doubling_fits(self.topology):
+                own = (f"halving-doubling (the ring from "
+                       f"{describe_threshold(ring_threshold(self.topology.size, link))})")
+            log.info("mpiddp: links between the %d nodes: %s; automatic all-reduce takes %s "
+                     "from %s (whole communicator) and the ring from %s (across nodes)",
+                     self.topology.cross_size, link.describe(), own,
+                     describe_threshold(whole), describe_threshold(cross))
         return link
 
     def links(self, backend) -> Links:
