@@ -5,7 +5,7 @@ read before the event guarding it, no host wait may spin.
 Runs through ``mpiddp.init()`` (device selection before MPI_Init and at init), the
 coordinator and watchdog threads, the executor, DeviceBackend and the staging communicator
 (whose MPI calls on pinned memory are checked too): allreduce fused and alone with the native
-and ring algorithms, broadcast, allgather of different sizes, and an allreduce while the last
+ring and halving-doubling algorithms, broadcast, allgather of different sizes, and an allreduce while the last
 rank has joined. Prints 'OK rank <r>' per rank.
 """
 import os
@@ -64,7 +64,7 @@ def data(r, name, n):
     return rng.integers(-20, 21, n).astype(np.float32)
 
 
-for algorithm in ("native", "ring"):
+for algorithm in ("native", "ring", "halving_doubling"):     # 3 ranks: the fold too
     mpiddp.set_allreduce_algorithm(algorithm)
     entries, want = [], {}
     for i, n in enumerate((3, 64, 300_001)):          # the last is staged in segments
