@@ -4,9 +4,9 @@ read before the event guarding it, no host wait may spin.
 
 Runs through ``mpiddp.init()`` (device selection before MPI_Init and at init), the
 coordinator and watchdog threads, the executor, DeviceBackend and the staging communicator
-(whose MPI calls on pinned memory are checked too): allreduce fused and alone with the native
-ring and halving-doubling algorithms, broadcast, allgather of different sizes, and an allreduce while the last
-rank has joined. Prints 'OK rank <r>' per rank.
+(whose MPI calls on pinned memory are checked too): allreduce fused and alone with the native,
+ring and halving-doubling algorithms, broadcast, allgather of different sizes, and an
+allreduce while the last rank has joined. Prints 'OK rank <r>' per rank.
 """
 import os
 import sys
