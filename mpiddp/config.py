@@ -131,11 +131,12 @@ class Settings:
     # Seconds after which a stall shuts the engine down on every rank (0 = never). Finite by
     # default, like NCCL's 10-minute watchdog, so that a hung job does not burn its allocation.
     stall_shutdown_time: float = setting(600.0, Number(float))
-    # Reduction algorithm for fused buffers: auto (by size), ring or native MPI_Allreduce.
+    # Reduction algorithm for fused buffers: auto (by size), ring, halving_doubling or native
+    # MPI_Allreduce.
     allreduce_algorithm: str = setting("auto", Choice(ALGORITHMS))
-    # auto: messages of at most this many bytes use native MPI_Allreduce, larger ones the ring.
-    # Unset (None): 2 MiB where all ranks share a node, 256 KiB where they span nodes (see
-    # engine/executor.py, default_ring_threshold).
+    # auto: messages of at most this many bytes use native MPI_Allreduce, larger ones ours (the
+    # ring, or halving-doubling). Unset (None): 2 MiB where all ranks share a node; across
+    # nodes from the links measured at start (collectives/algorithms.py, docs/scaling.md).
     ring_threshold: Optional[int] = setting(None, Number(int))
     # Hierarchical all-reduce (node-local reduce-scatter, cross-node all-reduce, node-local
     # all-gather) where several nodes have the same number (> 1) of ranks: auto = for the
@@ -150,6 +151,11 @@ class Settings:
     # the next forward uses it. 'auto': try both in the first steps, keep the faster. An
     # explicit overlap_forward argument wins.
     overlap_forward: object = setting(False, BooleanOrAuto())
+    # Longest sleep (us) between tests of a transfer across nodes (transport/network.py).
+    # Longer sleeps cost less CPU but stall transports that move a bounded amount per call:
+    # keep 200 unless the MPI's network layer sends large pieces per call (UCX over TCP with
+    # UCX_TCP_TX_SEG_SIZE/UCX_TCP_RX_SEG_SIZE=1m: 1000 measured at gloo's CPU per byte).
+    transfer_sleep_us: float = setting(200.0, Number(float, 0, positive=True))
     # Abort the whole MPI job when a rank dies of an uncaught exception.
     abort_on_exception: bool = setting(True, Boolean())
     # Record a timeline of engine events (negotiation and execution times) from init() on:

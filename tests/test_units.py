@@ -449,3 +449,40 @@ def test_automatic_choice_across_nodes_follows_the_measured_links():
     assert (pinned.ring_threshold, pinned.cross_ring_threshold) == (4096, 4096)
     local = AlgorithmChoice("auto", None, "auto", Topology(0, 2, 0, 2, 0, 1, True), link)
     assert local.ring_threshold == LOCAL_RING_THRESHOLD
+
+
+def test_transfer_sleep_setting_caps_the_sleeps_between_tests(monkeypatch):
+    from mpi4py import MPI
+
+    from mpiddp.buffers import backend_for
+    from mpiddp.config import read_settings
+    from mpiddp.transport import network, transport_for
+
+    assert read_settings({}).transfer_sleep_us == 200
+    assert read_settings({"MPIDDP_TRANSFER_SLEEP_US": "1000"}).transfer_sleep_us == 1000
+    with pytest.raises(ValueError, match="MPIDDP_TRANSFER_SLEEP_US"):
+        read_settings({"MPIDDP_TRANSFER_SLEEP_US": "0"})
+    comm = transport_for(MPI.COMM_SELF, backend_for("cpu"), across_nodes=True, max_sleep_s=1e-3)
+    assert isinstance(comm, network.NetworkComm) and comm.max_sleep_s == 1e-3
+
+    # A transfer that needs many tests: sleeps grow as a tenth of the time waited, to the cap.
+    now, slept, tests = [0.0], [], [0]
+
+    class Request:
+        @staticmethod
+        def Testall(requests):
+            tests[0] += 1
+            return tests[0] > 200
+
+    def sleep(seconds):
+        slept.append(seconds)
+        now[0] += seconds
+
+    monkeypatch.setattr(network, "MPI", type("FakeMPI", (), {"Request": Request}))
+    clock = type("FakeTime", (), {"perf_counter": staticmethod(lambda: now[0] + tests[0] * 1e-6),
+                                  "sleep": staticmethod(sleep)})
+    monkeypatch.setattr(network, "time", clock)        # this module's clock only
+    network.PendingTransfer([], 1e-3).wait()
+    assert slept and max(slept) == pytest.approx(1e-3)
+    assert min(slept) >= network.FIRST_SLEEP_SECONDS
+    assert slept == sorted(slept)

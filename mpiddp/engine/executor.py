@@ -264,13 +264,14 @@ class Executor:
     def links(self, backend) -> Links:
         """The transports for buffers of ``backend``: the whole, node-local and cross-node
         communicators. Where ranks span nodes, transfers wait without spinning
-        (``transport/network.py``)."""
+        (``transport/network.py``, ``MPIDDP_TRANSFER_SLEEP_US``)."""
         links = self._links.get(backend.device_type)
         if links is None:
+            sleep = self.settings.transfer_sleep_us * 1e-6
             links = self._links[backend.device_type] = Links(
-                transport_for(self.comm, backend, self.topology.spans_nodes),
+                transport_for(self.comm, backend, self.topology.spans_nodes, sleep),
                 transport_for(self.local, backend),
-                transport_for(self.cross, backend, across_nodes=True))
+                transport_for(self.cross, backend, across_nodes=True, max_sleep_s=sleep))
         return links
 
     def configure(self, algorithm: str, ring_threshold: Optional[int] = None) -> None:

@@ -23,11 +23,13 @@ per GB all-reduced with 20 us, 1.2-1.8 with 200 us; the MLP, communication-bound
 of CPU per step with 20 us, 295-335 with 200 us, 0.95-0.98x and 0.98-1.02x DDP-gloo's
 throughput, alternating runs, docs/benchmarks.md "CPU per byte"). Longer sleeps stall the
 transfer: MPI over UCX/TCP moves a bounded amount per call (1 ms sleeps: 0.43-0.55x the
-bandwidth at 4-16 MiB; docs/multinode.md).
+bandwidth at 4-16 MiB; docs/multinode.md), unless UCX's TCP segments are larger, which is
+the job's setting: ``MPIDDP_TRANSFER_SLEEP_US`` then raises the cap.
 
 Everything else keeps MPI's blocking calls: small steps are over in moments, and MPI's
-collectives run several rounds, each of which would wait for a sleeping partner (measured: a nonblocking MPI_Allreduce of 256 KiB
-across 4 oversubscribed nodes took 14 ms with sleeps, 3.4 ms blocking).
+collectives run several rounds, each of which would wait for a sleeping partner (measured: a
+nonblocking MPI_Allreduce of 256 KiB across 4 oversubscribed nodes took 14 ms with sleeps,
+3.4 ms blocking).
 
 A step goes out as messages of at most ``SEGMENT_BYTES``, all posted at once. One message of
 several MB crawls while the process computes: MPI libraries send it with a rendezvous
@@ -54,14 +56,15 @@ FIRST_SLEEP_SECONDS = 10e-6
 MAX_TRANSFER_SLEEP_SECONDS = 200e-6
 
 
-def wait_for_transfer(requests: list) -> None:
+def wait_for_transfer(requests: list,
+                      max_sleep_s: float = MAX_TRANSFER_SLEEP_SECONDS) -> None:
     """Complete ``requests``: spin briefly, then sleep a tenth of the time waited so far
-    between tests (from 10 us to ``MAX_TRANSFER_SLEEP_SECONDS``)."""
+    between tests (from 10 us to ``max_sleep_s``: ``MPIDDP_TRANSFER_SLEEP_US``)."""
     start = time.perf_counter()
     while not MPI.Request.Testall(requests):
         waited = time.perf_counter() - start
         if waited > TRANSFER_SPIN_SECONDS:
-            time.sleep(min(max(waited / 10, FIRST_SLEEP_SECONDS), MAX_TRANSFER_SLEEP_SECONDS))
+            time.sleep(min(max(waited / 10, FIRST_SLEEP_SECONDS), max_sleep_s))
 
 
 def _byte_view(spec) -> memoryview:
@@ -78,19 +81,24 @@ def _pieces(data: memoryview) -> list:
 class PendingTransfer:
     """Posted pieces of one exchange; ``wait`` completes them politely."""
 
-    __slots__ = ("requests",)
+    __slots__ = ("requests", "max_sleep_s")
 
-    def __init__(self, requests: list):
+    def __init__(self, requests: list, max_sleep_s: float):
         self.requests = requests
+        self.max_sleep_s = max_sleep_s
 
     def wait(self) -> None:
-        wait_for_transfer(self.requests)
+        wait_for_transfer(self.requests, self.max_sleep_s)
 
 
 class NetworkComm(CommWrapper):
     """``Transport`` on an MPI communicator that spans nodes: the ring's large steps are left
-    in flight (``start_sendrecv``) and waited for without spinning; the collectives are MPI's
-    own."""
+    in flight (``start_sendrecv``) and waited for without spinning, with sleeps of at most
+    ``max_sleep_s`` between tests; the collectives are MPI's own."""
+
+    def __init__(self, comm, max_sleep_s: float = MAX_TRANSFER_SLEEP_SECONDS):
+        super().__init__(comm)
+        self.max_sleep_s = max_sleep_s
 
     def start_sendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int) -> Transfer:
         """Post the exchange as pieces and return it pending (small ones: done here)."""
@@ -109,7 +117,7 @@ class NetworkComm(CommWrapper):
         # posted (MPI's non-overtaking rule), so both sides need only cut alike.
         requests = [self.comm.Irecv(piece, source, recvtag) for piece in _pieces(recv)]
         requests += [self.comm.Isend(piece, dest, sendtag) for piece in _pieces(send)]
-        return PendingTransfer(requests)
+        return PendingTransfer(requests, self.max_sleep_s)
 
     def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
         self.comm.Allreduce(sendbuf, recvbuf, op)
