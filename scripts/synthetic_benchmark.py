@@ -54,12 +54,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mpiddp
+from mpiddp.config import ALGORITHMS   # every one but 'auto' counts <name>_batches
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import simulated_models as sim  # noqa: E402  (a sibling script, not a package)
 
 REGIMES = {"balanced": 1.0, "compute": 2.0, "wire": 0.5}   # one-process step / wire time
-ALGORITHM_NAMES = ("ring", "halving_doubling", "native", "hierarchical")   # <name>_batches
 
 
 # ---- models -------------------------------------------------------------------------------
@@ -568,7 +568,7 @@ def main(argv=None) -> int:
               f"({st['fused_batches'] / steps:.0f} fused), "
               f"{st['allreduce_bytes'] / steps / 1e6:.0f} MB; by algorithm: " +
               ", ".join(f"{algorithm} {st[f'{algorithm}_batches'] / steps:.0f}"
-                        for algorithm in ALGORITHM_NAMES if st[f"{algorithm}_batches"]))
+                        for algorithm in ALGORITHMS if st.get(f"{algorithm}_batches")))
     sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as f:

@@ -3,6 +3,7 @@ with each all-reduce algorithm, fusion across the (shrunk) fusion threshold and 
 import pytest
 
 from mpi_launch import assert_ok, reported, run_mpi
+from mpiddp.config import ALGORITHMS
 
 CHECKS = 15   # 'OK' lines collectives_worker.py prints on rank 0
 
@@ -20,7 +21,7 @@ def test_every_collective_matches_reference(nprocs, algorithm):
     batches, = reported(result, "allreduce every op x dtype x size")
     if nprocs > 1 and algorithm != "auto":      # a forced algorithm carries every batch
         assert batches[f"{algorithm}_batches"] > 0 and batches["fused_batches"] > 0, batches
-        others = {"ring", "halving_doubling", "native", "hierarchical"} - {algorithm}
+        others = set(ALGORITHMS) - {"auto", algorithm}
         assert all(batches[f"{other}_batches"] == 0 for other in others), batches
 
 

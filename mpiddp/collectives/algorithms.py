@@ -244,4 +244,4 @@ class AlgorithmChoice:
         the threshold against the MPI library's algorithm is its own."""
         size = topology.size
         return topology.spans_nodes and topology.uniform and topology.local_size == 1 and \
-            size >= 4 and size & (size - 1) == 0
+            size >= 4 and halving_doubling.power_of_two_below(size) == size

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from .halving_doubling import power_of_two_below
+
 # Fixed cost of one ring step in Python and MPI beyond the message itself (posting the
 # transfers, waiting, the NumPy reduction's call): 4 KiB all-reduces on 2 emulated nodes of a
 # core each, ring 130 us against MPI_Allreduce's 35 us over 2 steps (docs/scaling.md).
@@ -113,7 +115,7 @@ def halving_doubling_seconds(nbytes: int, ranks: int, link: LinkCosts,
     """Predicted time of ``halving_doubling.py``'s all-reduce of ``nbytes`` over ``ranks``."""
     if ranks < 2:
         return 0.0
-    pof2 = 1 << (ranks.bit_length() - 1)
+    pof2 = power_of_two_below(ranks)
     step = link.latency_s + step_overhead_s
     seconds = 2 * log2_steps(pof2) * step + 2 * (pof2 - 1) / pof2 * nbytes * \
         link.seconds_per_byte + reduce_seconds(nbytes, pof2, link)
@@ -150,7 +152,7 @@ def halving_doubling_threshold(ranks: int, link: LinkCosts, tolerance: float = R
     MPI library's same algorithm is the Python overhead of its steps."""
     if ranks < 2:
         return NEVER
-    pof2 = 1 << (ranks.bit_length() - 1)
+    pof2 = power_of_two_below(ranks)
     steps = 2 * log2_steps(pof2) + (0 if pof2 == ranks else 2)
     per_byte = tolerance * 2 * (ranks - 1) / ranks * link.seconds_per_byte
     if per_byte <= 0:

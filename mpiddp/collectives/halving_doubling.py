@@ -27,16 +27,10 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, Optional
 
-from mpi4py import MPI
-
 from ..transport import Transfer, start_sendrecv
-from .ring import ReduceInto, chunk_bounds, complete
+from .ring import ReduceInto, as_bytes, chunk_bounds, complete
 
 _TAG_FOLD, _TAG_HALVE, _TAG_DOUBLE, _TAG_UNFOLD = 21, 22, 23, 24
-
-
-def _bytes(array):
-    return [array, MPI.BYTE]
 
 
 def power_of_two_below(size: int) -> int:
@@ -82,13 +76,13 @@ def halving_doubling_steps(comm, buf, scratch, reduce_into: ReduceInto,
     virtual = _virtual_rank(rank, extra)
     nothing = buf[:0]
     if virtual is None:          # folded: hand the buffer over, take the result back
-        yield start_sendrecv(comm, _bytes(buf), rank + 1, _bytes(nothing), rank + 1, _TAG_FOLD)
-        yield start_sendrecv(comm, _bytes(nothing), rank + 1, _bytes(buf), rank + 1,
+        yield start_sendrecv(comm, as_bytes(buf), rank + 1, as_bytes(nothing), rank + 1, _TAG_FOLD)
+        yield start_sendrecv(comm, as_bytes(nothing), rank + 1, as_bytes(buf), rank + 1,
                              _TAG_UNFOLD)
         return
     if rank < 2 * extra:         # takes part for itself and the even rank below it
         incoming = scratch[:count]
-        yield start_sendrecv(comm, _bytes(nothing), rank - 1, _bytes(incoming), rank - 1,
+        yield start_sendrecv(comm, as_bytes(nothing), rank - 1, as_bytes(incoming), rank - 1,
                              _TAG_FOLD)
         reduce_into(buf, incoming)
     bounds = chunk_bounds(count, pof2)
@@ -100,8 +94,8 @@ def halving_doubling_steps(comm, buf, scratch, reduce_into: ReduceInto,
         give = lo if virtual & half else lo + half
         start, stop = bounds[keep], bounds[keep + half]
         incoming = scratch[:stop - start]
-        yield start_sendrecv(comm, _bytes(buf[bounds[give]:bounds[give + half]]), partner,
-                             _bytes(incoming), partner, _TAG_HALVE)
+        yield start_sendrecv(comm, as_bytes(buf[bounds[give]:bounds[give + half]]), partner,
+                             as_bytes(incoming), partner, _TAG_HALVE)
         reduce_into(buf[start:stop], incoming)
         lo, width = keep, half
     if postprocess is not None:
@@ -109,12 +103,12 @@ def halving_doubling_steps(comm, buf, scratch, reduce_into: ReduceInto,
     while width < pof2:
         partner = _real_rank(virtual ^ width, extra)
         other = lo ^ width       # the partner's finished range, as wide as ours
-        yield start_sendrecv(comm, _bytes(buf[bounds[lo]:bounds[lo + width]]), partner,
-                             _bytes(buf[bounds[other]:bounds[other + width]]), partner,
+        yield start_sendrecv(comm, as_bytes(buf[bounds[lo]:bounds[lo + width]]), partner,
+                             as_bytes(buf[bounds[other]:bounds[other + width]]), partner,
                              _TAG_DOUBLE)
         lo, width = min(lo, other), 2 * width
     if rank < 2 * extra:
-        yield start_sendrecv(comm, _bytes(buf), rank - 1, _bytes(nothing), rank - 1,
+        yield start_sendrecv(comm, as_bytes(buf), rank - 1, as_bytes(nothing), rank - 1,
                              _TAG_UNFOLD)
 
 

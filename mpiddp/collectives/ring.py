@@ -35,7 +35,8 @@ def chunk_bounds(count: int, parts: int) -> list[int]:
     return bounds
 
 
-def _bytes(array):
+def as_bytes(array):
+    """``array`` as an mpi4py buffer of raw bytes (steps move bytes, any dtype)."""
     return [array, MPI.BYTE]
 
 
@@ -62,7 +63,7 @@ def reduce_scatter_steps(comm, buf, scratch, bounds: Sequence[int], reduce_into:
         send = buf[bounds[send_index]:bounds[send_index + 1]]
         lo, hi = bounds[recv_index], bounds[recv_index + 1]
         incoming = scratch[:hi - lo]
-        yield start_sendrecv(comm, _bytes(send), right, _bytes(incoming), left,
+        yield start_sendrecv(comm, as_bytes(send), right, as_bytes(incoming), left,
                              _TAG_REDUCE_SCATTER)
         reduce_into(buf[lo:hi], incoming)
 
@@ -77,7 +78,7 @@ def allgather_steps(comm, buf, bounds: Sequence[int], owner_shift: int) -> Itera
         recv_index = (rank - step + owner_shift) % size
         send = buf[bounds[send_index]:bounds[send_index + 1]]
         recv = buf[bounds[recv_index]:bounds[recv_index + 1]]
-        yield start_sendrecv(comm, _bytes(send), right, _bytes(recv), left, _TAG_ALLGATHER)
+        yield start_sendrecv(comm, as_bytes(send), right, as_bytes(recv), left, _TAG_ALLGATHER)
 
 
 def ring_allreduce_steps(comm, buf, scratch, reduce_into: ReduceInto,

@@ -22,8 +22,7 @@ from mpi4py import MPI
 from ..buffers import backend_for
 from ..buffers.dtypes import DType, dtype_named, identity_value
 from ..collectives.algorithms import AUTO, AlgorithmChoice, Links
-from ..collectives.cost_model import (LinkCosts, describe_threshold, measure_link_costs,
-                                     ring_threshold)
+from ..collectives.cost_model import LinkCosts, describe_threshold, measure_link_costs
 from ..collectives.native import allgatherv, alltoallv, broadcast
 from ..collectives.ring import chunk_bounds, ring_reduce_scatter
 from ..collectives.topology import node_layout
@@ -240,6 +239,8 @@ class Executor:
         self.algorithms = AlgorithmChoice(settings.allreduce_algorithm, settings.ring_threshold,
                                           settings.hierarchical_allreduce, self.topology,
                                           self._measure_links(settings))
+        if self.rank == 0 and self.algorithms.link is not None:
+            self._log_choice()
         self._links: dict = {}
 
     def _measure_links(self, settings: Settings) -> Optional[LinkCosts]:
@@ -248,18 +249,20 @@ class Executor:
         if not self.topology.spans_nodes or settings.ring_threshold is not None or \
                 settings.allreduce_algorithm != AUTO:
             return None
-        link = measure_link_costs(self.cross, self.comm)
-        if self.rank == 0:
-            whole, cross = AlgorithmChoice.default_thresholds(self.topology, link)
-            own = "the ring"
-            if AlgorithmChoice.halving_doubling_fits(self.topology):
-                own = (f"halving-doubling (the ring from "
-                       f"{describe_threshold(ring_threshold(self.topology.size, link))})")
-            log.info("mpiddp: links between the %d nodes: %s; automatic all-reduce takes %s "
-                     "from %s (whole communicator) and the ring from %s (across nodes)",
-                     self.topology.cross_size, link.describe(), own,
-                     describe_threshold(whole), describe_threshold(cross))
-        return link
+        return measure_link_costs(self.cross, self.comm)
+
+    def _log_choice(self) -> None:
+        """Rank 0: the measured links and the thresholds the automatic choice took from them."""
+        choice = self.algorithms
+        own = "the ring"
+        if choice.halving_doubling_limit:
+            own = (f"halving-doubling (the ring from "
+                   f"{describe_threshold(choice.halving_doubling_limit)})")
+        log.info("mpiddp: links between the %d nodes: %s; automatic all-reduce takes %s "
+                 "from %s (whole communicator) and the ring from %s (across nodes)",
+                 self.topology.cross_size, choice.link.describe(), own,
+                 describe_threshold(choice.ring_threshold),
+                 describe_threshold(choice.cross_ring_threshold))
 
     def links(self, backend) -> Links:
         """The transports for buffers of ``backend``: the whole, node-local and cross-node

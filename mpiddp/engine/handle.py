@@ -4,7 +4,6 @@ from __future__ import annotations
 import _thread
 
 
-
 class Handle:
     """The future of one collective. ``wait()`` blocks (without spinning) and returns
     ``result``, or raises the error the engine recorded for this request.
