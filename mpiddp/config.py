@@ -151,11 +151,13 @@ class Settings:
     # the next forward uses it. 'auto': try both in the first steps, keep the faster. An
     # explicit overlap_forward argument wins.
     overlap_forward: object = setting(False, BooleanOrAuto())
-    # Longest sleep (us) between tests of a transfer across nodes (transport/network.py).
-    # Longer sleeps cost less CPU but stall transports that move a bounded amount per call:
-    # keep 200 unless the MPI's network layer sends large pieces per call (UCX over TCP with
-    # UCX_TCP_TX_SEG_SIZE/UCX_TCP_RX_SEG_SIZE=1m: 1000 measured at gloo's CPU per byte).
-    transfer_sleep_us: float = setting(200.0, Number(float, 0, positive=True))
+    # Longest sleep (us) between tests of a transfer across nodes (transport/pacing.py).
+    # Unset: the wire time of what one MPI call moves over TCP on the links measured at start
+    # (about 200 at 1 Gbit/s; on links too fast for sleeps, transfers block in MPI); 200 where
+    # nothing was measured. 0: always block. Longer sleeps cost less CPU but stall transports
+    # that move a bounded amount per call (UCX over TCP with UCX_TCP_TX_SEG_SIZE /
+    # UCX_TCP_RX_SEG_SIZE=1m: 1000 measured at gloo's CPU per byte at 1 Gbit/s).
+    transfer_sleep_us: Optional[float] = setting(None, Number(float))
     # Abort the whole MPI job when a rank dies of an uncaught exception.
     abort_on_exception: bool = setting(True, Boolean())
     # Record a timeline of engine events (negotiation and execution times) from init() on:

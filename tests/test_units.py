@@ -456,14 +456,16 @@ def test_transfer_sleep_setting_caps_the_sleeps_between_tests(monkeypatch):
 
     from mpiddp.buffers import backend_for
     from mpiddp.config import read_settings
-    from mpiddp.transport import network, transport_for
+    from mpiddp.transport import Pacing, network, transport_for
 
-    assert read_settings({}).transfer_sleep_us == 200
+    assert read_settings({}).transfer_sleep_us is None
     assert read_settings({"MPIDDP_TRANSFER_SLEEP_US": "1000"}).transfer_sleep_us == 1000
+    assert read_settings({"MPIDDP_TRANSFER_SLEEP_US": "0"}).transfer_sleep_us == 0
     with pytest.raises(ValueError, match="MPIDDP_TRANSFER_SLEEP_US"):
-        read_settings({"MPIDDP_TRANSFER_SLEEP_US": "0"})
-    comm = transport_for(MPI.COMM_SELF, backend_for("cpu"), across_nodes=True, max_sleep_s=1e-3)
-    assert isinstance(comm, network.NetworkComm) and comm.max_sleep_s == 1e-3
+        read_settings({"MPIDDP_TRANSFER_SLEEP_US": "-1"})
+    pacing = Pacing(1e-3, 8192)
+    comm = transport_for(MPI.COMM_SELF, backend_for("cpu"), across_nodes=True, pacing=pacing)
+    assert isinstance(comm, network.NetworkComm) and comm.pacing == pacing
 
     # A transfer that needs many tests: sleeps grow as a tenth of the time waited, to the cap.
     now, slept, tests = [0.0], [], [0]
@@ -486,3 +488,41 @@ def test_transfer_sleep_setting_caps_the_sleeps_between_tests(monkeypatch):
     assert slept and max(slept) == pytest.approx(1e-3)
     assert min(slept) >= network.FIRST_SLEEP_SECONDS
     assert slept == sorted(slept)
+    # No cap (a link too fast for sleeps): one blocking wait, no test, no sleep.
+    slept.clear()
+    tests[0] = 0
+    waited = []
+    Request.Waitall = staticmethod(lambda requests: waited.append(requests))
+    network.PendingTransfer(["r"], 0.0).wait()
+    assert waited == [["r"]] and not slept and tests[0] == 0
+
+
+def test_pacing_follows_the_measured_link():
+    from mpiddp.transport import pacing
+
+    gbit = 8e-9                                  # seconds per byte at 1 Gbit/s
+    # 1 Gbit/s: about the 200 us measured to keep it full; polite from 0.5 ms of wire time.
+    one = pacing.pacing_for(gbit)
+    assert one.max_sleep_s == pytest.approx(pacing.PROGRESS_BYTES * gbit)
+    assert 150e-6 < one.max_sleep_s < 250e-6
+    assert one.polite_min_bytes == 62500 and not one.blocks
+    # 200 Mbit/s: five times the cap and a fifth of the bytes before a step is polite.
+    slow = pacing.pacing_for(5 * gbit)
+    assert slow.max_sleep_s == pytest.approx(5 * one.max_sleep_s)
+    assert slow.polite_min_bytes == 12500
+    # Very slow links: the cap stops at MAX_SLEEP_SECONDS, the threshold at 4 KiB.
+    crawl = pacing.pacing_for(1000 * gbit)
+    assert crawl.max_sleep_s == pacing.MAX_SLEEP_SECONDS
+    assert crawl.polite_min_bytes == pacing.SMALLEST_POLITE_BYTES
+    # 10 Gbit/s: a sleep would cap the transfer (sleeps that short are not honoured): block.
+    fast = pacing.pacing_for(gbit / 10)
+    assert fast.blocks and fast.max_sleep_s == 0
+    assert fast.polite_min_bytes == pacing.POLITE_MIN_BYTES   # pieces still in flight
+    assert "block" in fast.describe() and "us between tests" in one.describe()
+    # Nothing measured: the 200 us measured at 1 Gbit/s, the old 256 KiB threshold.
+    assert pacing.pacing_for(None) == pacing.Pacing(200e-6, 256 * 1024)
+    # The user's setting wins over the link; 0 always blocks.
+    assert pacing.pacing_for(gbit / 10, 1000).max_sleep_s == pytest.approx(1e-3)
+    assert pacing.pacing_for(gbit / 10, 1000).polite_min_bytes == pacing.POLITE_MIN_BYTES
+    assert pacing.pacing_for(None, 500).max_sleep_s == pytest.approx(500e-6)
+    assert pacing.pacing_for(gbit, 0).blocks

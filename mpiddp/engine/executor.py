@@ -29,7 +29,7 @@ from ..collectives.topology import node_layout
 from ..config import Settings
 from ..errors import MpiddpError
 from ..reduce_ops import ReduceOp
-from ..transport import transport_for
+from ..transport import pacing_for, transport_for
 from .autotune import Knobs
 from .fusion import BufferPool, plan_batches
 from .request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER,
@@ -235,46 +235,48 @@ class Executor:
         self.fusion_threshold = settings.fusion_threshold     # autotune changes it
         # Node-local and cross-node communicators (collective: every rank builds its engine).
         self.local, self.cross, self.topology = node_layout(comm)
-        # Adjustable at run time (set_allreduce_algorithm); start from the settings.
+        # The network's latency and rate, measured (collectively) where ranks span nodes:
+        # for the automatic choice and for how transfers across nodes wait.
+        self.link = link = measure_link_costs(self.cross, self.comm) \
+            if self.topology.spans_nodes else None
+        self.pacing = pacing_for(link.seconds_per_byte if link else None,
+                                 settings.transfer_sleep_us)
+        # Adjustable at run time (set_allreduce_algorithm); start from the settings. A ring
+        # threshold or an algorithm the user set leaves the links out of the choice.
+        chooses = settings.ring_threshold is None and settings.allreduce_algorithm == AUTO
         self.algorithms = AlgorithmChoice(settings.allreduce_algorithm, settings.ring_threshold,
                                           settings.hierarchical_allreduce, self.topology,
-                                          self._measure_links(settings))
-        if self.rank == 0 and self.algorithms.link is not None:
-            self._log_choice()
+                                          link if chooses else None)
+        if self.rank == 0 and link is not None:
+            self._log_links(link)
         self._links: dict = {}
 
-    def _measure_links(self, settings: Settings) -> Optional[LinkCosts]:
-        """The network's latency and rate, measured (collectively) where the automatic choice
-        needs them: ranks on several nodes, ``auto``, no ring threshold set."""
-        if not self.topology.spans_nodes or settings.ring_threshold is not None or \
-                settings.allreduce_algorithm != AUTO:
-            return None
-        return measure_link_costs(self.cross, self.comm)
-
-    def _log_choice(self) -> None:
-        """Rank 0: the measured links and the thresholds the automatic choice took from them."""
+    def _log_links(self, link: LinkCosts) -> None:
+        """Rank 0: the measured links, how transfers wait on them, and the thresholds the
+        automatic choice took from them."""
         choice = self.algorithms
+        log.info("mpiddp: links between the %d nodes: %s; %s", self.topology.cross_size,
+                 link.describe(), self.pacing.describe())
+        if choice.link is None:
+            return
         own = "the ring"
         if choice.halving_doubling_limit:
             own = (f"halving-doubling (the ring from "
                    f"{describe_threshold(choice.halving_doubling_limit)})")
-        log.info("mpiddp: links between the %d nodes: %s; automatic all-reduce takes %s "
-                 "from %s (whole communicator) and the ring from %s (across nodes)",
-                 self.topology.cross_size, choice.link.describe(), own,
-                 describe_threshold(choice.ring_threshold),
+        log.info("mpiddp: automatic all-reduce takes %s from %s (whole communicator) and the "
+                 "ring from %s (across nodes)", own, describe_threshold(choice.ring_threshold),
                  describe_threshold(choice.cross_ring_threshold))
 
     def links(self, backend) -> Links:
         """The transports for buffers of ``backend``: the whole, node-local and cross-node
         communicators. Where ranks span nodes, transfers wait without spinning
-        (``transport/network.py``, ``MPIDDP_TRANSFER_SLEEP_US``)."""
+        (``transport/network.py``, as ``self.pacing`` says)."""
         links = self._links.get(backend.device_type)
         if links is None:
-            sleep = self.settings.transfer_sleep_us * 1e-6
             links = self._links[backend.device_type] = Links(
-                transport_for(self.comm, backend, self.topology.spans_nodes, sleep),
+                transport_for(self.comm, backend, self.topology.spans_nodes, self.pacing),
                 transport_for(self.local, backend),
-                transport_for(self.cross, backend, across_nodes=True, max_sleep_s=sleep))
+                transport_for(self.cross, backend, across_nodes=True, pacing=self.pacing))
         return links
 
     def configure(self, algorithm: str, ring_threshold: Optional[int] = None) -> None:

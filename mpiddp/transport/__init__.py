@@ -14,21 +14,22 @@ from .base import (COMPLETED, CommWrapper, Transfer, Transport, overlaps_transfe
 from . import network
 from .cuda_aware import mpi_cuda_aware
 from .network import NetworkComm
+from .pacing import Pacing, pacing_for
 from .staging import device_comm
 
 __all__ = ["Transport", "Transfer", "COMPLETED", "CommWrapper", "overlaps_transfers",
-           "start_sendrecv", "transport_for"]
+           "start_sendrecv", "transport_for", "Pacing", "pacing_for"]
 
 
 def transport_for(comm, backend, across_nodes: bool = False,
-                  max_sleep_s: float = network.MAX_TRANSFER_SLEEP_SECONDS) -> Transport:
+                  pacing: Pacing = Pacing()) -> Transport:
     """The transport for buffers of ``backend`` on ``comm``. Host memory: ``comm`` itself
     within a node; where ``comm``'s ranks span nodes (``across_nodes``), ``NetworkComm``,
-    which waits without spinning (``network.py``; sleeps of at most ``max_sleep_s`` between
-    tests). Device memory: a direct or staging wrapper,
+    which waits without spinning where the link allows (``network.py``, as ``pacing``
+    says). Device memory: a direct or staging wrapper,
     decided at ``init()`` from the CUDA-aware probe (``cuda_aware.mpi_cuda_aware()``). The
     caller keeps what it gets (the engine's executor, once per communicator and backend):
     staging wrappers hold their pinned buffers."""
     if backend.device_type == "cpu":
-        return NetworkComm(comm, max_sleep_s) if across_nodes else comm
+        return NetworkComm(comm, pacing) if across_nodes else comm
     return device_comm(comm, mpi_cuda_aware(), backend.copier())

@@ -8,23 +8,21 @@ of CPU per step against DDP's 398 ms, the difference being the wire time, and th
 coordinator took the core from backward, so nothing was hidden (docs/benchmarks.md).
 
 ``NetworkComm`` gives the collectives the same calls (``Transport``) on a communicator whose
-ranks sit on different nodes. The ring's point-to-point steps (``start_sendrecv``) of
-``POLITE_MIN_BYTES`` or more, where nearly all the bytes of a large all-reduce go, become
-``Irecv`` + ``Isend`` left in flight (the pipelined hierarchical all-reduce works within the
-node meanwhile) and completed by ``wait_for_transfer``: a short spin, then tests separated by
-sleeps of a tenth of the time waited so far, at most ``MAX_TRANSFER_SLEEP_SECONDS`` (short,
-because MPI pushes more bytes into the socket only when tested), so a transfer finishes a
-little late at most while the core is free for computing, and free of the waking that costs
-CPU: 200 us whether or not a user thread waits for the collective. (A user thread that
-waits leaves its core idle, and the previous rule polled harder then: flat out at first,
-later with sleeps of at most 20 us. It bought nothing measurable and cost CPU: 2 emulated
-nodes at 1 Gbit/s, ring all-reduce of 1-16 MiB at the link rate either way, 1.9-2.4 s of CPU
-per GB all-reduced with 20 us, 1.2-1.8 with 200 us; the MLP, communication-bound, 437-463 ms
-of CPU per step with 20 us, 295-335 with 200 us, 0.95-0.98x and 0.98-1.02x DDP-gloo's
-throughput, alternating runs, docs/benchmarks.md "CPU per byte"). Longer sleeps stall the
-transfer: MPI over UCX/TCP moves a bounded amount per call (1 ms sleeps: 0.43-0.55x the
-bandwidth at 4-16 MiB; docs/multinode.md), unless UCX's TCP segments are larger, which is
-the job's setting: ``MPIDDP_TRANSFER_SLEEP_US`` then raises the cap.
+ranks sit on different nodes. The ring's point-to-point steps (``start_sendrecv``) whose wire
+time is long enough to be worth it, where nearly all the bytes of a large all-reduce go,
+become ``Irecv`` + ``Isend`` left in flight (the pipelined hierarchical all-reduce works
+within the node meanwhile) and completed by ``wait_for_transfer``: a short spin, then tests
+separated by sleeps of a tenth of the time waited so far, at most a cap sized from the
+measured link (``pacing.py``: MPI pushes more bytes into the socket only when tested, so the
+cap is the wire time of what one call moves; about 200 us at 1 Gbit/s). A transfer finishes
+a little late at most while the core is free for computing. On links too fast for any sleep
+the wait blocks in MPI instead. (A user thread that waits leaves its core idle, and an
+earlier rule polled harder then: flat out at first, later with sleeps of at most 20 us. It
+bought nothing measurable and cost CPU: 2 emulated nodes at 1 Gbit/s, ring all-reduce of
+1-16 MiB at the link rate either way, 1.9-2.4 s of CPU per GB all-reduced with 20 us, 1.2-1.8
+with 200 us; the MLP, communication-bound, 437-463 ms of CPU per step with 20 us, 295-335 with
+200 us, 0.95-0.98x and 0.98-1.02x DDP-gloo's throughput, alternating runs, docs/benchmarks.md
+"CPU per byte".)
 
 Everything else keeps MPI's blocking calls: small steps are over in moments, and MPI's
 collectives run several rounds, each of which would wait for a sleeping partner (measured: a
@@ -48,18 +46,19 @@ import time
 from mpi4py import MPI
 
 from .base import COMPLETED, CommWrapper, Transfer
+from .pacing import Pacing
 
-POLITE_MIN_BYTES = 256 * 1024
 SEGMENT_BYTES = 1024 * 1024
 TRANSFER_SPIN_SECONDS = 100e-6
 FIRST_SLEEP_SECONDS = 10e-6
-MAX_TRANSFER_SLEEP_SECONDS = 200e-6
 
 
-def wait_for_transfer(requests: list,
-                      max_sleep_s: float = MAX_TRANSFER_SLEEP_SECONDS) -> None:
+def wait_for_transfer(requests: list, max_sleep_s: float) -> None:
     """Complete ``requests``: spin briefly, then sleep a tenth of the time waited so far
-    between tests (from 10 us to ``max_sleep_s``: ``MPIDDP_TRANSFER_SLEEP_US``)."""
+    between tests (from 10 us to ``max_sleep_s``, ``pacing.py``); 0: block in MPI."""
+    if max_sleep_s <= 0:
+        MPI.Request.Waitall(requests)
+        return
     start = time.perf_counter()
     while not MPI.Request.Testall(requests):
         waited = time.perf_counter() - start
@@ -93,12 +92,12 @@ class PendingTransfer:
 
 class NetworkComm(CommWrapper):
     """``Transport`` on an MPI communicator that spans nodes: the ring's large steps are left
-    in flight (``start_sendrecv``) and waited for without spinning, with sleeps of at most
-    ``max_sleep_s`` between tests; the collectives are MPI's own."""
+    in flight (``start_sendrecv``) and waited for as ``pacing`` says (sleeps between tests,
+    or blocking on a fast link); the collectives are MPI's own."""
 
-    def __init__(self, comm, max_sleep_s: float = MAX_TRANSFER_SLEEP_SECONDS):
+    def __init__(self, comm, pacing: Pacing = Pacing()):
         super().__init__(comm)
-        self.max_sleep_s = max_sleep_s
+        self.pacing = pacing
 
     def start_sendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int) -> Transfer:
         """Post the exchange as pieces and return it pending (small ones: done here)."""
@@ -110,14 +109,14 @@ class NetworkComm(CommWrapper):
 
     def _start(self, sendbuf, dest, sendtag, recvbuf, source, recvtag) -> Transfer:
         send, recv = _byte_view(sendbuf), _byte_view(recvbuf)
-        if max(len(send), len(recv)) < POLITE_MIN_BYTES:
+        if max(len(send), len(recv)) < self.pacing.polite_min_bytes:
             self.comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag)
             return COMPLETED
         # Pieces of the same source, tag and communicator match in the order they were
         # posted (MPI's non-overtaking rule), so both sides need only cut alike.
         requests = [self.comm.Irecv(piece, source, recvtag) for piece in _pieces(recv)]
         requests += [self.comm.Isend(piece, dest, sendtag) for piece in _pieces(send)]
-        return PendingTransfer(requests, self.max_sleep_s)
+        return PendingTransfer(requests, self.pacing.max_sleep_s)
 
     def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
         self.comm.Allreduce(sendbuf, recvbuf, op)

@@ -9,6 +9,7 @@ import torch
 
 import mpiddp
 from mpiddp.runtime import current
+from mpiddp.transport import pacing_for
 
 torch.set_num_threads(1)
 NODES, PER_NODE = int(sys.argv[1]), int(sys.argv[2])
@@ -23,6 +24,15 @@ assert len(set(hosts)) == NODES, hosts
 if rank == 0:
     print(f"OK topology {NODES}x{PER_NODE}: local and cross ranks per node, hosts "
           f"{sorted(set(hosts))}", flush=True)
+
+# The links were measured at start, and transfers across nodes wait as the measured rate says
+# (1 Gbit/s links: sleeps of about 200 us between tests, not blocking; transport/pacing.py).
+executor = current.require("test").engine.executor
+assert executor.pacing == pacing_for(executor.link.seconds_per_byte), vars(executor)
+assert 100e-6 <= executor.pacing.max_sleep_s <= 1e-3, executor.pacing
+if rank == 0:
+    print(f"OK links measured ({executor.link.describe()}): {executor.pacing.describe()}",
+          flush=True)
 
 # Every fused buffer hierarchically (MPIDDP_HIERARCHICAL_ALLREDUCE=1 in the launch) where the
 # layout allows it, with every op and odd sizes, against the exact result.
