@@ -29,8 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import simulated_models as sim  # noqa: E402
 from mpiddp.collectives.algorithms import AlgorithmChoice  # noqa: E402
 from mpiddp.collectives.cost_model import (LinkCosts, halving_doubling_seconds,  # noqa: E402
-                                           halving_doubling_threshold, native_seconds,
-                                           ring_seconds, ring_threshold)
+                                           native_seconds, ring_seconds)
 from mpiddp.collectives.topology import Topology  # noqa: E402
 
 NEGOTIATION_BYTES = 3 * 128 + 16     # a cached cycle's bit vectors and flags (engine.md)
@@ -52,24 +51,19 @@ class Job:
 
     def cycle_s(self, buffers: list[int], algorithm: str = "auto") -> float:
         """One engine cycle: the negotiation (a small all-reduce), then each fused buffer's
-        all-reduce by the engine's choice (or every one by ``native``): as
-        ``AlgorithmChoice`` picks with one rank per node and measured links, the MPI
-        library's algorithm up to the threshold, halving-doubling (a power of two from 4
-        nodes) up to the ring's threshold, the ring above."""
+        all-reduce as the engine's ``AlgorithmChoice`` picks it with one rank per node and
+        measured links (or every one by ``native``), charged at this job's step overhead."""
         extra = {} if self.step_overhead_s is None else {"step_overhead_s": self.step_overhead_s}
-        ring_above = ring_threshold(self.nodes, self.link, **extra)
-        halving_doubling = AlgorithmChoice.halving_doubling_fits(
-            Topology(0, self.nodes, 0, 1, 0, self.nodes, True))
-        native_up_to = halving_doubling_threshold(self.nodes, self.link, **extra) \
-            if halving_doubling else ring_above
+        choice = AlgorithmChoice(algorithm, None, "0",
+                                 Topology(0, self.nodes, 0, 1, 0, self.nodes, True), self.link,
+                                 **extra)
+        cost = {"native": lambda n: native_seconds(n, self.nodes, self.link),
+                "ring": lambda n: ring_seconds(n, self.nodes, self.link, **extra),
+                "halving_doubling":
+                    lambda n: halving_doubling_seconds(n, self.nodes, self.link, **extra)}
         seconds = native_seconds(NEGOTIATION_BYTES, self.nodes, self.link)
         for nbytes in buffers:
-            if algorithm == "native" or (algorithm == "auto" and nbytes <= native_up_to):
-                seconds += native_seconds(nbytes, self.nodes, self.link)
-            elif algorithm == "auto" and halving_doubling and nbytes <= ring_above:
-                seconds += halving_doubling_seconds(nbytes, self.nodes, self.link, **extra)
-            else:
-                seconds += ring_seconds(nbytes, self.nodes, self.link, **extra)
+            seconds += cost[choice.choose(nbytes).name](nbytes)
         return seconds
 
 

@@ -160,17 +160,21 @@ class AlgorithmChoice:
     (hierarchical on one node): the ring then, never a wrong result."""
 
     def __init__(self, setting: str, ring_threshold: Optional[int], hierarchical: str,
-                 topology: Topology, link: Optional[LinkCosts] = None):
+                 topology: Topology, link: Optional[LinkCosts] = None,
+                 step_overhead_s: float = cost_model.RING_STEP_OVERHEAD_S):
+        """``step_overhead_s``: our algorithms' Python cost per step, as the cost model
+        charges it (the engine: the measured default; the scaling model: its setting)."""
         self.setting = setting
         self.hierarchical_setting = hierarchical
         self.topology = topology
         self.link = link
         # The threshold for the whole communicator, and for the cross-node part of the
         # hierarchical all-reduce (one rank per node: a network ring). An explicit one wins.
-        whole, cross = self.default_thresholds(topology, link)
+        whole, cross = self.default_thresholds(topology, link, step_overhead_s)
         self.ring_threshold = ring_threshold if ring_threshold is not None else whole
         # Up to here halving-doubling, above it the ring (``own_algorithm``).
-        self.halving_doubling_limit = cost_model.ring_threshold(topology.size, link) \
+        self.halving_doubling_limit = \
+            cost_model.ring_threshold(topology.size, link, step_overhead_s=step_overhead_s) \
             if link is not None and self.halving_doubling_fits(topology) else 0
         self.ring = RingAllreduce()
         self.halving_doubling = HalvingDoublingAllreduce()
@@ -181,7 +185,9 @@ class AlgorithmChoice:
                                              self.hierarchical)}
 
     @staticmethod
-    def default_thresholds(topology: Topology, link: Optional[LinkCosts]) -> tuple[int, int]:
+    def default_thresholds(topology: Topology, link: Optional[LinkCosts],
+                           step_overhead_s: float = cost_model.RING_STEP_OVERHEAD_S
+                           ) -> tuple[int, int]:
         """(whole communicator, cross-node part) ring thresholds without a user setting.
         Across nodes with measured links they come from the cost model for the number of
         ranks in the network ring; the whole communicator's choice where the hierarchical
@@ -191,12 +197,13 @@ class AlgorithmChoice:
             return (default_ring_threshold(topology.spans_nodes and
                                            not topology.hierarchical_usable),
                     NETWORK_RING_THRESHOLD)
-        cross = ring_threshold(topology.cross_size, link)
+        overhead = {"step_overhead_s": step_overhead_s}
+        cross = ring_threshold(topology.cross_size, link, **overhead)
         if topology.hierarchical_usable:
             return max(LOCAL_RING_THRESHOLD, cross), cross
         if AlgorithmChoice.halving_doubling_fits(topology):
-            return halving_doubling_threshold(topology.size, link), cross
-        return ring_threshold(topology.size, link), cross
+            return halving_doubling_threshold(topology.size, link, **overhead), cross
+        return ring_threshold(topology.size, link, **overhead), cross
 
     @property
     def cross_ring_threshold(self) -> int:
