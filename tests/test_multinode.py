@@ -167,7 +167,7 @@ def test_srun_across_nodes(slurm_on_nodes):
                       str(WORKERS / "multinode_worker.py"), "2", "2", where=IN_NODE_0,
                       timeout=240)
     assert result.returncode == 0, result.stdout
-    assert_ok(MPIResult(result.returncode, result.stdout, False), expect_lines=5)
+    assert_ok(MPIResult(result.returncode, result.stdout, False), expect_lines=6)
     assert "hosts ['mpiddp-n0', 'mpiddp-n1']" in result.stdout, result.stdout
     with slurm_job(env, IN_NODE_0) as name:
         alone = srun(env, name, "--mpi=none", *layout, sys.executable, "-c",
