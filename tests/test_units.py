@@ -467,33 +467,38 @@ def test_transfer_sleep_setting_caps_the_sleeps_between_tests(monkeypatch):
     comm = transport_for(MPI.COMM_SELF, backend_for("cpu"), across_nodes=True, pacing=pacing)
     assert isinstance(comm, network.NetworkComm) and comm.pacing == pacing
 
-    # A transfer that needs many tests: sleeps grow as a tenth of the time waited, to the cap.
-    now, slept, tests = [0.0], [], [0]
+    # A transfer that needs many tests: sleeps grow as a tenth of the time waited, to the cap,
+    # and each wake tests a burst of ``tests_per_wake`` in a row.
+    now, slept, tests, tests_at_sleep = [0.0], [], [0], []
 
     class Request:
         @staticmethod
         def Testall(requests):
             tests[0] += 1
-            return tests[0] > 200
+            return tests[0] > 2000
 
     def sleep(seconds):
         slept.append(seconds)
+        tests_at_sleep.append(tests[0])
         now[0] += seconds
 
     monkeypatch.setattr(network, "MPI", type("FakeMPI", (), {"Request": Request}))
     clock = type("FakeTime", (), {"perf_counter": staticmethod(lambda: now[0] + tests[0] * 1e-6),
                                   "sleep": staticmethod(sleep)})
     monkeypatch.setattr(network, "time", clock)        # this module's clock only
-    network.PendingTransfer([], 1e-3).wait()
+    network.PendingTransfer([], Pacing(1e-3, 4096, tests_per_wake=8)).wait()
     assert slept and max(slept) == pytest.approx(1e-3)
     assert min(slept) >= network.FIRST_SLEEP_SECONDS
     assert slept == sorted(slept)
+    between = {b - a for a, b in zip(tests_at_sleep, tests_at_sleep[1:])}
+    assert between == {8}, between                      # the burst, then the loop's own test
+    assert tests[0] == 2001                             # stopped at the test that completed
     # No cap (a link too fast for sleeps): one blocking wait, no test, no sleep.
     slept.clear()
     tests[0] = 0
     waited = []
     Request.Waitall = staticmethod(lambda requests: waited.append(requests))
-    network.PendingTransfer(["r"], 0.0).wait()
+    network.PendingTransfer(["r"], Pacing(0.0)).wait()
     assert waited == [["r"]] and not slept and tests[0] == 0
 
 
@@ -501,14 +506,16 @@ def test_pacing_follows_the_measured_link():
     from mpiddp.transport import pacing
 
     gbit = 8e-9                                  # seconds per byte at 1 Gbit/s
-    # 1 Gbit/s: about the 200 us measured to keep it full; polite from 0.5 ms of wire time.
+    # 1 Gbit/s: sleeps of the wire time of SLEEP_CALLS calls (about 1.2 ms; a burst of 8
+    # tests after each moves more than that); polite from 0.5 ms of wire time.
     one = pacing.pacing_for(gbit)
-    assert one.max_sleep_s == pytest.approx(pacing.PROGRESS_BYTES * gbit)
-    assert 150e-6 < one.max_sleep_s < 250e-6
+    assert one.max_sleep_s == pytest.approx(pacing.SLEEP_CALLS * pacing.PROGRESS_BYTES * gbit)
+    assert one.tests_per_wake * pacing.PROGRESS_BYTES * gbit > one.max_sleep_s
+    assert 1e-3 < one.max_sleep_s < 1.5e-3
     assert one.polite_min_bytes == 62500 and not one.blocks
-    # 200 Mbit/s: five times the cap and a fifth of the bytes before a step is polite.
+    # 1.5 Gbit/s: a shorter cap; 200 Mbit/s: a fifth of the bytes before a step is polite.
+    assert pacing.pacing_for(gbit / 1.5).max_sleep_s == pytest.approx(one.max_sleep_s / 1.5)
     slow = pacing.pacing_for(5 * gbit)
-    assert slow.max_sleep_s == pytest.approx(5 * one.max_sleep_s)
     assert slow.polite_min_bytes == 12500
     # Very slow links: the cap stops at MAX_SLEEP_SECONDS, the threshold at 4 KiB.
     crawl = pacing.pacing_for(1000 * gbit)
@@ -518,7 +525,7 @@ def test_pacing_follows_the_measured_link():
     fast = pacing.pacing_for(gbit / 10)
     assert fast.blocks and fast.max_sleep_s == 0
     assert fast.polite_min_bytes == pacing.POLITE_MIN_BYTES   # pieces still in flight
-    assert "block" in fast.describe() and "us between tests" in one.describe()
+    assert "block" in fast.describe() and "bursts of 8 tests" in one.describe()
     # Nothing measured: the 200 us measured at 1 Gbit/s, the old 256 KiB threshold.
     assert pacing.pacing_for(None) == pacing.Pacing(200e-6, 256 * 1024)
     # The user's setting wins over the link; 0 always blocks.
