@@ -21,7 +21,9 @@ at 2 emulated nodes, 1 Gbit/s, ring all-reduce: 1 ms sleeps with one test per wa
 link to 0.50-0.60x at 4-16 MiB; with 8 tests per wake 0.97-1.00x, and 2 ms with 8 as well.
 Where one call's wire time is under ``MIN_SLEEP_SECONDS`` (sleeps that short are not honoured:
 the kernel's timer slack alone is 50 us), transfers block in MPI, which busy-polls: on a link
-that fast the transfer is over before the CPU it costs matters. ``MPIDDP_TRANSFER_SLEEP_US``
+that fast the transfer is over before the CPU it costs matters (at 5 Gbit/s, sleeping with
+bursts halved the CPU per GB but cost up to 6% of the bandwidth, once 31%: on GPU nodes the
+host CPU is idle and the network is what is short). ``MPIDDP_TRANSFER_SLEEP_US``
 overrides the cap (0: always block). Without a measured link the cap is 200 us, as measured
 at 1 Gbit/s with one test per wake.
 
