@@ -493,6 +493,14 @@ def test_transfer_sleep_setting_caps_the_sleeps_between_tests(monkeypatch):
     between = {b - a for a, b in zip(tests_at_sleep, tests_at_sleep[1:])}
     assert between == {8}, between                      # the burst, then the loop's own test
     assert tests[0] == 2001                             # stopped at the test that completed
+    # A transfer expected to take 5 ms on the measured link: sleeps of a tenth of that from
+    # the start (no ramp from 10 us), still at most the cap.
+    now[0], tests[0] = 0.0, 0
+    slept.clear()
+    network.PendingTransfer([], Pacing(1e-3, 4096), expected_s=5e-3).wait()
+    assert min(slept) == pytest.approx(5e-4) and max(slept) == pytest.approx(1e-3)
+    assert network.NetworkComm(MPI.COMM_SELF, Pacing(1e-3, 4096, seconds_per_byte=8e-9)) \
+        .pacing.seconds_per_byte == 8e-9
     # No cap (a link too fast for sleeps): one blocking wait, no test, no sleep.
     slept.clear()
     tests[0] = 0
@@ -513,6 +521,7 @@ def test_pacing_follows_the_measured_link():
     assert one.tests_per_wake * pacing.PROGRESS_BYTES * gbit > one.max_sleep_s
     assert 1e-3 < one.max_sleep_s < 1.5e-3
     assert one.polite_min_bytes == 62500 and not one.blocks
+    assert one.seconds_per_byte == gbit                  # for each transfer's expected time
     # 1.5 Gbit/s: a shorter cap; 200 Mbit/s: a fifth of the bytes before a step is polite.
     assert pacing.pacing_for(gbit / 1.5).max_sleep_s == pytest.approx(one.max_sleep_s / 1.5)
     slow = pacing.pacing_for(5 * gbit)

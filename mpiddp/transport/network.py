@@ -54,9 +54,10 @@ TRANSFER_SPIN_SECONDS = 100e-6
 FIRST_SLEEP_SECONDS = 10e-6
 
 
-def wait_for_transfer(requests: list, pacing: Pacing) -> None:
-    """Complete ``requests``: spin briefly, then sleep a tenth of the time waited so far
-    (from 10 us to ``pacing.max_sleep_s``) and test up to ``pacing.tests_per_wake`` times on
+def wait_for_transfer(requests: list, pacing: Pacing, expected_s: float = 0.0) -> None:
+    """Complete ``requests``: spin briefly, then sleep a tenth of the time waited so far or
+    of the transfer's ``expected_s`` wire time, whichever is longer (from 10 us to
+    ``pacing.max_sleep_s``: a transfer is noticed at most about 10% late), and test up to ``pacing.tests_per_wake`` times on
     each wake: each test moves a bounded amount, and what the link delivered during the
     sleep waits in the kernel's buffers, so the wake, not the test, is what costs.
     ``pacing.blocks``: block in MPI."""
@@ -68,7 +69,8 @@ def wait_for_transfer(requests: list, pacing: Pacing) -> None:
     while not testall(requests):
         waited = time.perf_counter() - start
         if waited > TRANSFER_SPIN_SECONDS:
-            time.sleep(min(max(waited / 10, FIRST_SLEEP_SECONDS), pacing.max_sleep_s))
+            time.sleep(min(max(max(waited, expected_s) / 10, FIRST_SLEEP_SECONDS),
+                           pacing.max_sleep_s))
             for _ in burst:
                 if testall(requests):
                     return
@@ -88,14 +90,15 @@ def _pieces(data: memoryview) -> list:
 class PendingTransfer:
     """Posted pieces of one exchange; ``wait`` completes them politely."""
 
-    __slots__ = ("requests", "pacing")
+    __slots__ = ("requests", "pacing", "expected_s")
 
-    def __init__(self, requests: list, pacing: Pacing):
+    def __init__(self, requests: list, pacing: Pacing, expected_s: float = 0.0):
         self.requests = requests
         self.pacing = pacing
+        self.expected_s = expected_s    # wire time on the measured link (0: unknown)
 
     def wait(self) -> None:
-        wait_for_transfer(self.requests, self.pacing)
+        wait_for_transfer(self.requests, self.pacing, self.expected_s)
 
 
 class NetworkComm(CommWrapper):
@@ -124,7 +127,8 @@ class NetworkComm(CommWrapper):
         # posted (MPI's non-overtaking rule), so both sides need only cut alike.
         requests = [self.comm.Irecv(piece, source, recvtag) for piece in _pieces(recv)]
         requests += [self.comm.Isend(piece, dest, sendtag) for piece in _pieces(send)]
-        return PendingTransfer(requests, self.pacing)
+        return PendingTransfer(requests, self.pacing,
+                               max(len(send), len(recv)) * self.pacing.seconds_per_byte)
 
     def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
         self.comm.Allreduce(sendbuf, recvbuf, op)

@@ -27,6 +27,10 @@ host CPU is idle and the network is what is short). ``MPIDDP_TRANSFER_SLEEP_US``
 overrides the cap (0: always block). Without a measured link the cap is 200 us, as measured
 at 1 Gbit/s with one test per wake.
 
+Sleeps start from a tenth of the exchange's expected wire time on the measured link, not
+from 10 us: the ramp took most wakes of a 1-4 MiB all-reduce (2 nodes, 1 Gbit/s: 1.2-2.3 ->
+0.85-1.6 s of CPU per GB at 1-4 MiB, docs/benchmarks.md "Fast links").
+
 Which exchanges are left in flight and waited for politely: those whose wire time is at least
 ``POLITE_MIN_SECONDS`` (shorter ones keep MPI's blocking call, which busy-polls for no
 longer than that). Measured at 2 emulated nodes, 200 Mbit/s, simulated ResNet-50 (light
@@ -56,11 +60,13 @@ class Pacing:
     """``max_sleep_s``: the longest sleep between tests of a transfer (0: block in MPI);
     ``polite_min_bytes``: exchanges of at least this many bytes are posted as nonblocking
     pieces and waited for with those sleeps; smaller ones use MPI's blocking call;
-    ``tests_per_wake``: tests in a row after each sleep (until the transfer completes)."""
+    ``tests_per_wake``: tests in a row after each sleep (until the transfer completes);
+    ``seconds_per_byte``: the measured link's (0: unknown), for a transfer's expected time."""
 
     max_sleep_s: float = UNKNOWN_LINK_SLEEP_SECONDS
     polite_min_bytes: int = POLITE_MIN_BYTES
     tests_per_wake: int = TESTS_PER_WAKE
+    seconds_per_byte: float = 0.0
 
     @property
     def blocks(self) -> bool:
@@ -91,4 +97,5 @@ def pacing_for(seconds_per_byte: Optional[float],
     if seconds_per_byte is None:
         return Pacing(cap, POLITE_MIN_BYTES)
     polite = math.ceil(POLITE_MIN_SECONDS / seconds_per_byte)
-    return Pacing(cap, min(max(polite, SMALLEST_POLITE_BYTES), POLITE_MIN_BYTES))
+    return Pacing(cap, min(max(polite, SMALLEST_POLITE_BYTES), POLITE_MIN_BYTES),
+                  seconds_per_byte=seconds_per_byte)
