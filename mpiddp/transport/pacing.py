@@ -18,7 +18,7 @@ wake (a task switch), not the test, that costs: so each wake tests ``TESTS_PER_W
 a row, and the cap is the wire time of ``SLEEP_CALLS`` calls' bytes on the measured link,
 less than a burst moves (about 1.2 ms at 1 Gbit/s, at most ``MAX_SLEEP_SECONDS``). Measured
 at 2 emulated nodes, 1 Gbit/s, ring all-reduce: 1 ms sleeps with one test per wake held the
-link to 0.50-0.60x at 4-16 MiB; with 8 tests per wake 0.97-1.00x, and 2 ms with 8 as well.
+link to 0.50-0.60x at 4-16 MiB; with 9 tests per wake 0.97-1.00x, and 2 ms with 9 as well.
 Where one call's wire time is under ``MIN_SLEEP_SECONDS`` (sleeps that short are not honoured:
 the kernel's timer slack alone is 50 us), transfers block in MPI, which busy-polls: on a link
 that fast the transfer is over before the CPU it costs matters (at 5 Gbit/s, sleeping with
