@@ -152,9 +152,10 @@ class Settings:
     # explicit overlap_forward argument wins.
     overlap_forward: object = setting(False, BooleanOrAuto())
     # Longest sleep (us) between tests of a transfer across nodes (transport/pacing.py).
-    # Unset: the wire time of what one MPI call moves over TCP on the links measured at start
-    # (about 200 at 1 Gbit/s; on links too fast for sleeps, transfers block in MPI); 200 where
-    # nothing was measured. 0: always block. Longer sleeps cost less CPU but stall transports
+    # Unset: the wire time of 6 x what one MPI call moves over TCP (24 KiB) on the links
+    # measured at start, each wake testing 8 times (about 1200 at 1 Gbit/s, at most 2000; on
+    # links too fast for sleeps, transfers block in MPI); 200 where nothing was measured.
+    # 0: always block. Longer sleeps cost less CPU but stall transports
     # that move a bounded amount per call (UCX over TCP with UCX_TCP_TX_SEG_SIZE /
     # UCX_TCP_RX_SEG_SIZE=1m: 1000 measured at gloo's CPU per byte at 1 Gbit/s).
     transfer_sleep_us: Optional[float] = setting(None, Number(float))

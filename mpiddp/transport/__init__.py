@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from .base import (COMPLETED, CommWrapper, Transfer, Transport, overlaps_transfers,
                    start_sendrecv)
-from . import network
 from .cuda_aware import mpi_cuda_aware
 from .network import NetworkComm
 from .pacing import Pacing, pacing_for

@@ -12,11 +12,11 @@ ranks sit on different nodes. The ring's point-to-point steps (``start_sendrecv`
 time is long enough to be worth it, where nearly all the bytes of a large all-reduce go,
 become ``Irecv`` + ``Isend`` left in flight (the pipelined hierarchical all-reduce works
 within the node meanwhile) and completed by ``wait_for_transfer``: a short spin, then tests
-separated by sleeps of a tenth of the time waited so far, at most a cap sized from the
-measured link, each wake testing several times in a row (``pacing.py``: MPI pushes bytes
-into the socket and drains them only when tested, a bounded amount per test; about 1.2 ms
-between bursts of 8 tests at 1 Gbit/s). A transfer finishes
-a little late at most while the core is free for computing. On links too fast for any sleep
+separated by sleeps of a tenth of the time waited so far or of the expected wire time, at
+most a cap sized from the measured link, each wake testing several times in a row
+(``pacing.py``: MPI pushes bytes into the socket and drains them only when tested, a bounded
+amount per test; about 1.2 ms between bursts of 8 tests at 1 Gbit/s). A transfer finishes a
+little late at most while the core is free for computing. On links too fast for any sleep
 the wait blocks in MPI instead. (A user thread that waits leaves its core idle, and an
 earlier rule polled harder then: flat out at first, later with sleeps of at most 20 us. It
 bought nothing measurable and cost CPU: 2 emulated nodes at 1 Gbit/s, ring all-reduce of
@@ -57,10 +57,10 @@ FIRST_SLEEP_SECONDS = 10e-6
 def wait_for_transfer(requests: list, pacing: Pacing, expected_s: float = 0.0) -> None:
     """Complete ``requests``: spin briefly, then sleep a tenth of the time waited so far or
     of the transfer's ``expected_s`` wire time, whichever is longer (from 10 us to
-    ``pacing.max_sleep_s``: a transfer is noticed at most about 10% late), and test up to ``pacing.tests_per_wake`` times on
-    each wake: each test moves a bounded amount, and what the link delivered during the
-    sleep waits in the kernel's buffers, so the wake, not the test, is what costs.
-    ``pacing.blocks``: block in MPI."""
+    ``pacing.max_sleep_s``: a transfer is noticed at most about 10% late), and test up to
+    ``pacing.tests_per_wake`` times on each wake: each test moves a bounded amount, and what
+    the link delivered during the sleep waits in the kernel's buffers, so the wake, not the
+    test, is what costs. ``pacing.blocks``: block in MPI."""
     if pacing.blocks:
         MPI.Request.Waitall(requests)
         return
@@ -120,15 +120,15 @@ class NetworkComm(CommWrapper):
 
     def _start(self, sendbuf, dest, sendtag, recvbuf, source, recvtag) -> Transfer:
         send, recv = _byte_view(sendbuf), _byte_view(recvbuf)
-        if max(len(send), len(recv)) < self.pacing.polite_min_bytes:
+        nbytes = max(len(send), len(recv))
+        if nbytes < self.pacing.polite_min_bytes:
             self.comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag)
             return COMPLETED
         # Pieces of the same source, tag and communicator match in the order they were
         # posted (MPI's non-overtaking rule), so both sides need only cut alike.
         requests = [self.comm.Irecv(piece, source, recvtag) for piece in _pieces(recv)]
         requests += [self.comm.Isend(piece, dest, sendtag) for piece in _pieces(send)]
-        return PendingTransfer(requests, self.pacing,
-                               max(len(send), len(recv)) * self.pacing.seconds_per_byte)
+        return PendingTransfer(requests, self.pacing, nbytes * self.pacing.seconds_per_byte)
 
     def Allreduce(self, sendbuf, recvbuf, op: MPI.Op = MPI.SUM) -> None:
         self.comm.Allreduce(sendbuf, recvbuf, op)
