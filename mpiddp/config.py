@@ -145,7 +145,12 @@ class Settings:
     # Bytes of prioritized all-reduces (forward overlap's gradients) a cycle runs at most;
     # the less urgent rest waits one cycle, so an urgent gradient never queues behind more
     # than this much on the wire (0 = no limit: a cycle runs everything that is ready).
-    priority_cycle_bytes: int = setting(1024 * 1024, Number(int))
+    # Unset: sized from the links measured at start so that a cycle's fixed cost (the
+    # negotiation and the engine's own work) is 3% of its transfer, rounded down to a power
+    # of two, 1-64 MiB (collectives/cost_model.py: 1 MiB at 2 nodes on 1 Gbit/s or
+    # slower, 4-8 MiB at 16 emulated nodes on 1 Gbit/s, 8-16 MiB at 2 nodes on ~12 Gbit/s);
+    # 1 MiB where nothing was measured.
+    priority_cycle_bytes: Optional[int] = setting(None, Number(int))
     # Forward overlap for DistributedOptimizer(overlap_forward=None) (docs/training.md):
     # step() returns before the gradients are averaged; each parameter is updated just before
     # the next forward uses it. 'auto': try both in the first steps, keep the faster. An

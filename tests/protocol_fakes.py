@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
+from mpiddp.collectives.cost_model import PRIORITY_CYCLE_MIN_BYTES
 from mpiddp.config import Settings
 from mpiddp.engine.autotune import Knobs
 from mpiddp.engine.coordinator import Engine
@@ -76,9 +77,10 @@ class RecordingExecutor:
     """Runs nothing: records the agreed order and completes (or fails) every handle, the way
     the real executor reports agreed errors."""
 
-    def __init__(self, rank, complete):
+    def __init__(self, rank, complete, priority_cycle_bytes):
         self.rank = rank
         self.complete = complete
+        self.priority_cycle_bytes = priority_cycle_bytes   # the engine's protocol takes it
         self.log: list = []          # (name, error or None), in execution order
 
     def knobs(self):
@@ -114,7 +116,9 @@ class FakeCluster:
 
         def factory(rank):
             def make(stats, timeline, complete):
-                self.executors[rank] = RecordingExecutor(rank, complete)
+                self.executors[rank] = RecordingExecutor(
+                    rank, complete, settings.priority_cycle_bytes
+                    if settings.priority_cycle_bytes is not None else PRIORITY_CYCLE_MIN_BYTES)
                 return self.executors[rank]
             return make
 

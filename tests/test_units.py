@@ -408,6 +408,45 @@ def test_halving_doubling_costs_the_rings_bytes_in_fewer_steps():
     assert halving_doubling_threshold(1, link) == NEVER
 
 
+def test_forward_overlaps_cycle_budget_follows_the_measured_links():
+    from mpiddp.collectives.cost_model import (ENGINE_CYCLE_S, PRIORITY_CYCLE_MAX_BYTES,
+                                               PRIORITY_CYCLE_MIN_BYTES,
+                                               PRIORITY_CYCLE_TOLERANCE, LinkCosts,
+                                               priority_cycle_bytes)
+
+    mib = 1 << 20
+    least = PRIORITY_CYCLE_MIN_BYTES
+    assert least == mib
+    # 2 nodes on 200 Mbit/s and on 1 Gbit/s, with the spread of latencies and rates the
+    # engine measured there: 1 MiB, the best measured (4 MiB 9% slower on 200 Mbit/s, 2 MiB
+    # 6% slower on 1 Gbit/s).
+    for gbit, latency_us in ((0.2, 6), (0.2, 35), (0.96, 29), (1.24, 7), (1.17, 35)):
+        assert priority_cycle_bytes(2, LinkCosts.from_rate(gbit, latency_us)) == least
+    # 16 emulated nodes on 1 Gbit/s (their measured 337-823 us: each cycle synchronizes 16
+    # ranks on 2 cores): 4-8 MiB, where 1 MiB was 1.2x slower; on 200 Mbit/s still 1 MiB.
+    for gbit, latency_us in ((0.875, 337), (0.912, 459), (0.7, 823)):
+        assert priority_cycle_bytes(16, LinkCosts.from_rate(gbit, latency_us)) in (4 * mib,
+                                                                                    8 * mib)
+    assert priority_cycle_bytes(16, LinkCosts.from_rate(0.2, 386)) == least
+    # 2 nodes on the emulated ~6-14 Gbit/s: 8-16 MiB (1 MiB was 1.15x slower).
+    for gbit, latency_us in ((5.95, 35), (10.3, 6), (14.2, 7)):
+        assert priority_cycle_bytes(2, LinkCosts.from_rate(gbit, latency_us)) in (8 * mib,
+                                                                                   16 * mib)
+    # The rule: the size whose transfer makes the fixed cost (the engine's work and a round
+    # trip per level of the negotiation) the tolerance of it, rounded down to a power of two.
+    for ranks, link in ((2, LinkCosts.from_rate(14.2, 7)), (16, LinkCosts.from_rate(10, 20))):
+        budget = priority_cycle_bytes(ranks, link)
+        fixed = ENGINE_CYCLE_S + 2 * math.ceil(math.log2(ranks)) * link.latency_s
+        def share(nbytes):
+            return fixed / (2 * (ranks - 1) / ranks * nbytes * link.seconds_per_byte)
+        assert share(2 * budget) < PRIORITY_CYCLE_TOLERANCE <= share(budget)
+        assert budget & (budget - 1) == 0
+    # Faster links, more bytes, up to the cap; one node (nothing to size): the least.
+    sizes = [priority_cycle_bytes(16, LinkCosts.from_rate(g, 20)) for g in (10, 25, 100)]
+    assert sizes == sorted(sizes) and least < sizes[0] < sizes[-1] == PRIORITY_CYCLE_MAX_BYTES
+    assert priority_cycle_bytes(1, LinkCosts.from_rate(10, 6)) == least
+
+
 def test_automatic_choice_across_nodes_follows_the_measured_links():
     from mpiddp.collectives.algorithms import LOCAL_RING_THRESHOLD, AlgorithmChoice
     from mpiddp.collectives.cost_model import (LinkCosts, halving_doubling_threshold,

@@ -53,6 +53,23 @@ RING_TOLERANCE = 0.05
 # MPICH's MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE: recursive doubling up to here.
 NATIVE_SHORT_BYTES = 2048
 NEVER = 1 << 62          # a threshold no buffer reaches
+# The engine's own work per cycle beyond the negotiation's messages (the protocol's Python over
+# the pending names, fusion, the hand-offs): forward overlap's cycles cost about this much
+# wall time and CPU each on 2 nodes at ~12 Gbit/s (docs/benchmarks.md, "Forward overlap's
+# cycle budget").
+ENGINE_CYCLE_S = 300e-6
+# Forward overlap's cycle budget: a cycle's fixed cost this share of its transfer (before the
+# budget is rounded down to a power of two).
+# Calibrated on the emulated cluster (docs/benchmarks.md, "Forward overlap's cycle budget"),
+# with the rounding down to a power of two, to the budgets measured best: 1 MiB at 2 nodes on
+# 200 Mbit/s (4 MiB 9% slower) and on 1 Gbit/s (level with 4 MiB, 2 MiB 6% slower), 4-8 MiB at
+# 16 nodes on 1 Gbit/s (1 MiB 1.2x slower), 4-16 MiB at 2 nodes on ~12 Gbit/s (1 MiB 1.15x
+# slower).
+PRIORITY_CYCLE_TOLERANCE = 0.03
+# Where nothing was measured (one node), and the least: the best of 0.5 / 1 / 4 / 16 MiB at
+# 2 nodes on 1 Gbit/s when forward overlap was built (docs/benchmarks.md, "Forward overlap").
+PRIORITY_CYCLE_MIN_BYTES = 1 << 20
+PRIORITY_CYCLE_MAX_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -159,6 +176,26 @@ def halving_doubling_threshold(ranks: int, link: LinkCosts, tolerance: float = R
         return NEVER
     threshold = steps * step_overhead_s / per_byte
     return NEVER if threshold >= NEVER else max(0, int(threshold))
+
+
+def priority_cycle_bytes(ranks: int, link: LinkCosts,
+                         tolerance: float = PRIORITY_CYCLE_TOLERANCE) -> int:
+    """Forward overlap's cycle budget across ``ranks`` nodes (``MPIDDP_PRIORITY_CYCLE_BYTES``
+    unset): the prioritized bytes whose transfer makes a cycle's fixed cost ``tolerance`` of
+    the cycle, rounded down to a power of two (so that the links' measured noise moves it
+    rarely), from ``PRIORITY_CYCLE_MIN_BYTES`` to
+    ``PRIORITY_CYCLE_MAX_BYTES``. The fixed cost: ``ENGINE_CYCLE_S`` and the negotiation, a
+    synchronization of every rank, taken as a round trip per level of its recursive
+    doubling (``2 log2 N`` latencies; with many ranks on few cores the measured latency
+    grows with the scheduler's delays, and so does the cost of every cycle). Smaller
+    cycles let an urgent gradient overtake sooner; on fast links, or with many ranks, each
+    cycle's fixed cost would outweigh that."""
+    if ranks < 2 or link.seconds_per_byte <= 0:
+        return PRIORITY_CYCLE_MIN_BYTES
+    fixed = ENGINE_CYCLE_S + 2 * log2_steps(ranks) * link.latency_s
+    budget = fixed / (tolerance * 2 * (ranks - 1) / ranks * link.seconds_per_byte)
+    budget = min(max(budget, PRIORITY_CYCLE_MIN_BYTES), PRIORITY_CYCLE_MAX_BYTES)
+    return 1 << int(math.log2(budget))
 
 
 # ---- measuring a link ------------------------------------------------------------------------

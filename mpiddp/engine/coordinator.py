@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 import traceback
+from dataclasses import replace
 from typing import Callable
 
 from mpi4py import MPI
@@ -60,12 +61,14 @@ class Engine:
                  make_executor: ExecutorFactory):
         self.channel = channel
         self.rank, self.size = channel.rank, channel.size
-        self.settings = settings
         self.stats = EngineStats()
         self.timeline = Timeline(bool(settings.timeline))
+        self.executor = make_executor(self.stats, self.timeline, self._complete)
+        # The cycle budget as the executor resolved it (unset: sized from the measured links).
+        self.settings = settings = replace(
+            settings, priority_cycle_bytes=self.executor.priority_cycle_bytes)
         self.protocol = CycleProtocol(self.rank, self.size, settings)
         self.policy = WaitPolicy(settings.cycle_time / 1000)
-        self.executor = make_executor(self.stats, self.timeline, self._complete)
         self.on_stop: list[Callable[[], None]] = []   # run on the coordinator when it stops
         # Autotune: rank 0 searches; every rank records what it applied at which cycle.
         self.tuner = Autotuner(settings, self.executor.knobs()) \

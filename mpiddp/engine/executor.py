@@ -22,7 +22,8 @@ from mpi4py import MPI
 from ..buffers import backend_for
 from ..buffers.dtypes import DType, dtype_named, identity_value
 from ..collectives.algorithms import AUTO, AlgorithmChoice, Links
-from ..collectives.cost_model import LinkCosts, describe_threshold, measure_link_costs
+from ..collectives.cost_model import (PRIORITY_CYCLE_MIN_BYTES, LinkCosts, describe_threshold,
+                                      measure_link_costs, priority_cycle_bytes)
 from ..collectives.native import allgatherv, alltoallv, broadcast
 from ..collectives.ring import chunk_bounds, ring_reduce_scatter
 from ..collectives.topology import node_layout
@@ -241,6 +242,12 @@ class Executor:
             if self.topology.spans_nodes else None
         self.pacing = pacing_for(link.seconds_per_byte if link else None,
                                  settings.transfer_sleep_us)
+        # Forward overlap's cycle budget (the engine's protocol takes it from here): the
+        # user's, else sized from the links, else the least.
+        self.priority_cycle_bytes = settings.priority_cycle_bytes \
+            if settings.priority_cycle_bytes is not None else \
+            priority_cycle_bytes(self.topology.cross_size, link) if link else \
+            PRIORITY_CYCLE_MIN_BYTES
         # Adjustable at run time (set_allreduce_algorithm); start from the settings. A ring
         # threshold or an algorithm the user set leaves the links out of the choice.
         chooses = settings.ring_threshold is None and settings.allreduce_algorithm == AUTO
@@ -255,8 +262,9 @@ class Executor:
         """Rank 0: the measured links, how transfers wait on them, and the thresholds the
         automatic choice took from them."""
         choice = self.algorithms
-        log.info("mpiddp: links between the %d nodes: %s; %s", self.topology.cross_size,
-                 link.describe(), self.pacing.describe())
+        log.info("mpiddp: links between the %d nodes: %s; %s; forward overlap's cycles carry "
+                 "up to %s", self.topology.cross_size, link.describe(), self.pacing.describe(),
+                 describe_threshold(self.priority_cycle_bytes))
         if choice.link is None:
             return
         own = "the ring"

@@ -90,9 +90,10 @@ class ForwardOverlap:
         # where reads are seen. Checked at the end of backward, which may run on an
         # autograd device thread that cannot tell which thread called backward().
         self.forward_guarded = False
-        # Pieces as large as a cycle's budget of prioritized bytes: one piece per cycle.
-        sync.piece_bytes = runtime.require("DistributedOptimizer()").settings \
-            .priority_cycle_bytes
+        # Pieces as large as a cycle's budget of prioritized bytes (the engine's: unset, it is
+        # sized from the measured links): one piece per cycle.
+        sync.piece_bytes = runtime.engine_for(sync.process_set, "DistributedOptimizer()")[0] \
+            .settings.priority_cycle_bytes
         self.adopt_new_params()
         _live.add(self)
 

@@ -114,6 +114,10 @@ def check_bitwise():
         lr = overlap[1].param_groups[0]["lr"]
         assert lr == standard[1].param_groups[0]["lr"], "the scheduler's lr differs"
         sync = overlap[1]._mpiddp
+        # The pieces are the engine's cycle budget: the setting, or on one node (no links
+        # measured) the least, 1 MiB.
+        budget = int(os.environ.get("MPIDDP_PRIORITY_CYCLE_BYTES", 1 << 20))
+        assert sync.piece_bytes == budget, (sync.piece_bytes, budget)
         ok(f"bitwise {name}", passes=passes, lr=lr,
            deferred_steps=sync.schedule.deferred_steps,
            cut=any(p.numel() * p.element_size() > sync.piece_bytes for p in sync.params))

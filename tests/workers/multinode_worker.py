@@ -8,6 +8,7 @@ import sys
 import torch
 
 import mpiddp
+from mpiddp.collectives.cost_model import priority_cycle_bytes
 from mpiddp.runtime import current
 from mpiddp.transport import pacing_for
 from mpiddp.transport.pacing import MAX_SLEEP_SECONDS
@@ -31,9 +32,15 @@ if rank == 0:
 executor = current.require("test").engine.executor
 assert executor.pacing == pacing_for(executor.link.seconds_per_byte), vars(executor)
 assert 0.5e-3 <= executor.pacing.max_sleep_s <= MAX_SLEEP_SECONDS, executor.pacing
+# Forward overlap's cycle budget is sized from the same links, the same on every rank, and
+# the engine's protocol runs with it.
+budget = priority_cycle_bytes(NODES, executor.link)
+engine = current.require("test").engine
+assert executor.priority_cycle_bytes == engine.protocol.settings.priority_cycle_bytes == budget
+assert mpiddp.allgather_object(budget) == [budget] * size
 if rank == 0:
-    print(f"OK links measured ({executor.link.describe()}): {executor.pacing.describe()}",
-          flush=True)
+    print(f"OK links measured ({executor.link.describe()}): {executor.pacing.describe()}; "
+          f"cycle budget {budget} B", flush=True)
 
 # Every fused buffer hierarchically (MPIDDP_HIERARCHICAL_ALLREDUCE=1 in the launch) where the
 # layout allows it, with every op and odd sizes, against the exact result.
