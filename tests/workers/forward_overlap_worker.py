@@ -5,7 +5,6 @@ with the standard path and one with forward overlap, and requires the parameters
 optimizer state) to be bitwise equal after every step, read in the ways a training script
 reads them. Run by tests/test_forward_overlap.py at 2, 3 and 4 ranks.
 """
-import copy
 import functools
 import logging
 import os
