@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -147,6 +148,13 @@ def reduce_seconds(nbytes: int, ranks: int, link: LinkCosts) -> float:
     return (ranks - 1) / ranks * nbytes * link.reduce_seconds_per_byte
 
 
+def tolerated_seconds_per_byte(ranks: int, link: LinkCosts, tolerance: float) -> float:
+    """The fixed cost each buffer byte may carry: ``tolerance`` of its wire time in a
+    bandwidth-optimal all-reduce across ``ranks`` (each rank sends and receives ``2 (N-1)/N``
+    of the buffer). The thresholds below divide a fixed cost by it."""
+    return tolerance * 2 * (ranks - 1) / ranks * link.seconds_per_byte
+
+
 def ring_threshold(ranks: int, link: LinkCosts, tolerance: float = RING_TOLERANCE,
                    step_overhead_s: float = RING_STEP_OVERHEAD_S) -> int:
     """The size from which the ring carries a buffer across ``ranks`` nodes: where its extra
@@ -156,7 +164,7 @@ def ring_threshold(ranks: int, link: LinkCosts, tolerance: float = RING_TOLERANC
         return NEVER
     extra = 2 * (ranks - 1) * (link.latency_s + step_overhead_s) - \
         2 * log2_steps(ranks) * link.latency_s
-    per_byte = tolerance * 2 * (ranks - 1) / ranks * link.seconds_per_byte
+    per_byte = tolerated_seconds_per_byte(ranks, link, tolerance)
     if per_byte <= 0:
         return NEVER
     threshold = extra / per_byte
@@ -171,14 +179,14 @@ def halving_doubling_threshold(ranks: int, link: LinkCosts, tolerance: float = R
         return NEVER
     pof2 = power_of_two_below(ranks)
     steps = 2 * log2_steps(pof2) + (0 if pof2 == ranks else 2)
-    per_byte = tolerance * 2 * (ranks - 1) / ranks * link.seconds_per_byte
+    per_byte = tolerated_seconds_per_byte(ranks, link, tolerance)
     if per_byte <= 0:
         return NEVER
     threshold = steps * step_overhead_s / per_byte
     return NEVER if threshold >= NEVER else max(0, int(threshold))
 
 
-def priority_cycle_bytes(ranks: int, link: LinkCosts,
+def priority_cycle_bytes(ranks: int, link: Optional[LinkCosts],
                          tolerance: float = PRIORITY_CYCLE_TOLERANCE) -> int:
     """Forward overlap's cycle budget across ``ranks`` nodes (``MPIDDP_PRIORITY_CYCLE_BYTES``
     unset): the prioritized bytes whose transfer makes a cycle's fixed cost ``tolerance`` of
@@ -189,11 +197,12 @@ def priority_cycle_bytes(ranks: int, link: LinkCosts,
     doubling (``2 log2 N`` latencies; with many ranks on few cores the measured latency
     grows with the scheduler's delays, and so does the cost of every cycle). Smaller
     cycles let an urgent gradient overtake sooner; on fast links, or with many ranks, each
-    cycle's fixed cost would outweigh that."""
-    if ranks < 2 or link.seconds_per_byte <= 0:
+    cycle's fixed cost would outweigh that. No ``link`` (nothing measured: one node): the
+    least."""
+    if link is None or ranks < 2 or link.seconds_per_byte <= 0:
         return PRIORITY_CYCLE_MIN_BYTES
     fixed = ENGINE_CYCLE_S + 2 * log2_steps(ranks) * link.latency_s
-    budget = fixed / (tolerance * 2 * (ranks - 1) / ranks * link.seconds_per_byte)
+    budget = fixed / tolerated_seconds_per_byte(ranks, link, tolerance)
     budget = min(max(budget, PRIORITY_CYCLE_MIN_BYTES), PRIORITY_CYCLE_MAX_BYTES)
     return 1 << int(math.log2(budget))
 

@@ -22,8 +22,8 @@ from mpi4py import MPI
 from ..buffers import backend_for
 from ..buffers.dtypes import DType, dtype_named, identity_value
 from ..collectives.algorithms import AUTO, AlgorithmChoice, Links
-from ..collectives.cost_model import (PRIORITY_CYCLE_MIN_BYTES, LinkCosts, describe_threshold,
-                                      measure_link_costs, priority_cycle_bytes)
+from ..collectives.cost_model import (LinkCosts, describe_threshold, measure_link_costs,
+                                      priority_cycle_bytes)
 from ..collectives.native import allgatherv, alltoallv, broadcast
 from ..collectives.ring import chunk_bounds, ring_reduce_scatter
 from ..collectives.topology import node_layout
@@ -243,11 +243,10 @@ class Executor:
         self.pacing = pacing_for(link.seconds_per_byte if link else None,
                                  settings.transfer_sleep_us)
         # Forward overlap's cycle budget (the engine's protocol takes it from here): the
-        # user's, else sized from the links, else the least.
+        # user's, else sized from the links (the least where nothing was measured).
         self.priority_cycle_bytes = settings.priority_cycle_bytes \
             if settings.priority_cycle_bytes is not None else \
-            priority_cycle_bytes(self.topology.cross_size, link) if link else \
-            PRIORITY_CYCLE_MIN_BYTES
+            priority_cycle_bytes(self.topology.cross_size, link)
         # Adjustable at run time (set_allreduce_algorithm); start from the settings. A ring
         # threshold or an algorithm the user set leaves the links out of the choice.
         chooses = settings.ring_threshold is None and settings.allreduce_algorithm == AUTO

@@ -29,13 +29,13 @@ if rank == 0:
 
 # The links were measured at start, and transfers across nodes wait as the measured rate says
 # (1 Gbit/s links: sleeps of 1-2 ms between bursts of tests, not blocking; transport/pacing.py).
-executor = current.require("test").engine.executor
+engine = current.require("test").engine
+executor = engine.executor
 assert executor.pacing == pacing_for(executor.link.seconds_per_byte), vars(executor)
 assert 0.5e-3 <= executor.pacing.max_sleep_s <= MAX_SLEEP_SECONDS, executor.pacing
 # Forward overlap's cycle budget is sized from the same links, the same on every rank, and
 # the engine's protocol runs with it.
 budget = priority_cycle_bytes(NODES, executor.link)
-engine = current.require("test").engine
 assert executor.priority_cycle_bytes == engine.protocol.settings.priority_cycle_bytes == budget
 assert mpiddp.allgather_object(budget) == [budget] * size
 if rank == 0:
