@@ -2,13 +2,14 @@
 MPI_Allreduce (mpi4py, same MPI) and torch.distributed gloo, side by side in one run.
 
     mpiexec -n 2 python scripts/benchmark_allreduce.py
-    mpiexec -n 4 python scripts/benchmark_allreduce.py --max-size 64M
+    mpiexec -n 4 python scripts/benchmark_allreduce.py --max-size 64M --json out.json
 
 Prints, per message size and method: time per all-reduce (mean over iterations, slowest rank),
 algbw = size / time and busbw = algbw * 2(N-1)/N (as nccl-tests reports), busbw relative
 to MPI_Allreduce, and the CPU seconds the whole process used per GB all-reduced (the mean
 over ranks: spinning while waiting counts). Each method's result is checked against the exact sum before timing.
 A separate latency section times a synchronous 4 KiB mpiddp.allreduce (median of many).
+``--json`` also writes every row and the latency for scripts/plot_scaling.py.
 
     mpiexec -n 2 python scripts/benchmark_allreduce.py --device cuda
 
@@ -20,6 +21,7 @@ plain ``tensor.cpu()`` copy; and torch.distributed NCCL instead of gloo.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -203,6 +205,7 @@ def main():
                         help="leave out torch.distributed (gloo, or NCCL with --device cuda)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: benchmark device buffers (docs/gpu.md)")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
 
     global DEVICE
@@ -228,6 +231,7 @@ def main():
         print("| size | method | time (us) | algbw (GB/s) | busbw (GB/s) | busbw vs MPI | "
               "CPU s/GB |")
         print("|---:|---|---:|---:|---:|---:|---:|")
+    rows = []
     nbytes = parse_size(args.min_size)
     while nbytes <= parse_size(args.max_size):
         count = nbytes // 4
@@ -239,6 +243,9 @@ def main():
             base = results["MPI_Allreduce"][0]
             for name, (seconds, cpu_per_gb) in results.items():
                 algbw = nbytes / seconds / 1e9
+                rows.append({"bytes": nbytes, "method": name, "seconds": seconds,
+                             "busbw_gb_s": algbw * factor, "vs_mpi": base / seconds,
+                             "cpu_s_per_gb": cpu_per_gb})
                 print(f"| {human(nbytes)} | {name} | {seconds * 1e6:.1f} | {algbw:.3f} | "
                       f"{algbw * factor:.3f} | {base / seconds:.2f} | {cpu_per_gb:.2f} |",
                       flush=True)
@@ -248,6 +255,10 @@ def main():
         print(f"\nsynchronous 4 KiB mpiddp.allreduce (engine, negotiation included): "
               f"median {median * 1e6:.1f} us, mean {mean * 1e6:.1f} us (slowest rank)")
         print(f"engine stats rank 0: {mpiddp.engine_stats()}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"ranks": size, "device": DEVICE, "rows": rows,
+                           "latency_4k_s": {"median": median, "mean": mean}}, f, indent=1)
     mpiddp.shutdown()
 
 

@@ -2,11 +2,17 @@
 "Scaling to 16 nodes").
 
     python scripts/plot_scaling.py scaling-results/ [--png docs/img/scaling_efficiency.png]
+        [--allreduce-png docs/img/scaling_allreduce.png] [--against HALF_RATE_RESULTS/]
 
 Prints, per setting and regime, a Markdown table: for each node count, each variant's
 samples/s per rank, scaling efficiency (the job's throughput over N x one process's) and the
 mpiddp variants against DDP-gloo; and the CPU per step per rank. Draws efficiency against N,
-one panel per setting and regime.
+one panel per setting and regime. From the all-reduce part: per size and node count, mpiddp's
+automatic choice and gloo against MPI_Allreduce (bus bandwidth), their CPU per GB, and the
+synchronous 4 KiB latency; draws bus bandwidth against size, one panel per node count.
+``--against`` compares each training step with the same run at half the link rate in another
+directory (the scaling benchmark with ``LINK_SCALE=0.5``): a step the network limits grows
+by the whole wire time added, one the CPU limits by less.
 """
 from __future__ import annotations
 
@@ -19,6 +25,9 @@ from collections import defaultdict
 
 RESULT = re.compile(r"(?P<setting>light|heavy)-(?P<model>sim-[a-z0-9]+)-(?P<regime>\w+)-"
                     r"(?P<nodes>\d+)x1\.json$")
+ALLREDUCE = re.compile(r"allreduce-(?P<setting>light|heavy)-(?P<nodes>\d+)x1\.json$")
+LINKS = {"light": "200 Mbit/s", "heavy": "1 Gbit/s"}
+AUTO, MPI, GLOO = "mpiddp auto", "MPI_Allreduce", "torch gloo"
 REGIMES = ("compute", "balanced", "wire")
 LABELS = {"mpiddp": "mpiddp", "overlap": "mpiddp, forward overlap",
           "native": "mpiddp, MPI_Allreduce", "ddp": "DDP-gloo"}
@@ -34,6 +43,124 @@ def load(directory: str) -> dict:
                 runs[match["setting"], match["model"], match["regime"]][int(match["nodes"])] = \
                     json.load(f)
     return runs
+
+
+def load_allreduce(directory: str) -> dict:
+    """{setting: {nodes: {(bytes, method): row}, latency by nodes under key "latency"}}"""
+    found: dict = defaultdict(dict)
+    for path in glob.glob(os.path.join(directory, "allreduce-*.json")):
+        match = ALLREDUCE.search(os.path.basename(path))
+        if match:
+            with open(path) as f:
+                result = json.load(f)
+            rows = {(row["bytes"], row["method"]): row for row in result["rows"]}
+            found[match["setting"]][int(match["nodes"])] = (rows, result["latency_4k_s"])
+    return found
+
+
+def size_text(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def allreduce_tables(found: dict) -> None:
+    for setting, by_nodes in sorted(found.items()):
+        nodes = sorted(by_nodes)
+        sizes = sorted({b for rows, _ in by_nodes.values() for b, _ in rows})
+        head = "| size | " + " | ".join(f"{n} nodes" for n in nodes) + " |"
+        rule = "|---:|" + "---|" * len(nodes)
+
+        def table(title, cell):
+            print(f"\n**All-reduce, {LINKS[setting]} links: {title}**\n")
+            print(head)
+            print(rule)
+            for size in sizes:
+                print(f"| {size_text(size)} | " + " | ".join(
+                    cell(by_nodes[n][0], size) for n in nodes) + " |")
+
+        def against_mpi(method):
+            def cell(rows, size):
+                row, mpi = rows.get((size, method)), rows.get((size, MPI))
+                if row is None or mpi is None:
+                    return "-"
+                return f"{row['vs_mpi']:.2f}x ({row['seconds'] * 1e6:,.0f} / " \
+                       f"{mpi['seconds'] * 1e6:,.0f} us)"
+            return cell
+
+        def cpu(rows, size):
+            auto, gloo = rows.get((size, AUTO)), rows.get((size, GLOO))
+            if auto is None:
+                return "-"
+            return f"{auto['cpu_s_per_gb']:.2f}" + (
+                f" / {gloo['cpu_s_per_gb']:.2f}" if gloo else "")
+
+        table("mpiddp auto against MPI_Allreduce (busbw ratio; time per all-reduce, auto / "
+              "MPI)", against_mpi(AUTO))
+        table("torch gloo against MPI_Allreduce (busbw ratio; gloo / MPI)", against_mpi(GLOO))
+        table("CPU seconds per GB all-reduced, mpiddp auto / gloo (whole process, mean over "
+              "ranks)", cpu)
+        print("\nSynchronous 4 KiB `mpiddp.allreduce` (negotiation included), median of the "
+              "slowest rank: " + ", ".join(
+                  f"{n} nodes {by_nodes[n][1]['median'] * 1e6:,.0f} us" for n in nodes))
+
+
+def allreduce_picture(found: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(s, n) for s in sorted(found) for n in sorted(found[s])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.2), squeeze=False,
+                             sharey=True)
+    for ax, (setting, nodes) in zip(axes[0], panels):
+        rows = found[setting][nodes][0]
+        for method in sorted({m for _, m in rows}):
+            points = sorted((b, r["busbw_gb_s"]) for (b, m), r in rows.items() if m == method)
+            ax.plot([b for b, _ in points], [bw for _, bw in points], marker=".",
+                    label=method, linestyle="--" if method == MPI else "-")
+        ax.set_title(f"{nodes} nodes, {LINKS[setting]}", fontsize=9)
+        ax.set_xscale("log", base=2)
+        ticks = [1 << 12, 1 << 16, 1 << 20, 1 << 24]
+        ax.set_xticks(ticks, [size_text(t) for t in ticks])
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("all-reduce size")
+    axes[0][0].set_ylabel("bus bandwidth (GB/s)")
+    axes[0][0].legend(fontsize=6, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"\npicture: {path}")
+
+
+# The one-process step as a multiple of the gradients' wire time, per regime.
+REGIME_FACTOR = {"compute": 2.0, "balanced": 1.0, "wire": 0.5}
+
+
+def against(runs: dict, half: dict) -> None:
+    """Each step here against the same run in ``half``, whose links ran at half the rate:
+    the wire time doubles, so a step the network limits grows by the whole wire time, and one
+    the CPU limits by less. Cores busy: every rank's CPU per step over the step."""
+    print("\n**The same runs at half the link rate** (step s; its growth over the wire time "
+          "that was added; cores' worth of CPU busy during the step, all ranks: nominal -> "
+          "half)\n")
+    print("| setting, regime | nodes | wire time (s) | variant | step (s) | growth / wire "
+          "added | CPU ms/step/rank | cores busy |")
+    print("|---|---:|---:|---|---|---:|---|---|")
+    for (setting, model, regime), by_nodes in sorted(
+            runs.items(), key=lambda item: (item[0][0], item[0][1], REGIMES.index(item[0][2]))):
+        for nodes, result in sorted(by_nodes.items()):
+            there = half.get((setting, model, regime), {}).get(nodes)
+            if there is None:
+                continue
+            wire = result["simulation"]["step_s"] / REGIME_FACTOR[regime]
+            for v in LABELS:
+                a, b = result["variants"].get(v), there["variants"].get(v)
+                if a and b:
+                    busy = [nodes * x["cpu_ms_per_step"] / 1e3 / x["step_s"] for x in (a, b)]
+                    print(f"| {setting}, {regime} | {nodes} | {wire:.3f} | {v} | "
+                          f"{a['step_s']:.3f} -> {b['step_s']:.3f} | "
+                          f"{(b['step_s'] - a['step_s']) / wire:.0%} | "
+                          f"{a['cpu_ms_per_step']:.0f} -> {b['cpu_ms_per_step']:.0f} | "
+                          f"{busy[0]:.2f} -> {busy[1]:.2f} |")
 
 
 def tables(runs: dict) -> None:
@@ -97,11 +224,23 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("directory")
     p.add_argument("--png", default=None, help="draw efficiency against N to this file")
+    p.add_argument("--allreduce-png", default=None,
+                   help="draw the all-reduce's bus bandwidth against size to this file")
+    p.add_argument("--against", default=None, metavar="DIRECTORY",
+                   help="compare each training step with the same run at half the link rate "
+                        "in DIRECTORY (scaling_benchmark.sh with LINK_SCALE=0.5)")
     args = p.parse_args(argv)
     runs = load(args.directory)
     tables(runs)
-    if args.png:
+    if args.png and runs:
         picture(runs, args.png)
+    found = load_allreduce(args.directory)
+    if found:
+        allreduce_tables(found)
+        if args.allreduce_png:
+            allreduce_picture(found, args.allreduce_png)
+    if args.against:
+        against(runs, load(args.against))
 
 
 if __name__ == "__main__":

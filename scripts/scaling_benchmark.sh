@@ -10,6 +10,12 @@
 # MODEL (default sim-resnet50) with VARIANTS (default: the standard path, forward overlap,
 # every reduction through MPI_Allreduce, DDP-gloo and one process) side by side in one launch,
 # and writes each launch's JSON and output to OUTPUT_DIR (default scaling-results/).
+# PARTS (default "training allreduce") also runs scripts/benchmark_allreduce.py (4 KiB-64 MiB:
+# mpiddp's algorithms, MPI_Allreduce and gloo) at each node count, on the links of the
+# settings in ALLREDUCE_SETTINGS (default heavy: 1 Gbit/s), into allreduce-<setting>-<N>x1.*.
+# LINK_SCALE (default 1) shapes the links to that fraction of the setting's rate while the
+# regimes keep the nominal rate's wire time: LINK_SCALE=0.5 is "the same run at half the link
+# rate" (`plot_scaling.py DIR --against HALF_DIR` compares the two).
 #
 #   light: 200 Mbit/s links, parameters scaled by 0.05: the same wire time as 1 Gbit/s at
 #          0.25, a fifth of the bytes; what it measures is the network and the algorithms.
@@ -31,6 +37,9 @@ NODES="${NODES:-2 4 8 16}"
 REGIMES="${REGIMES:-compute balanced wire}"
 MODEL="${MODEL:-sim-resnet50}"
 VARIANTS="${VARIANTS:-mpiddp,overlap,native,ddp,single}"
+PARTS="${PARTS:-training allreduce}"
+ALLREDUCE_SETTINGS="${ALLREDUCE_SETTINGS:-heavy}"
+LINK_SCALE="${LINK_SCALE:-1}"
 STEPS="${STEPS:-8}"
 ITERS="${ITERS:-2}"
 CLUSTER="$ROOT/scripts/local_cluster.sh"
@@ -43,15 +52,24 @@ trap 'bash "$CLUSTER" down >/dev/null 2>&1 || true' EXIT
 
 for setting in $SETTINGS; do
   case "$setting" in
-    light) rate=200mbit gbit=0.2 scale=0.05 ;;
-    heavy) rate=1gbit gbit=1 scale=0.25 ;;
+    light) gbit=0.2 scale=0.05 ;;
+    heavy) gbit=1 scale=0.25 ;;
     *) echo "unknown setting $setting (light, heavy)" >&2; exit 2 ;;
   esac
+  rate="$(python3 -c "print(f'{round($gbit * 1000 * $LINK_SCALE)}mbit')")"
   bash "$CLUSTER" down >/dev/null 2>&1 || true
   bash "$CLUSTER" up 16 "$rate"
   for nodes in $NODES; do
     yield=()
     [ "$nodes" -gt "$CORES" ] && yield=(-genv MPIR_CVAR_ENABLE_HEAVY_YIELD 1)
+    if [[ "$PARTS" == *allreduce* && " $ALLREDUCE_SETTINGS " == *" $setting "* ]]; then
+      name="$OUT/allreduce-$setting-${nodes}x1"
+      echo "### all-reduce, $setting ($rate links), ${nodes}x1 ($(date -u +%T))"
+      bash "$CLUSTER" run "${nodes}x1" -- "${yield[@]}" \
+        python "$ROOT/scripts/benchmark_allreduce.py" --min-size 4K --max-size 64M \
+        --seconds 0.5 --json "$name.json" 2>&1 | grep -v "c10d\] The hostname" | tee "$name.txt"
+    fi
+    [[ "$PARTS" == *training* ]] || continue
     for regime in $REGIMES; do
       name="$OUT/$setting-$MODEL-$regime-${nodes}x1"
       echo "### $setting, $MODEL, $regime, ${nodes}x1 ($(date -u +%T))"

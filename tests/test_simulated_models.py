@@ -231,3 +231,40 @@ def test_benchmark_straggler_and_native_variant(tmp_path):
     for name in ("mpiddp", "native"):       # paced by the slow ranks' 0.15 s
         assert variants[name]["step_s"] >= 0.145, (name, variants[name])
     assert "native engine on rank 0" in result.output
+
+
+def test_scaling_report_reads_allreduce_and_half_rate_runs(tmp_path, capsys):
+    """scripts/plot_scaling.py: the all-reduce tables at each node count and the comparison
+    with the same training runs at half the link rate, from result files as the scaling
+    benchmark writes them."""
+    import plot_scaling
+
+    def training(directory, step_s, cpu_ms):
+        directory.mkdir(exist_ok=True)
+        result = {"simulation": {"step_s": 0.2},
+                  "variants": {"mpiddp": {"step_s": step_s, "cpu_ms_per_step": cpu_ms,
+                                          "efficiency": 0.5, "per_rank": 10.0, "total": 20.0},
+                               "ddp": {"step_s": step_s, "cpu_ms_per_step": cpu_ms,
+                                       "efficiency": 0.5, "per_rank": 10.0, "total": 20.0}}}
+        (directory / "heavy-sim-resnet50-balanced-2x1.json").write_text(json.dumps(result))
+
+    nominal, half = tmp_path / "nominal", tmp_path / "half"
+    training(nominal, 0.3, 60.0)
+    training(half, 0.5, 66.0)
+    rows = [{"bytes": 4096, "method": m, "seconds": s, "busbw_gb_s": 0.1, "vs_mpi": v,
+             "cpu_s_per_gb": c}
+            for m, s, v, c in (("mpiddp auto", 1e-4, 0.35, 25.0),
+                               ("MPI_Allreduce", 3.5e-5, 1.0, 8.5),
+                               ("torch gloo", 6e-4, 0.06, 94.0))]
+    (nominal / "allreduce-heavy-2x1.json").write_text(json.dumps(
+        {"ranks": 2, "rows": rows, "latency_4k_s": {"median": 9e-5, "mean": 9.5e-5}}))
+    plot_scaling.main([str(nominal), "--against", str(half)])
+    out = capsys.readouterr().out
+    # The step grew by the whole wire time added (0.2 s: the balanced regime's one-process
+    # step); two ranks at 60 ms of CPU per 0.3 s step keep 0.4 cores busy.
+    assert "| heavy, balanced | 2 | 0.200 | mpiddp | 0.300 -> 0.500 | 100% | 60 -> 66 | " \
+           "0.40 -> 0.26 |" in out
+    assert "| 4 KiB | 0.35x (100 / 35 us) |" in out            # auto against MPI_Allreduce
+    assert "| 4 KiB | 0.06x (600 / 35 us) |" in out            # gloo against MPI_Allreduce
+    assert "| 4 KiB | 25.00 / 94.00 |" in out                  # CPU s/GB, auto / gloo
+    assert "2 nodes 90 us" in out                               # synchronous 4 KiB latency
