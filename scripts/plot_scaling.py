@@ -33,28 +33,29 @@ LABELS = {"mpiddp": "mpiddp", "overlap": "mpiddp, forward overlap",
           "native": "mpiddp, MPI_Allreduce", "ddp": "DDP-gloo"}
 
 
+def results(directory: str, pattern: re.Pattern):
+    """(match, parsed JSON) for each result file in ``directory`` whose name fits ``pattern``."""
+    for path in glob.glob(os.path.join(directory, "*.json")):
+        match = pattern.search(os.path.basename(path))
+        if match:
+            with open(path) as f:
+                yield match, json.load(f)
+
+
 def load(directory: str) -> dict:
     """{(setting, model, regime): {nodes: result}}"""
     runs: dict = defaultdict(dict)
-    for path in glob.glob(os.path.join(directory, "*.json")):
-        match = RESULT.search(os.path.basename(path))
-        if match:
-            with open(path) as f:
-                runs[match["setting"], match["model"], match["regime"]][int(match["nodes"])] = \
-                    json.load(f)
+    for match, result in results(directory, RESULT):
+        runs[match["setting"], match["model"], match["regime"]][int(match["nodes"])] = result
     return runs
 
 
 def load_allreduce(directory: str) -> dict:
-    """{setting: {nodes: {(bytes, method): row}, latency by nodes under key "latency"}}"""
+    """{setting: {nodes: ({(bytes, method): row}, the 4 KiB latency)}}"""
     found: dict = defaultdict(dict)
-    for path in glob.glob(os.path.join(directory, "allreduce-*.json")):
-        match = ALLREDUCE.search(os.path.basename(path))
-        if match:
-            with open(path) as f:
-                result = json.load(f)
-            rows = {(row["bytes"], row["method"]): row for row in result["rows"]}
-            found[match["setting"]][int(match["nodes"])] = (rows, result["latency_4k_s"])
+    for match, result in results(directory, ALLREDUCE):
+        rows = {(row["bytes"], row["method"]): row for row in result["rows"]}
+        found[match["setting"]][int(match["nodes"])] = (rows, result["latency_4k_s"])
     return found
 
 
