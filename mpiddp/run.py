@@ -197,7 +197,11 @@ class Launcher:
         process on, and those the watchdogs named, except in the report of a node that is
         itself lost (a node cut off finds every other node lost)."""
         named = set().union(*reports.values())
-        if not named & set(reports):
+        # A report naming every other node is what a node cut off says; it may be the only
+        # report when the survivors' ranks crashed before their watchdogs spoke (seen in
+        # CI: MPICH on a survivor died of the broken connection first). Probe then.
+        cut_off_like = any(found >= set(hosts) - {reporter} for reporter, found in reports.items())
+        if not named & set(reports) and not cut_off_like:
             # The reports agree (no reporter is named lost by another): no need to wait for
             # the probe of the nodes they name, which takes its whole timeout on a cut link.
             return set(lost) | named | self.unreachable(

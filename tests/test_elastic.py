@@ -254,6 +254,11 @@ def test_the_report_of_a_node_cut_off_is_not_believed(monkeypatch):
     assert launcher.decide_lost(["n1", "n2", "n7"], set(), {"n1": {"n7"}, "n2": {"n7"}}) == \
         {"n7"}
     assert sorted(probed) == ["n1", "n2"]
+    # The only report is from the node cut off (the survivors' ranks crashed first): it
+    # names every other node, so the launcher probes them all and believes the probe.
+    monkeypatch.setattr(launcher, "unreachable", lambda hosts: {"n7"} & set(hosts))
+    assert launcher.decide_lost(["n1", "n2", "n7"], set(), {"n7": {"n1", "n2"}}) == {"n7"}
+    assert launcher.decide_lost(["n1", "n7"], set(), {"n7": {"n1"}}) == {"n7"}
 
 
 def test_probe_names_the_hosts_where_nothing_starts(tmp_path, monkeypatch):
