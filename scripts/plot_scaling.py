@@ -33,6 +33,26 @@ LABELS = {"mpiddp": "mpiddp", "overlap": "mpiddp, forward overlap",
           "native": "mpiddp, MPI_Allreduce", "ddp": "DDP-gloo"}
 
 
+def in_order(runs: dict) -> list:
+    """``runs``' items by setting, model and regime (compute, balanced, wire)."""
+    return sorted(runs.items(),
+                  key=lambda item: (item[0][0], item[0][1], REGIMES.index(item[0][2])))
+
+
+def pyplot():
+    """matplotlib's pyplot, drawing to files only."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save(fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"\npicture: {path}")
+
+
 def results(directory: str, pattern: re.Pattern):
     """(match, parsed JSON) for each result file in ``directory`` whose name fits ``pattern``."""
     for path in glob.glob(os.path.join(directory, "*.json")):
@@ -105,10 +125,7 @@ def allreduce_tables(found: dict) -> None:
 
 
 def allreduce_picture(found: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     panels = [(s, n) for s in sorted(found) for n in sorted(found[s])]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.2), squeeze=False,
                              sharey=True)
@@ -127,9 +144,7 @@ def allreduce_picture(found: dict, path: str) -> None:
         ax.set_xlabel("all-reduce size")
     axes[0][0].set_ylabel("bus bandwidth (GB/s)")
     axes[0][0].legend(fontsize=6, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"\npicture: {path}")
+    save(fig, path)
 
 
 # The one-process step as a multiple of the gradients' wire time, per regime.
@@ -146,8 +161,7 @@ def against(runs: dict, half: dict) -> None:
     print("| setting, regime | nodes | wire time (s) | variant | step (s) | growth / wire "
           "added | CPU ms/step/rank | cores busy |")
     print("|---|---:|---:|---|---|---:|---|---|")
-    for (setting, model, regime), by_nodes in sorted(
-            runs.items(), key=lambda item: (item[0][0], item[0][1], REGIMES.index(item[0][2]))):
+    for (setting, model, regime), by_nodes in in_order(runs):
         for nodes, result in sorted(by_nodes.items()):
             there = half.get((setting, model, regime), {}).get(nodes)
             if there is None:
@@ -165,8 +179,7 @@ def against(runs: dict, half: dict) -> None:
 
 
 def tables(runs: dict) -> None:
-    for (setting, model, regime), by_nodes in sorted(
-            runs.items(), key=lambda item: (item[0][0], item[0][1], REGIMES.index(item[0][2]))):
+    for (setting, model, regime), by_nodes in in_order(runs):
         variants = [v for v in LABELS if any(v in r["variants"] for r in by_nodes.values())]
         print(f"\n**{setting}, {model}, {regime}** (efficiency; samples/s per rank; CPU ms per "
               "step per rank)\n")
@@ -189,10 +202,7 @@ def tables(runs: dict) -> None:
 
 
 def picture(runs: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     panels = sorted({(s, r) for s, _, r in runs}, key=lambda p: (p[0], REGIMES.index(p[1])))
     settings = sorted({s for s, _ in panels})
     fig, axes = plt.subplots(len(settings), len(REGIMES), figsize=(4 * len(REGIMES),
@@ -216,9 +226,7 @@ def picture(runs: dict, path: str) -> None:
     for row in axes:
         row[0].set_ylabel("scaling efficiency (%)")
     axes[0][0].legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"\npicture: {path}")
+    save(fig, path)
 
 
 def main(argv=None) -> None:
