@@ -1,7 +1,9 @@
 """Launch multi-rank workers under mpiexec with a hard timeout.
 
 Every launch runs in its own process session; on timeout the whole process group (mpiexec
-and every rank) is killed, so a hang is a test failure and never an orphaned rank.
+and every rank) is killed, so a hang is a test failure and never an orphaned rank. Before
+that, every Python process of the group prints the stack of each of its threads (Python's
+fault handler on SIGABRT), so a hang says where every rank was.
 Workers run under ``python -m mpi4py`` so an exception on one rank aborts the whole job.
 """
 from __future__ import annotations
@@ -64,6 +66,7 @@ class Job:
     a rank, cuts a link); ``wait`` collects it, killing the whole group on timeout."""
 
     def __init__(self, cmd: list, env: dict):
+        env = {**env, "PYTHONFAULTHANDLER": "1"}     # SIGABRT prints every thread's stack
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env, start_new_session=True, cwd=str(ROOT))
 
@@ -75,9 +78,63 @@ class Job:
             output, _ = self.proc.communicate(timeout=timeout)
             return MPIResult(self.proc.returncode, output, False)
         except subprocess.TimeoutExpired:
+            dump_python_stacks(self.proc.pid)
             os.killpg(self.proc.pid, signal.SIGKILL)
             output, _ = self.proc.communicate()
             return MPIResult(-9, output, True)
+
+
+def dump_python_stacks(root: int, grace: float = 3.0) -> None:
+    """Make every Python process started under ``root`` print its threads' stacks (the
+    fault handler, on SIGABRT) before the job is killed. The launcher and MPI's proxies (found
+    by parentage, as Hydra starts each rank in a session of its own) are stopped meanwhile:
+    otherwise the first rank to die makes them kill the others before those print. The
+    stacks wait in the pipes until the proxies continue and forward them."""
+    processes = [root] + descendants(root)
+    stopped, aborted = [], []
+    for pid in processes:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                program = os.path.basename(f.read().split(b"\0")[0].decode(errors="replace"))
+            if not program.startswith("python"):
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+        except (OSError, IndexError):
+            continue
+    for pid in set(processes) - set(stopped):
+        try:
+            os.kill(pid, signal.SIGABRT)
+            aborted.append(pid)
+        except OSError:
+            continue
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and not all(process_gone(pid) for pid in aborted):
+        time.sleep(0.1)
+    for pid in stopped:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except OSError:
+            continue
+    time.sleep(1.0)         # the proxies forward what the ranks printed
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below ``root`` in the process tree (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def assert_ok(result: MPIResult, expect_lines: int | None = None, prefix: str = "OK ") -> None:

@@ -48,3 +48,11 @@ def test_tiny_cache_evicts_and_stays_correct():
     result = run_mpi("collectives_worker.py", 3, "check_out_of_order", "check_allreduce_variants",
                      timeout=120, env=env)
     assert_ok(result, expect_lines=2)
+
+
+def test_engine_start_orders_its_collectives_before_the_coordinators():
+    # The host names and the watchdog's communicator are collectives on the engine's own
+    # communicator: made after the coordinator started, they could fall between its cycles on
+    # one rank and not on another (the main thread held up 0.2 s in each, as on a busy node).
+    result = run_mpi("engine_start_worker.py", 2, timeout=60)
+    assert_ok(result, expect_lines=2)

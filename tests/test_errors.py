@@ -135,3 +135,16 @@ def test_a_frozen_rank_ends_the_job_naming_it(tmp_path):
     time.sleep(1)
     assert process_gone(frozen), "the frozen rank was left behind"
     assert torch.load(tmp_path / "checkpoint.pt")["step"] >= step_before
+
+
+def test_a_hung_test_job_prints_where_every_rank_was(tmp_path):
+    # The harness's own promise: a job killed at its timeout first prints every thread's
+    # stack on every rank, so a hang found in CI says where it hung.
+    script = tmp_path / "hang.py"
+    script.write_text("import threading\nfrom mpi4py import MPI\n\n"
+                      "def wait_forever_in_here():\n    threading.Event().wait()\n\n"
+                      "MPI.COMM_WORLD.Barrier()\nprint('STARTED', flush=True)\n"
+                      "wait_forever_in_here()\n")
+    result = Job(*mpi_command(str(script), 2, mpi4py_run=False)).wait(timeout=15)
+    assert result.timed_out, result.output
+    assert result.output.count("in wait_forever_in_here") == 2, result.output

@@ -44,13 +44,19 @@ def start_engine(comm: MPI.Comm, settings: Settings) -> "Engine":
     """The production engine: on a private duplicate of ``comm`` (user traffic can never
     interleave with ours), MPI control channel, MPI executor."""
     private = comm.Dup()
+    # The watchdog calls MPI from a thread of its own: only with MPI_THREAD_MULTIPLE. Its
+    # communicator and the host names are collectives on ``private``, made here before the
+    # coordinator starts: afterwards its collectives on ``private`` could come between them
+    # on one rank and not on another (MPI requires the same order on every rank).
+    watchdog_comm = names = None
+    if private.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+        names = private.allgather((MPI.Get_processor_name(), launch_host()))
+        watchdog_comm = private.Dup()
     engine = Engine(MPIChannel(private), settings,
                     lambda stats, timeline, complete: Executor(private, settings, stats, timeline,
                                                                complete))
-    # The watchdog calls MPI from a thread of its own: only with MPI_THREAD_MULTIPLE.
-    if private.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
-        names = private.allgather((MPI.Get_processor_name(), launch_host()))
-        watchdog = Watchdog(private.Dup(), [n for n, _ in names], lambda: engine.stats.cycles,
+    if watchdog_comm is not None:
+        watchdog = Watchdog(watchdog_comm, [n for n, _ in names], lambda: engine.stats.cycles,
                             settings.peer_check_time, launch_hosts=[h for _, h in names])
         engine.on_stop.append(watchdog.stop)
     return engine

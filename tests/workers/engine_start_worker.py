@@ -1,0 +1,59 @@
+"""start_engine makes its own collectives on the engine's communicator (host names, the
+watchdog's duplicate) before the coordinator thread starts making its cycle's collectives there:
+MPI requires every rank to call a communicator's collectives in the same order, and two threads
+of one rank calling them at once could order them differently on different ranks.
+
+The communicator records which thread calls each collective, and holds the calling (main)
+thread up for a while in each, as a rank descheduled on a busy node would be. Prints
+'OK <rank> ...' on every rank."""
+import threading
+import time
+
+from mpi4py import MPI
+
+import checks
+from mpiddp.config import Settings
+from mpiddp.engine.coordinator import start_engine
+
+COLLECTIVES = ("allgather", "Allgather", "allreduce", "Allreduce", "Iallreduce", "gather",
+               "bcast", "Barrier", "Dup", "Split")
+calls: list[tuple[str, str]] = []    # (collective, calling thread) on the engine's communicator
+
+
+class Recording(MPI.Intracomm):
+    """An intracommunicator that records its collectives (the main thread arriving late)."""
+
+
+def recorded(method):
+    def call(self, *args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.2)
+        calls.append((method, threading.current_thread().name))
+        result = getattr(MPI.Intracomm, method)(self, *args, **kwargs)
+        return Recording(result) if method == "Dup" else result
+    return call
+
+
+for _method in COLLECTIVES:
+    setattr(Recording, _method, recorded(_method))
+
+
+class EngineParent(MPI.Intracomm):
+    """The communicator given to start_engine: its duplicate (the engine's own) records."""
+
+    def Dup(self, *args):
+        return Recording(MPI.Intracomm.Dup(self, *args))
+
+
+rank = MPI.COMM_WORLD.Get_rank()
+engine = start_engine(EngineParent(MPI.COMM_WORLD.Dup()), Settings(cycle_time=1.0))
+time.sleep(0.3)                        # the coordinator cycles every millisecond meanwhile
+engine.shutdown("test over")
+first_cycle = next(i for i, (_, thread) in enumerate(calls) if thread == "mpiddp-coordinator")
+late = [(method, i) for i, (method, thread) in enumerate(calls)
+        if thread != "mpiddp-coordinator" and i > first_cycle]
+assert not late, (f"rank {rank}: the main thread's {late} (collective, position) came after "
+                  f"the coordinator's first collective (position {first_cycle})")
+assert any(method == "Dup" for method, _ in calls[:first_cycle]), calls   # the watchdog's
+checks.ok(f"engine start: {first_cycle} collectives before the coordinator's first",
+          rank=rank, every_rank=True)
