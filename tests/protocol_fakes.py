@@ -91,6 +91,9 @@ class RecordingExecutor:
     def retune(self, knobs) -> None:
         self.log.append(("#retune", knobs))      # in the order, with the names it ran
 
+    def close(self) -> None:
+        pass
+
     def run(self, responses, entries) -> None:
         for response in responses:
             self.log.append((response.name, response.error))

@@ -36,7 +36,8 @@ log = logging.getLogger("mpiddp")
 
 _WAKE = object()   # inbox token: "look at the flags" (join, shutdown)
 
-# make_executor(stats, timeline, complete) -> an object with run(responses, entries).
+# make_executor(stats, timeline, complete) -> an object with run(responses, entries),
+# knobs(), retune(knobs), close() and priority_cycle_bytes.
 ExecutorFactory = Callable[[EngineStats, Timeline, Callable[..., None]], object]
 
 
@@ -282,4 +283,5 @@ class Engine:
         if close:                       # an orderly stop (a failure aborts the job instead)
             for action in self.on_stop:
                 action()
+            self.executor.close()
             self.channel.close()

@@ -286,6 +286,16 @@ class Executor:
                 transport_for(self.cross, backend, across_nodes=True, pacing=self.pacing))
         return links
 
+    def close(self) -> None:
+        """Free the node-local and cross-node communicators (the engine has stopped: every
+        rank at the same point). Without it every engine a job starts and stops (process
+        sets added and removed, init after shutdown) would keep two of the MPI library's
+        few thousand communicators."""
+        self._links.clear()
+        for comm in (self.local, self.cross):
+            if comm != MPI.COMM_NULL:
+                comm.Free()
+
     def configure(self, algorithm: str, ring_threshold: Optional[int] = None) -> None:
         """Switch the fused all-reduce algorithm (run it at an agreed point: a barrier's
         action, so that every rank switches between the same two batches)."""

@@ -80,6 +80,7 @@ class Watchdog:
             self._thread.join()
         self._ping_request.Cancel()
         self._ping_request.Wait()
+        self.comm.Free()     # answers still in flight complete first (MPI_Comm_free)
 
     # ---- the thread ----------------------------------------------------------------------
     def _run(self) -> None:

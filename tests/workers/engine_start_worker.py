@@ -1,11 +1,16 @@
-"""start_engine makes its own collectives on the engine's communicator (host names, the
-watchdog's duplicate) before the coordinator thread starts making its cycle's collectives there:
-MPI requires every rank to call a communicator's collectives in the same order, and two threads
-of one rank calling them at once could order them differently on different ranks.
+"""The engine's communicators, at its start and its stop.
 
-The communicator records which thread calls each collective, and holds the calling (main)
-thread up for a while in each, as a rank descheduled on a busy node would be. Prints
-'OK <rank> ...' on every rank."""
+1. start_engine makes its own collectives on the engine's communicator (host names, the
+   watchdog's duplicate) before the coordinator thread starts making its cycles' collectives
+   there: MPI requires every rank to call a communicator's collectives in the same order, and
+   two threads of one rank calling them at once could order them differently on different
+   ranks. The communicator records which thread calls each collective, and holds the main
+   thread up for a while in each, as a rank descheduled on a busy node would be.
+2. Once the engine has stopped, every communicator it made (its own duplicate, the
+   watchdog's, the node-local and cross-node ones) is freed: a job that adds and removes
+   process sets would otherwise run out of the MPI library's communicators (MPICH: 2048).
+
+Prints 'OK <rank> ...' per check on every rank."""
 import threading
 import time
 
@@ -16,12 +21,15 @@ from mpiddp.config import Settings
 from mpiddp.engine.coordinator import start_engine
 
 COLLECTIVES = ("allgather", "Allgather", "allreduce", "Allreduce", "Iallreduce", "gather",
-               "bcast", "Barrier", "Dup", "Split")
+               "bcast", "Barrier", "Dup", "Split", "Split_type")
+MAKE_COMMUNICATORS = ("Dup", "Split", "Split_type")
 calls: list[tuple[str, str]] = []    # (collective, calling thread) on the engine's communicator
+made: list[MPI.Comm] = []            # every communicator made from the engine's
 
 
 class Recording(MPI.Intracomm):
-    """An intracommunicator that records its collectives (the main thread arriving late)."""
+    """An intracommunicator that records its collectives (the main thread arriving late)
+    and the communicators made from it (recording in turn)."""
 
 
 def recorded(method):
@@ -30,7 +38,10 @@ def recorded(method):
             time.sleep(0.2)
         calls.append((method, threading.current_thread().name))
         result = getattr(MPI.Intracomm, method)(self, *args, **kwargs)
-        return Recording(result) if method == "Dup" else result
+        if method in MAKE_COMMUNICATORS and result != MPI.COMM_NULL:
+            result = Recording(result)
+            made.append(result)
+        return result
     return call
 
 
@@ -42,7 +53,9 @@ class EngineParent(MPI.Intracomm):
     """The communicator given to start_engine: its duplicate (the engine's own) records."""
 
     def Dup(self, *args):
-        return Recording(MPI.Intracomm.Dup(self, *args))
+        private = Recording(MPI.Intracomm.Dup(self, *args))
+        made.append(private)
+        return private
 
 
 rank = MPI.COMM_WORLD.Get_rank()
@@ -57,3 +70,8 @@ assert not late, (f"rank {rank}: the main thread's {late} (collective, position)
 assert any(method == "Dup" for method, _ in calls[:first_cycle]), calls   # the watchdog's
 checks.ok(f"engine start: {first_cycle} collectives before the coordinator's first",
           rank=rank, every_rank=True)
+kept = [i for i, comm in enumerate(made) if comm != MPI.COMM_NULL]
+assert len(made) >= 4 and not kept, \
+    f"rank {rank}: communicators {kept} of the {len(made)} the engine made are not freed"
+checks.ok(f"engine stop: the {len(made)} communicators it made are freed", rank=rank,
+          every_rank=True)
