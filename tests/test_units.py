@@ -526,17 +526,20 @@ def test_transfer_sleep_setting_caps_the_sleeps_between_tests(monkeypatch):
                                   "sleep": staticmethod(sleep)})
     monkeypatch.setattr(network, "time", clock)        # this module's clock only
     network.PendingTransfer([], Pacing(1e-3, 4096, tests_per_wake=8)).wait()
+    assert tests_at_sleep[0] > 50                       # unknown wire time: a 100 us spin first
     assert slept and max(slept) == pytest.approx(1e-3)
     assert min(slept) >= network.FIRST_SLEEP_SECONDS
     assert slept == sorted(slept)
     between = {b - a for a, b in zip(tests_at_sleep, tests_at_sleep[1:])}
     assert between == {8}, between                      # the burst, then the loop's own test
     assert tests[0] == 2001                             # stopped at the test that completed
-    # A transfer expected to take 5 ms on the measured link: sleeps of a tenth of that from
-    # the start (no ramp from 10 us), still at most the cap.
+    # A transfer expected to take 5 ms on the measured link: no spin (it cannot finish within
+    # one), sleeps of a tenth of that from the start (no ramp from 10 us), still at most the cap.
     now[0], tests[0] = 0.0, 0
     slept.clear()
+    tests_at_sleep.clear()
     network.PendingTransfer([], Pacing(1e-3, 4096), expected_s=5e-3).wait()
+    assert tests_at_sleep[0] == 1, tests_at_sleep[:3]   # one test, then straight to sleep
     assert min(slept) == pytest.approx(5e-4) and max(slept) == pytest.approx(1e-3)
     assert network.NetworkComm(MPI.COMM_SELF, Pacing(1e-3, 4096, seconds_per_byte=8e-9)) \
         .pacing.seconds_per_byte == 8e-9
