@@ -90,32 +90,32 @@ def dump_python_stacks(root: int, grace: float = 3.0) -> None:
     by parentage, as Hydra starts each rank in a session of its own) are stopped meanwhile:
     otherwise the first rank to die makes them kill the others before those print. The
     stacks wait in the pipes until the proxies continue and forward them."""
-    processes = [root] + descendants(root)
-    stopped, aborted = [], []
-    for pid in processes:
+    pythons, others = [], []
+    for pid in [root] + descendants(root):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 program = os.path.basename(f.read().split(b"\0")[0].decode(errors="replace"))
-            if not program.startswith("python"):
-                os.kill(pid, signal.SIGSTOP)
-                stopped.append(pid)
-        except (OSError, IndexError):
-            continue
-    for pid in set(processes) - set(stopped):
-        try:
-            os.kill(pid, signal.SIGABRT)
-            aborted.append(pid)
         except OSError:
-            continue
+            continue                    # gone already
+        (pythons if program.startswith("python") else others).append(pid)
+    stopped, aborted = signal_each(others, signal.SIGSTOP), signal_each(pythons, signal.SIGABRT)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and not all(process_gone(pid) for pid in aborted):
         time.sleep(0.1)
-    for pid in stopped:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except OSError:
-            continue
+    signal_each(stopped, signal.SIGCONT)
     time.sleep(1.0)         # the proxies forward what the ranks printed
+
+
+def signal_each(pids: list[int], signum: int) -> list[int]:
+    """Send ``signum`` to each process; return those that got it."""
+    sent = []
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+            sent.append(pid)
+        except OSError:
+            pass
+    return sent
 
 
 def descendants(root: int) -> list[int]:
