@@ -124,8 +124,7 @@ def descendants(root: int) -> list[int]:
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                parent = int(stat_fields(int(entry))[1])
             except (OSError, ValueError, IndexError):
                 continue
             children.setdefault(parent, []).append(int(entry))
@@ -172,10 +171,15 @@ def wait_for_files(*paths: Path, job: Job, timeout: float = 90) -> None:
         time.sleep(0.2)
 
 
+def stat_fields(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name: state, parent, ..."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
 def process_gone(pid: int) -> bool:
     """No such process, or only its zombie (in a container nobody may reap it)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        return stat_fields(pid)[0] == "Z"
     except FileNotFoundError:
         return True
