@@ -7,7 +7,10 @@ MPI_Allreduce (mpi4py, same MPI) and torch.distributed gloo, side by side in one
 Prints, per message size and method: time per all-reduce (mean over iterations, slowest rank),
 algbw = size / time and busbw = algbw * 2(N-1)/N (as nccl-tests reports), busbw relative
 to MPI_Allreduce, and the CPU seconds the whole process used per GB all-reduced (the mean
-over ranks: spinning while waiting counts). Each method's result is checked against the exact sum before timing.
+over ranks: spinning while waiting counts) with the part of it spent in user space (the rest is
+the kernel's: mostly the sockets' copies, alike for every method; a method that costs more
+CPU per byte than another in user space does it in its own code or its MPI library's).
+Each method's result is checked against the exact sum before timing.
 A separate latency section times a synchronous 4 KiB mpiddp.allreduce (median of many).
 ``--json`` also writes every row and the latency for scripts/plot_scaling.py.
 
@@ -169,16 +172,20 @@ def time_method(comm, setup, run, count, seconds, min_iters):
     one = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
     iters = max(min_iters, min(2000, int(seconds / max(one, 1e-6))))
     comm.Barrier()
-    cpu = time.process_time()
+    before = os.times()
     start = time.perf_counter()
     for _ in range(iters):
         run(tensor)
     elapsed = time.perf_counter() - start
-    cpu = time.process_time() - cpu
-    # CPU of the whole process (every thread: the engine's, gloo's) per GB all-reduced,
-    # the mean over ranks.
-    cpu_per_gb = comm.allreduce(cpu / max(1, iters * count * 4) * 1e9, op=MPI.SUM) / comm.size
-    return comm.allreduce(elapsed, op=MPI.MAX) / iters, cpu_per_gb
+    after = os.times()
+    user, system = after.user - before.user, after.system - before.system
+    # CPU of the whole process (every thread: the engine's, gloo's) per GB all-reduced, and
+    # the part of it in user space (the kernel's part is mostly the sockets' copies, which
+    # every method pays alike), the means over ranks.
+    cpu_per_gb = comm.allreduce((user + system) / max(1, iters * count * 4) * 1e9,
+                                op=MPI.SUM) / comm.size
+    user_share = comm.allreduce(user / max(user + system, 1e-9), op=MPI.SUM) / comm.size
+    return comm.allreduce(elapsed, op=MPI.MAX) / iters, cpu_per_gb, user_share
 
 
 def latency(comm, nbytes=4096, iters=3000):
@@ -229,8 +236,8 @@ def main():
               f"{MPI.Get_library_version().splitlines()[0].strip()}, "
               f"torch {torch.__version__}, {os.cpu_count()} cores")
         print("| size | method | time (us) | algbw (GB/s) | busbw (GB/s) | busbw vs MPI | "
-              "CPU s/GB |")
-        print("|---:|---|---:|---:|---:|---:|---:|")
+              "CPU s/GB | user |")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|")
     rows = []
     nbytes = parse_size(args.min_size)
     while nbytes <= parse_size(args.max_size):
@@ -241,14 +248,14 @@ def main():
             results[name] = time_method(comm, setup, run, count, args.seconds, args.min_iters)
         if rank == 0:
             base = results["MPI_Allreduce"][0]
-            for name, (seconds, cpu_per_gb) in results.items():
+            for name, (seconds, cpu_per_gb, user_share) in results.items():
                 algbw = nbytes / seconds / 1e9
                 rows.append({"bytes": nbytes, "method": name, "seconds": seconds,
                              "busbw_gb_s": algbw * factor, "vs_mpi": base / seconds,
-                             "cpu_s_per_gb": cpu_per_gb})
+                             "cpu_s_per_gb": cpu_per_gb, "cpu_user_share": user_share})
                 print(f"| {human(nbytes)} | {name} | {seconds * 1e6:.1f} | {algbw:.3f} | "
-                      f"{algbw * factor:.3f} | {base / seconds:.2f} | {cpu_per_gb:.2f} |",
-                      flush=True)
+                      f"{algbw * factor:.3f} | {base / seconds:.2f} | {cpu_per_gb:.2f} | "
+                      f"{user_share:.0%} |", flush=True)
         nbytes *= 4
     median, mean = latency(comm)
     if rank == 0:
