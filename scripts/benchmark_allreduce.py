@@ -172,18 +172,18 @@ def time_method(comm, setup, run, count, seconds, min_iters):
     one = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
     iters = max(min_iters, min(2000, int(seconds / max(one, 1e-6))))
     comm.Barrier()
-    before = os.times()
+    before, cpu = os.times(), time.process_time()
     start = time.perf_counter()
     for _ in range(iters):
         run(tensor)
     elapsed = time.perf_counter() - start
-    after = os.times()
-    user, system = after.user - before.user, after.system - before.system
+    cpu, after = time.process_time() - cpu, os.times()
     # CPU of the whole process (every thread: the engine's, gloo's) per GB all-reduced, and
     # the part of it in user space (the kernel's part is mostly the sockets' copies, which
-    # every method pays alike), the means over ranks.
-    cpu_per_gb = comm.allreduce((user + system) / max(1, iters * count * 4) * 1e9,
-                                op=MPI.SUM) / comm.size
+    # every method pays alike), the means over ranks. (os.times counts in clock ticks, 10 ms:
+    # good for the split, too coarse for the total.)
+    user, system = after.user - before.user, after.system - before.system
+    cpu_per_gb = comm.allreduce(cpu / max(1, iters * count * 4) * 1e9, op=MPI.SUM) / comm.size
     user_share = comm.allreduce(user / max(user + system, 1e-9), op=MPI.SUM) / comm.size
     return comm.allreduce(elapsed, op=MPI.MAX) / iters, cpu_per_gb, user_share
 
