@@ -584,3 +584,55 @@ def test_pacing_follows_the_measured_link():
     assert pacing.pacing_for(gbit / 10, 1000).polite_min_bytes == pacing.POLITE_MIN_BYTES
     assert pacing.pacing_for(None, 500).max_sleep_s == pytest.approx(500e-6)
     assert pacing.pacing_for(gbit, 0).blocks
+
+
+def test_a_cycle_spins_only_while_its_partners_answer_within_the_spin(monkeypatch):
+    """Rule 5 of ``engine/waiting.py``: a cycle that brings work spins before sleeping, unless
+    the last such wait outlasted the spin (partners not in lockstep: the spin would burn CPU
+    in vain); a wait that the first sleeps see end within the spin's time turns it back on."""
+    from mpiddp.engine import waiting
+
+    now, calls = [0.0], [0]
+
+    def perf_counter():
+        now[0] += 1e-6          # every look at the clock costs a microsecond, as a spin does
+        return now[0]
+
+    def sleep(seconds):
+        now[0] += seconds + 50e-6     # the kernel's timer slack
+
+    monkeypatch.setattr(waiting, "time", type("FakeTime", (), {
+        "perf_counter": staticmethod(perf_counter), "sleep": staticmethod(sleep)}))
+
+    def partner_after(seconds):
+        """A request's Test that completes ``seconds`` after the wait begins."""
+        done_at = now[0] + seconds
+        calls[0] = 0
+
+        def test():
+            calls[0] += 1
+            return now[0] >= done_at
+        return test
+
+    policy = waiting.WaitPolicy(heartbeat=0.05)
+    policy.entered(brought_work=True)
+    policy.wait(partner_after(30e-6))         # in lockstep: found while spinning
+    assert calls[0] > 5 and policy.spin_pays
+    policy.wait(partner_after(2e-3))          # late: spun the whole spin, then slept
+    assert not policy.spin_pays
+    policy.wait(partner_after(30e-6))         # no spin now: the first sleep's test finds it
+    assert calls[0] == 2 and policy.spin_pays
+    policy.wait(partner_after(30e-6))         # and the next cycle spins again
+    assert calls[0] > 5
+    policy.wait(partner_after(2e-3))
+    assert not policy.spin_pays
+    # A partner seen late only because the sleeps overshoot (the last missed test was early
+    # in the spin's time) counts as one the spin would have caught.
+    policy.wait(partner_after(150e-6))
+    assert calls[0] == 4 and policy.spin_pays     # missed at 0, ~60 and ~130 us, seen at ~220
+    # A cycle entered to wait for others never spins and says nothing about lockstep.
+    policy.after_cycle(executed=False, all_known=True, lacking=False)
+    policy.entered(brought_work=False)
+    assert not policy.spin
+    policy.wait(partner_after(5e-3))
+    assert policy.spin_pays
