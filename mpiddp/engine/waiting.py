@@ -17,8 +17,9 @@ Every rule in one place:
    cycle entered to wait for others goes straight to sleeping polls, and so does one after a
    wait that outlasted the spin (the partners are not in lockstep: ranks that notice the end
    of a long transfer one sleep apart spun in vain; synchronous 1 MiB all-reduces at 2
-   emulated nodes, 1.29 -> 1.22 ms of CPU each, the same latency for small ones, training
-   unchanged; docs/benchmarks.md). MPI's own blocking waits busy-poll, and a
+   emulated nodes, 1.29 -> 1.22 ms of CPU each; 16 emulated nodes on 2 cores, where a spin
+   takes the core from the ranks it waits for, a synchronous 4 KiB all-reduce 6.7 -> 5.2-5.4
+   ms; training unchanged; docs/benchmarks.md). MPI's own blocking waits busy-poll, and a
    spinning coordinator would take the core that backward needs, so waits are tests with
    growing sleeps (see ``wait``).
 """
