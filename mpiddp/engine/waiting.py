@@ -13,7 +13,7 @@ Every rule in one place:
    waits a whole heartbeat. An idle rank waits up to the heartbeat (``cycle_time``) before
    joining a heartbeat cycle, so that stalls and shutdowns are noticed.
 5. Inside a cycle, a rank spins briefly only when it brings new work (partners in lockstep
-   answer within microseconds) and the last wait inside a cycle was over within the spin; a
+   answer within microseconds) and its last such wait was over within the spin's time; a
    cycle entered to wait for others goes straight to sleeping polls, and so does one after a
    wait that outlasted the spin (the partners are not in lockstep: ranks that notice the end
    of a long transfer one sleep apart spun in vain; synchronous 1 MiB all-reduces at 2
