@@ -12,6 +12,9 @@ the kernel's: mostly the sockets' copies, alike for every method; a method that 
 CPU per byte than another in user space does it in its own code or its MPI library's).
 Each method's result is checked against the exact sum before timing.
 A separate latency section times a synchronous 4 KiB mpiddp.allreduce (median of many).
+``--pieces K`` adds a table of lists of K tensors of each size handed over at once (what a
+training step's small gradients are: the engine fuses them into one cycle) against one MPI
+call per tensor, blocking or all started at once.
 ``--json`` also writes every row and the latency for scripts/plot_scaling.py.
 
     mpiexec -n 2 python scripts/benchmark_allreduce.py --device cuda
@@ -77,6 +80,42 @@ def make_methods(comm: MPI.Comm, with_gloo: bool):
         import torch.distributed as dist
         methods["torch gloo"] = (lambda t: None, lambda t: dist.all_reduce(t))
     return methods
+
+
+def make_piece_methods(comm: MPI.Comm, pieces: int):
+    """The same bytes as ``pieces`` equal tensors reduced together, as a list of small
+    gradients is: the engine fuses what it is handed at once, MPI takes one call per tensor
+    (blocking, or all started non-blocking and then waited for). name -> (setup, run)."""
+    names = [f"piece{i}" for i in range(pieces)]
+
+    def rows(tensor):
+        return tensor.view(pieces, -1)
+
+    def engine_each(tensor):
+        handles = [mpiddp.allreduce_async_(row, name=name, op=mpiddp.Sum)
+                   for row, name in zip(rows(tensor), names)]
+        for handle in handles:
+            mpiddp.synchronize(handle)
+
+    def engine_grouped(tensor):
+        mpiddp.grouped_allreduce_(list(rows(tensor)), name="pieces", op=mpiddp.Sum)
+
+    def native_each(tensor):
+        for row in rows(tensor):
+            comm.Allreduce(MPI.IN_PLACE, [row.numpy(), MPI.FLOAT], MPI.SUM)
+
+    def native_started(tensor):
+        MPI.Request.Waitall([comm.Iallreduce(MPI.IN_PLACE, [row.numpy(), MPI.FLOAT], MPI.SUM)
+                             for row in rows(tensor)])
+
+    def auto(tensor):
+        mpiddp.set_allreduce_algorithm("auto")
+
+    nothing = lambda t: None  # noqa: E731
+    return {f"mpiddp, {pieces} allreduce_async_": (auto, engine_each),
+            f"mpiddp, grouped_allreduce_ of {pieces}": (auto, engine_grouped),
+            f"MPI_Allreduce x {pieces}": (nothing, native_each),
+            f"MPI_Iallreduce x {pieces}, Waitall": (nothing, native_started)}
 
 
 def make_cuda_methods(comm: MPI.Comm, with_nccl: bool):
@@ -188,6 +227,34 @@ def time_method(comm, setup, run, count, seconds, min_iters):
     return comm.allreduce(elapsed, op=MPI.MAX) / iters, cpu_per_gb, user_share
 
 
+def table(comm, methods: dict, baseline: str, sizes: list, args, pieces: int = 1) -> list:
+    """Time every method at every size (``pieces`` tensors of that size each), print the
+    rows on rank 0 and return them."""
+    factor = 2 * (comm.size - 1) / comm.size if comm.size > 1 else 0.0
+    if comm.rank == 0:
+        print("| size | method | time (us) | algbw (GB/s) | busbw (GB/s) | busbw vs MPI | "
+              "CPU s/GB | user |")
+        print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for nbytes in sizes:
+        count = nbytes // 4 * pieces
+        results = {}
+        for name, (setup, run) in methods.items():
+            check(comm, name, setup, run, count)
+            results[name] = time_method(comm, setup, run, count, args.seconds, args.min_iters)
+        if comm.rank == 0:
+            base = results[baseline][0]
+            for name, (seconds, cpu_per_gb, user_share) in results.items():
+                algbw = nbytes * pieces / seconds / 1e9
+                rows.append({"bytes": nbytes, "method": name, "seconds": seconds,
+                             "busbw_gb_s": algbw * factor, "vs_mpi": base / seconds,
+                             "cpu_s_per_gb": cpu_per_gb, "cpu_user_share": user_share})
+                print(f"| {human(nbytes)} | {name} | {seconds * 1e6:.1f} | {algbw:.3f} | "
+                      f"{algbw * factor:.3f} | {base / seconds:.2f} | {cpu_per_gb:.2f} | "
+                      f"{user_share:.0%} |", flush=True)
+    return rows
+
+
 def latency(comm, nbytes=4096, iters=3000):
     """Median time of a synchronous mpiddp.allreduce of ``nbytes``, negotiation included."""
     mpiddp.set_allreduce_algorithm("auto")
@@ -212,8 +279,15 @@ def main():
                         help="leave out torch.distributed (gloo, or NCCL with --device cuda)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: benchmark device buffers (docs/gpu.md)")
+    parser.add_argument("--pieces", type=int, default=0, metavar="K",
+                        help="also time lists of K tensors of each size (up to "
+                             "--pieces-max-size), all handed over at once, against one MPI call "
+                             "per tensor (host only)")
+    parser.add_argument("--pieces-max-size", default="256K")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
+    if args.pieces > 1 and args.device == "cuda":
+        parser.error("--pieces times host tensors only")
 
     global DEVICE
     DEVICE = args.device
@@ -227,7 +301,6 @@ def main():
     else:
         methods = make_methods(comm, not args.no_gloo)
     size, rank = comm.size, comm.rank
-    factor = 2 * (size - 1) / size if size > 1 else 0.0
     if rank == 0:
         where = "" if DEVICE == "cpu" else (
             f"CUDA tensors on {torch.cuda.get_device_name()}, CUDA-aware MPI: "
@@ -235,28 +308,21 @@ def main():
         print(f"# all-reduce benchmark: {size} ranks, float32 sum, {where}"
               f"{MPI.Get_library_version().splitlines()[0].strip()}, "
               f"torch {torch.__version__}, {os.cpu_count()} cores")
-        print("| size | method | time (us) | algbw (GB/s) | busbw (GB/s) | busbw vs MPI | "
-              "CPU s/GB | user |")
-        print("|---:|---|---:|---:|---:|---:|---:|---:|")
-    rows = []
+    sizes = []
     nbytes = parse_size(args.min_size)
     while nbytes <= parse_size(args.max_size):
-        count = nbytes // 4
-        results = {}
-        for name, (setup, run) in methods.items():
-            check(comm, name, setup, run, count)
-            results[name] = time_method(comm, setup, run, count, args.seconds, args.min_iters)
-        if rank == 0:
-            base = results["MPI_Allreduce"][0]
-            for name, (seconds, cpu_per_gb, user_share) in results.items():
-                algbw = nbytes / seconds / 1e9
-                rows.append({"bytes": nbytes, "method": name, "seconds": seconds,
-                             "busbw_gb_s": algbw * factor, "vs_mpi": base / seconds,
-                             "cpu_s_per_gb": cpu_per_gb, "cpu_user_share": user_share})
-                print(f"| {human(nbytes)} | {name} | {seconds * 1e6:.1f} | {algbw:.3f} | "
-                      f"{algbw * factor:.3f} | {base / seconds:.2f} | {cpu_per_gb:.2f} | "
-                      f"{user_share:.0%} |", flush=True)
+        sizes.append(nbytes)
         nbytes *= 4
+    rows = table(comm, methods, "MPI_Allreduce", sizes, args)
+    piece_rows = []
+    if args.pieces > 1:
+        if rank == 0:
+            print(f"\n{args.pieces} tensors of each size at once (a list of gradients): time "
+                  "per list, bandwidth of the whole list, against one blocking MPI_Allreduce "
+                  "per tensor")
+        piece_sizes = [n for n in sizes if n <= parse_size(args.pieces_max_size)]
+        piece_rows = table(comm, make_piece_methods(comm, args.pieces),
+                           f"MPI_Allreduce x {args.pieces}", piece_sizes, args, args.pieces)
     median, mean = latency(comm)
     if rank == 0:
         print(f"\nsynchronous 4 KiB mpiddp.allreduce (engine, negotiation included): "
@@ -265,6 +331,7 @@ def main():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"ranks": size, "device": DEVICE, "rows": rows,
+                           "pieces": args.pieces if piece_rows else 0, "piece_rows": piece_rows,
                            "latency_4k_s": {"median": median, "mean": mean}}, f, indent=1)
     mpiddp.shutdown()
 
