@@ -233,6 +233,30 @@ def test_benchmark_straggler_and_native_variant(tmp_path):
     assert "native engine on rank 0" in result.output
 
 
+def test_allreduce_benchmark_times_single_tensors_and_lists(tmp_path):
+    """scripts/benchmark_allreduce.py checks every method's sums before timing it (a wrong
+    result ends the run), then reports the CPU per GB with its user-space share; --pieces adds
+    lists of tensors handed over at once."""
+    out = tmp_path / "allreduce.json"
+    result = run_mpi(str(ROOT / "scripts" / "benchmark_allreduce.py"), 2, "--min-size", "4K",
+                     "--max-size", "16K", "--seconds", "0.02", "--min-iters", "2",
+                     "--no-gloo", "--pieces", "4", "--json", out, timeout=150)
+    assert_ok(result)
+    assert "4 tensors of each size at once" in result.output, result.output
+    data = json.loads(out.read_text())
+    singles = {(r["bytes"], r["method"]) for r in data["rows"]}
+    assert singles == {(n, m) for n in (4096, 16384) for m in (
+        "mpiddp ring", "mpiddp halving-doubling", "mpiddp auto", "MPI_Allreduce")}
+    lists = {(r["bytes"], r["method"]) for r in data["piece_rows"]}
+    assert lists == {(n, m) for n in (4096, 16384) for m in (
+        "mpiddp, 4 allreduce_async_", "mpiddp, grouped_allreduce_ of 4", "MPI_Allreduce x 4",
+        "MPI_Iallreduce x 4, Waitall")}
+    assert data["pieces"] == 4
+    for row in data["rows"] + data["piece_rows"]:
+        assert row["seconds"] > 0 and row["cpu_s_per_gb"] > 0, row
+        assert 0.0 <= row["cpu_user_share"] <= 1.0, row
+
+
 def test_scaling_report_reads_allreduce_and_half_rate_runs(tmp_path, capsys):
     """scripts/plot_scaling.py: the all-reduce tables at each node count and the comparison
     with the same training runs at half the link rate, from result files as the scaling
