@@ -63,22 +63,33 @@ def init_gloo(comm: MPI.Comm, backend: str = "gloo") -> None:
     init_torch_distributed(single_node, backend)
 
 
+def no_setup(tensor) -> None:
+    """A method that needs nothing set before it runs."""
+
+
+def use_algorithm(algorithm: str):
+    """The setup of a method through the engine: every fused all-reduce by ``algorithm``."""
+    def setup(tensor):
+        mpiddp.set_allreduce_algorithm(algorithm)
+    return setup
+
+
+def engine(algorithm: str):
+    """(setup, run): one synchronous in-place mpiddp.allreduce_ by ``algorithm``."""
+    return use_algorithm(algorithm), lambda t: mpiddp.allreduce_(t, name="bench", op=mpiddp.Sum)
+
+
 def make_methods(comm: MPI.Comm, with_gloo: bool):
     """name -> (setup(tensor), run(tensor)). Every run all-reduces (sums) the tensor in place."""
-    def engine(algorithm):
-        def setup(tensor):
-            mpiddp.set_allreduce_algorithm(algorithm)
-        return setup, lambda t: mpiddp.allreduce_(t, name="bench", op=mpiddp.Sum)
-
     def native_run(tensor):
         comm.Allreduce(MPI.IN_PLACE, [tensor.numpy(), MPI.FLOAT], MPI.SUM)
 
     methods = {"mpiddp ring": engine("ring"),
                "mpiddp halving-doubling": engine("halving_doubling"),
-               "mpiddp auto": engine("auto"), "MPI_Allreduce": (lambda t: None, native_run)}
+               "mpiddp auto": engine("auto"), "MPI_Allreduce": (no_setup, native_run)}
     if with_gloo:
         import torch.distributed as dist
-        methods["torch gloo"] = (lambda t: None, lambda t: dist.all_reduce(t))
+        methods["torch gloo"] = (no_setup, lambda t: dist.all_reduce(t))
     return methods
 
 
@@ -108,14 +119,11 @@ def make_piece_methods(comm: MPI.Comm, pieces: int):
         MPI.Request.Waitall([comm.Iallreduce(MPI.IN_PLACE, [row.numpy(), MPI.FLOAT], MPI.SUM)
                              for row in rows(tensor)])
 
-    def auto(tensor):
-        mpiddp.set_allreduce_algorithm("auto")
-
-    nothing = lambda t: None  # noqa: E731
+    auto = use_algorithm("auto")
     return {f"mpiddp, {pieces} allreduce_async_": (auto, engine_each),
             f"mpiddp, grouped_allreduce_ of {pieces}": (auto, engine_grouped),
-            f"MPI_Allreduce x {pieces}": (nothing, native_each),
-            f"MPI_Iallreduce x {pieces}, Waitall": (nothing, native_started)}
+            f"MPI_Allreduce x {pieces}": (no_setup, native_each),
+            f"MPI_Iallreduce x {pieces}, Waitall": (no_setup, native_started)}
 
 
 def make_cuda_methods(comm: MPI.Comm, with_nccl: bool):
@@ -139,11 +147,6 @@ def make_cuda_methods(comm: MPI.Comm, with_nccl: bool):
     if mpiddp.mpi_cuda_aware():
         comms["direct"] = DirectComm(private, copier.sync, staged)
     scratch = {}
-
-    def engine(algorithm):
-        def setup(tensor):
-            mpiddp.set_allreduce_algorithm(algorithm)
-        return setup, lambda t: mpiddp.allreduce_(t, name="bench", op=mpiddp.Sum)
 
     def ring(kind):
         def run(tensor):
@@ -174,20 +177,19 @@ def make_cuda_methods(comm: MPI.Comm, with_nccl: bool):
         tensor.copy_(host)
         torch.cuda.current_stream().synchronize()
 
-    nothing = lambda t: None  # noqa: E731
     methods = {"mpiddp ring": engine("ring"), "mpiddp auto": engine("auto")}
     for kind in comms:
-        methods[f"ring {kind}"] = (nothing, ring(kind))
+        methods[f"ring {kind}"] = (no_setup, ring(kind))
     # the baseline ("MPI_Allreduce"): direct when MPI is CUDA-aware, else mpiddp's staging
-    methods["MPI_Allreduce"] = (nothing, mpi("direct" if "direct" in comms else "staged"))
+    methods["MPI_Allreduce"] = (no_setup, mpi("direct" if "direct" in comms else "staged"))
     if "direct" in comms:
-        methods["MPI_Allreduce staged"] = (nothing, mpi("staged"))
-    methods["MPI_Allreduce via tensor.cpu()"] = (nothing, host_copy)
+        methods["MPI_Allreduce staged"] = (no_setup, mpi("staged"))
+    methods["MPI_Allreduce via tensor.cpu()"] = (no_setup, host_copy)
     if with_nccl:
         def nccl(tensor):
             dist.all_reduce(tensor)
             torch.cuda.current_stream().synchronize()
-        methods["torch nccl"] = (nothing, nccl)
+        methods["torch nccl"] = (no_setup, nccl)
     return methods
 
 
