@@ -60,6 +60,21 @@ def _real_rank(virtual: int, extra: int) -> int:
     return 2 * virtual + 1 if virtual < extra else virtual + extra
 
 
+def partners(rank: int, size: int) -> set[int]:
+    """The ranks ``rank`` exchanges with in ``halving_doubling_steps`` over ``size``."""
+    pof2 = power_of_two_below(size)
+    extra = size - pof2
+    virtual = _virtual_rank(rank, extra)
+    if virtual is None:
+        return {rank + 1}
+    found = {rank - 1} if rank < 2 * extra else set()
+    width = 1
+    while width < pof2:
+        found.add(_real_rank(virtual ^ width, extra))
+        width *= 2
+    return found
+
+
 def halving_doubling_steps(comm, buf, scratch, reduce_into: ReduceInto,
                            postprocess: Callable[[object], None] | None = None
                            ) -> Iterator[Transfer]:

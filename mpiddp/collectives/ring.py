@@ -35,6 +35,11 @@ def chunk_bounds(count: int, parts: int) -> list[int]:
     return bounds
 
 
+def neighbours(rank: int, size: int) -> set[int]:
+    """The ranks ``rank`` exchanges with in a ring of ``size``: right and left."""
+    return {(rank + 1) % size, (rank - 1) % size} - {rank}
+
+
 def as_bytes(array):
     """``array`` as an mpi4py buffer of raw bytes (steps move bytes, any dtype)."""
     return [array, MPI.BYTE]

@@ -50,8 +50,10 @@ from mpi4py import MPI
 
 from .base import COMPLETED, CommWrapper, Transfer
 from .pacing import Pacing
+from .sockets import PeerSockets
 
 SEGMENT_BYTES = 1024 * 1024
+SOCKET_MIN_BYTES = 0            # messages the partner sockets carry (sockets.py): all
 TRANSFER_SPIN_SECONDS = 100e-6
 FIRST_SLEEP_SECONDS = 10e-6
 
@@ -110,11 +112,14 @@ class PendingTransfer:
 class NetworkComm(CommWrapper):
     """``Transport`` on an MPI communicator that spans nodes: the ring's large steps are left
     in flight (``start_sendrecv``) and waited for as ``pacing`` says (sleeps between tests,
-    or blocking on a fast link); the collectives are MPI's own."""
+    or blocking on a fast link); the collectives are MPI's own. With ``sockets``
+    (``sockets.PeerSockets``), messages to and from the partners it connected (on other
+    nodes) go over its TCP connections instead, waited for in the kernel."""
 
-    def __init__(self, comm, pacing: Pacing = Pacing()):
+    def __init__(self, comm, pacing: Pacing = Pacing(), sockets: PeerSockets | None = None):
         super().__init__(comm)
         self.pacing = pacing
+        self.sockets = sockets
 
     def start_sendrecv(self, sendbuf, dest: int, recvbuf, source: int, tag: int) -> Transfer:
         """Post the exchange as pieces and return it pending (small ones: done here)."""
@@ -126,6 +131,15 @@ class NetworkComm(CommWrapper):
 
     def _start(self, sendbuf, dest, sendtag, recvbuf, source, recvtag) -> Transfer:
         send, recv = _byte_view(sendbuf), _byte_view(recvbuf)
+        if self.sockets is not None:
+            out, into = self.sockets.carries(len(send), dest, len(recv), source,
+                                             SOCKET_MIN_BYTES)
+            if out or into:
+                requests = [] if into else [self.comm.Irecv(recvbuf, source, recvtag)]
+                if not out:
+                    requests.append(self.comm.Isend(sendbuf, dest, sendtag))
+                return self.sockets.start(dest, send if out else None, source,
+                                          recv if into else None, requests)
         nbytes = max(len(send), len(recv))
         if nbytes < self.pacing.polite_min_bytes:
             self.comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag)

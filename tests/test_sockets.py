@@ -1,0 +1,135 @@
+"""The TCP transport across nodes (mpiddp/transport/sockets.py): exchanges matched by order
+on each connection, a broken connection named, only the job's own ranks accepted, and (over
+MPI, on this machine's loopback) the ring and halving-doubling through it against a float64
+reference, with the choice agreed by every rank."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from mpi_launch import assert_ok, run_mpi
+from mpiddp.collectives.halving_doubling import partners
+from mpiddp.collectives.ring import neighbours
+from mpiddp.transport.sockets import (PeerConnectionLost, PeerSockets, accept_peers,
+                                      interface_addresses)
+
+
+def pair():
+    """Rank 0's and rank 1's ``PeerSockets``, joined by one full-duplex connection."""
+    a, b = socket.socketpair()
+    hosts = ["node-a", "node-b"]
+    return PeerSockets(None, {1: a}, hosts), PeerSockets(None, {0: b}, hosts)
+
+
+def exchange(sockets, peer, send, recv):
+    return sockets.start(peer, memoryview(send).cast("B"), peer, memoryview(recv).cast("B"), [])
+
+
+def test_exchanges_match_by_order_whatever_order_they_are_waited_for():
+    zero, one = pair()
+    try:
+        # Large enough that the kernel cannot take them at once: the sender thread writes.
+        sizes = [3_000_001, 17, 1_000_000]
+        sent = {r: [np.arange(n, dtype=np.float32) * (r + 1) + i for i, n in enumerate(sizes)]
+                for r in (0, 1)}
+        got = {r: [np.empty(n, np.float32) for n in sizes] for r in (0, 1)}
+        started = {r: [exchange(s, 1 - r, sent[r][i], got[r][i]) for i in range(len(sizes))]
+                   for r, s in ((0, zero), (1, one))}
+        # Each rank waits on its own thread, as two processes would (a send completes only
+        # when the partner reads it).
+        def wait_all(r):
+            for transfer in reversed(started[r]):
+                transfer.wait()
+        other = threading.Thread(target=wait_all, args=(1,))
+        other.start()
+        wait_all(0)
+        other.join(timeout=60)
+        assert not other.is_alive()
+        for r in (0, 1):
+            for i in range(len(sizes)):
+                np.testing.assert_array_equal(got[r][i], sent[1 - r][i])
+    finally:
+        zero.close()
+        one.close()
+
+
+def test_an_empty_message_is_not_sent_on_either_side():
+    zero, one = pair()
+    try:
+        empty, data, into = np.empty(0, np.uint8), np.arange(5, dtype=np.uint8), np.empty(5, np.uint8)
+        exchange(zero, 1, empty, empty).wait()
+        one.start(0, None, 0, memoryview(empty), []).wait()
+        exchange(zero, 1, data, empty)
+        exchange(one, 0, empty, into).wait()
+        np.testing.assert_array_equal(into, data)
+    finally:
+        zero.close()
+        one.close()
+
+
+def test_a_partner_whose_connection_breaks_is_named():
+    zero, one = pair()
+    try:
+        one.connections[0].close()
+        recv = np.empty(1000, np.uint8)
+        with pytest.raises(PeerConnectionLost, match="rank 1 on node-b"):   # send or receive
+            exchange(zero, 1, np.zeros(10, np.uint8), recv).wait()
+        with pytest.raises(PeerConnectionLost, match="rank 1 on node-b"):   # receive only
+            zero.start(1, None, 1, memoryview(recv), []).wait()
+    finally:
+        zero.close()
+
+
+def test_only_expected_ranks_with_the_jobs_token_are_accepted():
+    from mpiddp.transport.sockets import _HELLO
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    token = b"t" * 16
+
+    def dial(hello: bytes):
+        sock = socket.create_connection(("127.0.0.1", port))
+        sock.sendall(hello)
+        return sock
+
+    clients = [dial(b"nonsense"), dial(_HELLO.pack(b"x" * 16, 2)), dial(_HELLO.pack(token, 5)),
+               dial(_HELLO.pack(token, 2))]
+    try:
+        accepted = accept_peers(listener, token, {2}, timeout=10)
+        assert list(accepted) == [2]
+        clients[3].sendall(b"hi")
+        assert accepted[2].recv(2, socket.MSG_WAITALL) == b"hi"
+        accepted[2].close()
+        with pytest.raises(socket.timeout, match=r"ranks \[3\] did not connect"):
+            accept_peers(listener, token, {3}, timeout=0.3)
+    finally:
+        for sock in clients:
+            sock.close()
+        listener.close()
+
+
+def test_interface_addresses_put_loopback_last_and_honour_names():
+    everything = interface_addresses()
+    assert "127.0.0.1" in everything
+    assert everything.index("127.0.0.1") == len(everything) - 1 or \
+        all(a.startswith("127.") for a in everything[everything.index("127.0.0.1"):])
+    assert interface_addresses(["lo"]) == ["127.0.0.1"]
+    assert interface_addresses(["no-such-interface0"]) == []
+
+
+@pytest.mark.parametrize("size", range(2, 34))
+def test_exchange_partners_are_mutual(size):
+    # Connections are opened for mutual pairs only: a one-sided partner would never connect.
+    for relation in (neighbours, partners):
+        found = {r: relation(r, size) for r in range(size)}
+        assert all(rank in found[peer] for rank in found for peer in found[rank]), size
+
+
+@pytest.mark.parametrize("nprocs", [2, 3, 5])
+def test_ring_and_halving_doubling_over_sockets_match_reference(nprocs):
+    result = run_mpi("sockets_worker.py", nprocs, timeout=150)
+    assert_ok(result, expect_lines=4)
