@@ -13,6 +13,7 @@ import pytest
 from mpi_launch import assert_ok, run_mpi
 from mpiddp.collectives.halving_doubling import partners
 from mpiddp.collectives.ring import neighbours
+from mpiddp.errors import MpiddpError
 from mpiddp.transport.sockets import (PeerConnectionLost, PeerSockets, accept_peers,
                                       interface_addresses)
 
@@ -65,6 +66,18 @@ def test_an_empty_message_is_not_sent_on_either_side():
         exchange(zero, 1, data, empty)
         exchange(one, 0, empty, into).wait()
         np.testing.assert_array_equal(into, data)
+    finally:
+        zero.close()
+        one.close()
+
+
+def test_a_message_of_another_length_than_expected_is_an_error_naming_both():
+    zero, one = pair()
+    try:
+        exchange(zero, 1, np.zeros(10, np.uint8), np.empty(0, np.uint8))
+        with pytest.raises(MpiddpError, match="rank 0 on node-a sent a message of 10 bytes "
+                                              "where rank . expected 12"):
+            one.start(0, None, 0, memoryview(np.empty(12, np.uint8)), []).wait()
     finally:
         zero.close()
         one.close()

@@ -56,6 +56,9 @@ CONNECT_TIMEOUT_SECONDS = 5.0   # per address tried; a firewall that drops SYNs 
 ACCEPT_TIMEOUT_SECONDS = 30.0   # the left neighbour may try several addresses first
 _SIOCGIFADDR = 0x8915           # Linux ioctl: an interface's IPv4 address
 _HELLO = struct.Struct("!16si")  # the job's token, the connecting rank
+# Every message starts with its length: a receive that expects another length (which only a
+# bug in an algorithm could cause) is an error naming both, not a stream silently out of step.
+_LENGTH = struct.Struct("!Q")
 
 
 class PeerConnectionLost(MpiddpError):
@@ -144,10 +147,11 @@ class _Sender(threading.Thread):
             item = self.chunks.get()
             if item is None:
                 return
-            peer, sock, view, done = item
+            peer, sock, views, done = item
             if peer not in self.errors:
                 try:
-                    sock.sendall(view)
+                    for view in views:
+                        sock.sendall(view)
                 except OSError as error:
                     self.errors[peer] = error
             done.set()
@@ -181,6 +185,7 @@ class PeerSockets:
 
     def __init__(self, comm, connections: dict[int, socket.socket], hosts: Sequence[str]):
         self.comm = comm
+        self.rank = comm.Get_rank() if comm is not None else "?"
         self.connections = connections
         self.hosts = list(hosts)
         self.sender = _Sender()
@@ -274,33 +279,57 @@ class PeerSockets:
         return transfer
 
     def _send(self, peer: int, view: memoryview) -> Optional[threading.Event]:
-        """Hand ``view`` to the kernel now if its buffer takes it all and nothing is queued
-        before it (no thread switch); the rest goes to the sender thread."""
-        sock, written = self.connections[peer], 0
+        """Hand the length and ``view`` to the kernel now if its buffer takes them all and
+        nothing is queued before them (no thread switch); the rest goes to the sender
+        thread."""
+        sock, length = self.connections[peer], _LENGTH.pack(len(view))
+        written = 0
         if self._last_queued is None or self._last_queued.is_set():
             try:
-                written = sock.send(view, socket.MSG_DONTWAIT)
+                written = sock.sendmsg([length, view], [], socket.MSG_DONTWAIT)
             except BlockingIOError:
                 written = 0
             except OSError as error:
                 raise self._lost(peer, error) from error
-            if written == len(view):
+            if written == len(length) + len(view):
                 return None
+        rest = [length[written:], view] if written < len(length) \
+            else [view[written - len(length):]]
         done = threading.Event()
-        self.sender.chunks.put((peer, sock, view[written:], done))
+        self.sender.chunks.put((peer, sock, rest, done))
         self._last_queued = done
         return done
 
     def _receive_next(self, peer: int) -> None:
-        """Receive the oldest started message from ``peer`` (blocking, the GIL released)."""
+        """Receive the oldest started message from ``peer`` (blocking, the GIL released):
+        its length, checked, and its bytes (in one call where they have arrived)."""
         transfer = self._receives[peer].pop(0)
-        view, sock, got = transfer.recv_view, self.connections[peer], 0
+        view, sock = transfer.recv_view, self.connections[peer]
+        length = bytearray(_LENGTH.size)
         try:
-            while got < len(view):
-                n = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
-                if n == 0:
+            # Without MSG_WAITALL: a shorter message than expected must not wait for the
+            # next one's bytes before its length can be checked.
+            got = sock.recvmsg_into([length, view])[0]
+            if got == 0:
+                raise ConnectionResetError("the connection was closed")
+            while got < len(length):
+                more = sock.recv_into(memoryview(length)[got:], len(length) - got,
+                                      socket.MSG_WAITALL)
+                if more == 0:
                     raise ConnectionResetError("the connection was closed")
-                got += n
+                got += more
+            sent, = _LENGTH.unpack(length)
+            if sent != len(view):
+                raise MpiddpError(
+                    f"mpiddp: {self.describe(peer)} sent a message of {sent} bytes where rank "
+                    f"{self.rank} expected {len(view)}: the ranks' exchanges are out of "
+                    "step (a bug in mpiddp; please report it with MPIDDP_LOG_LEVEL=DEBUG)")
+            got -= len(length)
+            while got < len(view):
+                more = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+                if more == 0:
+                    raise ConnectionResetError("the connection was closed")
+                got += more
         except OSError as error:
             raise self._lost(peer, error) from error
         transfer.received = True
