@@ -245,8 +245,8 @@ class Executor:
                                  settings.transfer_sleep_us)
         # TCP connections for the ring's steps across nodes (transport/sockets.py), per
         # communicator: {} where they are not used.
-        self.ring_sockets = open_ring_sockets(self.comm, self.local, self.cross, settings,
-                                              link) if link is not None else {}
+        self.ring_sockets = open_ring_sockets(self.comm, self.local, self.cross, settings) \
+            if self.topology.spans_nodes else {}
         # Forward overlap's cycle budget (the engine's protocol takes it from here): the
         # user's, else sized from the links (the least where nothing was measured).
         self.priority_cycle_bytes = settings.priority_cycle_bytes \

@@ -2,8 +2,8 @@
 
 ``MPIDDP_SOCKET_TRANSPORT``: ``0`` keeps MPI; ``1`` opens the sockets (an error if they
 cannot connect); ``auto`` (the default) opens them and keeps them only where they move the
-start-up probe (``PROBE_LARGE_BYTES`` with each ring neighbour, as ``measure_link_costs``
-times MPI) in no more than ``SOCKETS_SLOWER_TOLERATED`` times MPI's time. Over TCP both
+start-up probe (``PROBE_LARGE_BYTES`` with each ring neighbour, timed over both, alternating)
+in no more than ``SOCKETS_SLOWER_TOLERATED`` times MPI's time. Over TCP both
 fill the same link and the sockets cost less CPU (``transport/sockets.py``); where MPI has
 RDMA (InfiniBand, RoCE, Slingshot) it is faster than any socket, and stays. Every rank
 takes the same decision (the slowest pair's times, agreed).
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 from mpi4py import MPI
 
-from ..collectives.cost_model import PROBE_LARGE_BYTES, LinkCosts
-from ..config import Settings
+from ..collectives.cost_model import PROBE_LARGE_BYTES
 from ..collectives.halving_doubling import partners
 from ..collectives.ring import neighbours
+from ..config import Settings
 from ..transport.sockets import PeerSockets
 
 log = logging.getLogger("mpiddp")
@@ -31,8 +32,8 @@ def exchange_partners(rank: int, size: int) -> set[int]:
     return neighbours(rank, size) | (partners(rank, size) if size > 1 else set())
 
 
-def open_ring_sockets(comm: MPI.Comm, local: MPI.Comm, cross: MPI.Comm, settings: Settings,
-                      link: LinkCosts) -> dict:
+def open_ring_sockets(comm: MPI.Comm, local: MPI.Comm, cross: MPI.Comm,
+                      settings: Settings) -> dict:
     """The partner sockets of the whole communicator and of the cross-node one, as
     ``{"whole": PeerSockets, "cross": PeerSockets}`` ({} where MPI keeps the transfers):
     connections to the ring's neighbours and the halving-doubling partners that are on
@@ -46,17 +47,18 @@ def open_ring_sockets(comm: MPI.Comm, local: MPI.Comm, cross: MPI.Comm, settings
                                                                  cross.Get_size()),
                                         interfaces, required)
     # Every rank of ``comm`` joins the agreements (its cross-node group may have failed
-    # to connect where another's did not): MPI's time is agreed already (the link's).
-    socket_s = cross_sockets.probe_seconds(PROBE_LARGE_BYTES) \
-        if cross_sockets is not None and not required else 0.0
-    socket_s = comm.allreduce(socket_s, op=MPI.MAX)
+    # to connect where another's did not).
+    probed = cross_sockets.probe_seconds(PROBE_LARGE_BYTES) \
+        if cross_sockets is not None and not required else (0.0, 0.0)
+    slowest = np.empty(2)
+    comm.Allreduce(np.array(probed, dtype=np.float64), slowest, op=MPI.MAX)
+    socket_s, mpi_s = slowest
     keep = cross_sockets is not None
     if not required:
-        mpi_s = link.latency_s + PROBE_LARGE_BYTES * link.seconds_per_byte
         keep = keep and socket_s <= SOCKETS_SLOWER_TOLERATED * mpi_s
         if comm.Get_rank() == 0 and socket_s > 0:
             log.info("mpiddp: %d MiB with the ring neighbours took %.2f ms over TCP sockets "
-                     "and %.2f ms over MPI: ring steps across nodes go over %s",
+                     "and %.2f ms over MPI: transfers across nodes go over %s",
                      PROBE_LARGE_BYTES >> 20, socket_s * 1e3, mpi_s * 1e3,
                      "the sockets" if keep else "MPI")
     keep = bool(comm.allreduce(int(keep), op=MPI.MIN))

@@ -61,6 +61,8 @@ for name, algorithm, scratch_for in (
         same = world.allgather(buf.tobytes())
         assert all(b == same[0] for b in same), f"{name} {count}: ranks differ"
     say(f"{name} over sockets matches the float64 reference on every rank")
+over_sockets, over_mpi = sockets.probe_seconds(1 << 16, repeats=2)
+assert 0 < over_sockets < 10 and 0 < over_mpi < 10, (over_sockets, over_mpi)
 sockets.close()
 
 # An interface that does not exist: nothing to connect with, on every rank.
