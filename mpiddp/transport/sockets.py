@@ -4,11 +4,11 @@ Over TCP an MPI library moves a message only while it is called (``pacing.py``),
 call costs user-space CPU on top of the kernel's copies: measured on the emulated cluster
 (1 Gbit/s), the ring over MPICH/UCX spent 0.44-0.51 ms of user CPU per 1 MiB all-reduce at
 2 nodes where the same ring over plain sockets spent 0.17-0.18, and at 16 nodes 20-25% more
-CPU in all (docs/benchmarks.md "A socket transport"). A socket moves bytes inside the kernel
-whether or not anyone calls: the receiving thread blocks in one ``recv`` per chunk
-(``MSG_WAITALL``, the GIL released, no CPU while the wire works, woken the moment the chunk
-is in), and a sender thread (or the caller, where the socket's buffer takes the whole chunk
-at once) hands the outgoing chunk to the kernel. No polling, no pacing, nothing to tune.
+CPU in all (docs/benchmarks.md "A TCP transport across nodes"). A socket moves bytes inside
+the kernel whether or not anyone calls: the receiving thread blocks in ``recv`` (the GIL
+released, no CPU while the wire works, woken when the chunk is in: ``MSG_WAITALL``), and the
+caller (where the socket's buffer takes the whole chunk at once) or a sender thread hands
+the outgoing chunk to the kernel. No polling, no pacing, nothing to tune.
 
 ``PeerSockets`` holds, for one communicator, one full-duplex connection to each partner the
 caller names (the engine: the ring's neighbours and the halving-doubling partners) that sits
@@ -53,7 +53,7 @@ from ..errors import MpiddpError
 log = logging.getLogger("mpiddp")
 
 CONNECT_TIMEOUT_SECONDS = 5.0   # per address tried; a firewall that drops SYNs costs this
-ACCEPT_TIMEOUT_SECONDS = 30.0   # the left neighbour may try several addresses first
+ACCEPT_TIMEOUT_SECONDS = 30.0   # a partner may try several addresses first
 _SIOCGIFADDR = 0x8915           # Linux ioctl: an interface's IPv4 address
 _HELLO = struct.Struct("!16si")  # the job's token, the connecting rank
 # Every message starts with its length: a receive that expects another length (which only a
