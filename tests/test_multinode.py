@@ -52,14 +52,16 @@ def test_every_collective_across_nodes(cluster, sockets):
     # Transfers over MPI block here (MPIDDP_TRANSFER_SLEEP_US=0, as on links too fast for
     # sleeps); the other tests on the cluster sleep between tests, as 1 Gbit/s links ask.
     # Over sockets, the ring steps between the nodes (1 -> 2, 3 -> 0) and the hierarchical
-    # all-reduce's cross-node rings take TCP connections, those within a node MPI.
+    # all-reduce's cross-node rings take TCP connections, those within a node MPI; on the
+    # nodes' link only (eth0: the loopback address would not reach another node anyway).
     result = run_on_cluster("2x2", "collectives_worker.py", "check_allreduce",
                             "check_allgather", "check_broadcast", "check_reducescatter",
                             "check_alltoall", "check_process_sets",
                             env={"MPIDDP_FUSION_THRESHOLD": "65536",
                                  "MPIDDP_RING_THRESHOLD": "16384",
                                  "MPIDDP_TRANSFER_SLEEP_US": "0",
-                                 "MPIDDP_SOCKET_TRANSPORT": sockets})
+                                 "MPIDDP_SOCKET_TRANSPORT": sockets,
+                                 "MPIDDP_SOCKET_IFNAME": "eth0"})
     assert_ok(result, expect_lines=7)
 
 
