@@ -164,12 +164,12 @@ class Settings:
     # that move a bounded amount per call (UCX over TCP with UCX_TCP_TX_SEG_SIZE /
     # UCX_TCP_RX_SEG_SIZE=1m: 1000 measured at gloo's CPU per byte at 1 Gbit/s).
     transfer_sleep_us: Optional[float] = setting(None, Number(float))
-    # The ring's steps to neighbours on other nodes over TCP sockets of mpiddp's own rather
-    # than MPI (transport/sockets.py: no polling, less CPU per byte than MPI over TCP):
-    # auto: where the sockets move a probe no slower than MPI does (MPI's RDMA stays), 1:
-    # always (an error if they cannot connect), 0: never.
+    # The engine's exchanges with partners on other nodes (the ring, halving-doubling) over
+    # TCP sockets of mpiddp's own rather than MPI (transport/sockets.py: no polling, less
+    # CPU per byte than MPI over TCP): auto: where the sockets move a probe no slower than
+    # MPI does (MPI's RDMA stays), 1: always (an error if they cannot connect), 0: never.
     socket_transport: str = setting("auto", Choice(TRI_STATE))
-    # Interfaces whose addresses the ring sockets use, comma-separated, in order (as
+    # Interfaces whose addresses those sockets use, comma-separated, in order (as
     # GLOO_SOCKET_IFNAME); unset: every interface with an IPv4 address, loopback last.
     socket_ifname: str = setting("", Text())
     # Abort the whole MPI job when a rank dies of an uncaught exception.

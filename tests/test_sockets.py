@@ -60,7 +60,9 @@ def test_exchanges_match_by_order_whatever_order_they_are_waited_for():
 def test_an_empty_message_is_not_sent_on_either_side():
     zero, one = pair()
     try:
-        empty, data, into = np.empty(0, np.uint8), np.arange(5, dtype=np.uint8), np.empty(5, np.uint8)
+        # Were an empty message sent, the receive of 5 bytes would meet its length (0).
+        empty, data = np.empty(0, np.uint8), np.arange(5, dtype=np.uint8)
+        into = np.empty(5, np.uint8)
         exchange(zero, 1, empty, empty).wait()
         one.start(0, None, 0, memoryview(empty), []).wait()
         exchange(zero, 1, data, empty)

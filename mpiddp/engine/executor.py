@@ -31,13 +31,13 @@ from ..config import Settings
 from ..errors import MpiddpError
 from ..reduce_ops import ReduceOp
 from ..transport import pacing_for, transport_for
-from .transport_choice import open_ring_sockets
 from .autotune import Knobs
 from .fusion import BufferPool, plan_batches
 from .request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER,
                       Response, error_for)
 from .stats import EngineStats
 from .timeline import Timeline
+from .transport_choice import open_partner_sockets
 
 log = logging.getLogger("mpiddp")
 
@@ -243,9 +243,10 @@ class Executor:
             if self.topology.spans_nodes else None
         self.pacing = pacing_for(link.seconds_per_byte if link else None,
                                  settings.transfer_sleep_us)
-        # TCP connections for the ring's steps across nodes (transport/sockets.py), per
-        # communicator: {} where they are not used.
-        self.ring_sockets = open_ring_sockets(self.comm, self.local, self.cross, settings) \
+        # TCP connections for the exchanges across nodes (transport/sockets.py), per
+        # communicator: {} where MPI carries them.
+        self.partner_sockets = open_partner_sockets(self.comm, self.local, self.cross,
+                                                    settings) \
             if self.topology.spans_nodes else {}
         # Forward overlap's cycle budget (the engine's protocol takes it from here): the
         # user's, else sized from the links (the least where nothing was measured).
@@ -287,10 +288,10 @@ class Executor:
         if links is None:
             links = self._links[backend.device_type] = Links(
                 transport_for(self.comm, backend, self.topology.spans_nodes, self.pacing,
-                              self.ring_sockets.get("whole")),
+                              self.partner_sockets.get("whole")),
                 transport_for(self.local, backend),
                 transport_for(self.cross, backend, across_nodes=True, pacing=self.pacing,
-                              sockets=self.ring_sockets.get("cross")))
+                              sockets=self.partner_sockets.get("cross")))
         return links
 
     def close(self) -> None:
@@ -299,9 +300,9 @@ class Executor:
         sets added and removed, init after shutdown) would keep two of the MPI library's
         few thousand communicators."""
         self._links.clear()
-        for sockets in self.ring_sockets.values():
+        for sockets in self.partner_sockets.values():
             sockets.close()
-        self.ring_sockets = {}
+        self.partner_sockets = {}
         for comm in (self.local, self.cross):
             if comm != MPI.COMM_NULL:
                 comm.Free()

@@ -32,7 +32,7 @@ def exchange_partners(rank: int, size: int) -> set[int]:
     return neighbours(rank, size) | (partners(rank, size) if size > 1 else set())
 
 
-def open_ring_sockets(comm: MPI.Comm, local: MPI.Comm, cross: MPI.Comm,
+def open_partner_sockets(comm: MPI.Comm, local: MPI.Comm, cross: MPI.Comm,
                       settings: Settings) -> dict:
     """The partner sockets of the whole communicator and of the cross-node one, as
     ``{"whole": PeerSockets, "cross": PeerSockets}`` ({} where MPI keeps the transfers):
