@@ -18,84 +18,76 @@ from mpiddp.transport.sockets import (PeerConnectionLost, PeerSockets, accept_pe
                                       interface_addresses)
 
 
+@pytest.fixture
 def pair():
-    """Rank 0's and rank 1's ``PeerSockets``, joined by one full-duplex connection."""
+    """Rank 0's and rank 1's ``PeerSockets``, joined by one full-duplex connection (closed
+    afterwards)."""
     a, b = socket.socketpair()
     hosts = ["node-a", "node-b"]
-    return PeerSockets(None, {1: a}, hosts), PeerSockets(None, {0: b}, hosts)
+    zero, one = PeerSockets(None, {1: a}, hosts), PeerSockets(None, {0: b}, hosts)
+    yield zero, one
+    zero.close()
+    one.close()
 
 
 def exchange(sockets, peer, send, recv):
     return sockets.start(peer, memoryview(send).cast("B"), peer, memoryview(recv).cast("B"), [])
 
 
-def test_exchanges_match_by_order_whatever_order_they_are_waited_for():
-    zero, one = pair()
-    try:
-        # Large enough that the kernel cannot take them at once: the sender thread writes.
-        sizes = [3_000_001, 17, 1_000_000]
-        sent = {r: [np.arange(n, dtype=np.float32) * (r + 1) + i for i, n in enumerate(sizes)]
-                for r in (0, 1)}
-        got = {r: [np.empty(n, np.float32) for n in sizes] for r in (0, 1)}
-        started = {r: [exchange(s, 1 - r, sent[r][i], got[r][i]) for i in range(len(sizes))]
-                   for r, s in ((0, zero), (1, one))}
-        # Each rank waits on its own thread, as two processes would (a send completes only
-        # when the partner reads it).
-        def wait_all(r):
-            for transfer in reversed(started[r]):
-                transfer.wait()
-        other = threading.Thread(target=wait_all, args=(1,))
-        other.start()
-        wait_all(0)
-        other.join(timeout=60)
-        assert not other.is_alive()
-        for r in (0, 1):
-            for i in range(len(sizes)):
-                np.testing.assert_array_equal(got[r][i], sent[1 - r][i])
-    finally:
-        zero.close()
-        one.close()
+def test_exchanges_match_by_order_whatever_order_they_are_waited_for(pair):
+    zero, one = pair
+    # Large enough that the kernel cannot take them at once: the sender thread writes.
+    sizes = [3_000_001, 17, 1_000_000]
+    sent = {r: [np.arange(n, dtype=np.float32) * (r + 1) + i for i, n in enumerate(sizes)]
+            for r in (0, 1)}
+    got = {r: [np.empty(n, np.float32) for n in sizes] for r in (0, 1)}
+    started = {r: [exchange(s, 1 - r, sent[r][i], got[r][i]) for i in range(len(sizes))]
+               for r, s in ((0, zero), (1, one))}
+    # Each rank waits on its own thread, as two processes would (a send completes only
+    # when the partner reads it).
+
+    def wait_all(r):
+        for transfer in reversed(started[r]):
+            transfer.wait()
+
+    other = threading.Thread(target=wait_all, args=(1,))
+    other.start()
+    wait_all(0)
+    other.join(timeout=60)
+    assert not other.is_alive()
+    for r in (0, 1):
+        for i in range(len(sizes)):
+            np.testing.assert_array_equal(got[r][i], sent[1 - r][i])
 
 
-def test_an_empty_message_is_not_sent_on_either_side():
-    zero, one = pair()
-    try:
-        # Were an empty message sent, the receive of 5 bytes would meet its length (0).
-        empty, data = np.empty(0, np.uint8), np.arange(5, dtype=np.uint8)
-        into = np.empty(5, np.uint8)
-        exchange(zero, 1, empty, empty).wait()
-        one.start(0, None, 0, memoryview(empty), []).wait()
-        exchange(zero, 1, data, empty)
-        exchange(one, 0, empty, into).wait()
-        np.testing.assert_array_equal(into, data)
-    finally:
-        zero.close()
-        one.close()
+def test_an_empty_message_is_not_sent_on_either_side(pair):
+    zero, one = pair
+    # Were an empty message sent, the receive of 5 bytes would meet its length (0).
+    empty, data = np.empty(0, np.uint8), np.arange(5, dtype=np.uint8)
+    into = np.empty(5, np.uint8)
+    exchange(zero, 1, empty, empty).wait()
+    one.start(0, None, 0, memoryview(empty), []).wait()
+    exchange(zero, 1, data, empty)
+    exchange(one, 0, empty, into).wait()
+    np.testing.assert_array_equal(into, data)
 
 
-def test_a_message_of_another_length_than_expected_is_an_error_naming_both():
-    zero, one = pair()
-    try:
-        exchange(zero, 1, np.zeros(10, np.uint8), np.empty(0, np.uint8))
-        with pytest.raises(MpiddpError, match="rank 0 on node-a sent a message of 10 bytes "
-                                              "where rank . expected 12"):
-            one.start(0, None, 0, memoryview(np.empty(12, np.uint8)), []).wait()
-    finally:
-        zero.close()
-        one.close()
+def test_a_message_of_another_length_than_expected_is_an_error_naming_both(pair):
+    zero, one = pair
+    exchange(zero, 1, np.zeros(10, np.uint8), np.empty(0, np.uint8))
+    with pytest.raises(MpiddpError, match="rank 0 on node-a sent a message of 10 bytes "
+                                          "where rank . expected 12"):
+        one.start(0, None, 0, memoryview(np.empty(12, np.uint8)), []).wait()
 
 
-def test_a_partner_whose_connection_breaks_is_named():
-    zero, one = pair()
-    try:
-        one.connections[0].close()
-        recv = np.empty(1000, np.uint8)
-        with pytest.raises(PeerConnectionLost, match="rank 1 on node-b"):   # send or receive
-            exchange(zero, 1, np.zeros(10, np.uint8), recv).wait()
-        with pytest.raises(PeerConnectionLost, match="rank 1 on node-b"):   # receive only
-            zero.start(1, None, 1, memoryview(recv), []).wait()
-    finally:
-        zero.close()
+def test_a_partner_whose_connection_breaks_is_named(pair):
+    zero, one = pair
+    one.connections[0].close()
+    recv = np.empty(1000, np.uint8)
+    with pytest.raises(PeerConnectionLost, match="rank 1 on node-b"):   # send or receive
+        exchange(zero, 1, np.zeros(10, np.uint8), recv).wait()
+    with pytest.raises(PeerConnectionLost, match="rank 1 on node-b"):   # receive only
+        zero.start(1, None, 1, memoryview(recv), []).wait()
 
 
 def test_only_expected_ranks_with_the_jobs_token_are_accepted():
