@@ -29,7 +29,7 @@ SOCKETS_SLOWER_TOLERATED = 1.1
 def exchange_partners(rank: int, size: int) -> set[int]:
     """Whom ``rank`` exchanges with in the engine's own algorithms (the ring and
     halving-doubling; the hierarchical one runs rings on its sub-communicators)."""
-    return neighbours(rank, size) | (partners(rank, size) if size > 1 else set())
+    return neighbours(rank, size) | partners(rank, size)
 
 
 def open_partner_sockets(comm: MPI.Comm, local: MPI.Comm, cross: MPI.Comm,

@@ -53,7 +53,6 @@ from .pacing import Pacing
 from .sockets import PeerSockets
 
 SEGMENT_BYTES = 1024 * 1024
-SOCKET_MIN_BYTES = 0            # messages the partner sockets carry (sockets.py): all
 TRANSFER_SPIN_SECONDS = 100e-6
 FIRST_SLEEP_SECONDS = 10e-6
 
@@ -132,14 +131,10 @@ class NetworkComm(CommWrapper):
     def _start(self, sendbuf, dest, sendtag, recvbuf, source, recvtag) -> Transfer:
         send, recv = _byte_view(sendbuf), _byte_view(recvbuf)
         if self.sockets is not None:
-            out, into = self.sockets.carries(len(send), dest, len(recv), source,
-                                             SOCKET_MIN_BYTES)
-            if out or into:
-                requests = [] if into else [self.comm.Irecv(recvbuf, source, recvtag)]
-                if not out:
-                    requests.append(self.comm.Isend(sendbuf, dest, sendtag))
-                return self.sockets.start(dest, send if out else None, source,
-                                          recv if into else None, requests)
+            transfer = self.sockets.start_exchange(self.comm, sendbuf, send, dest, sendtag,
+                                                   recvbuf, recv, source, recvtag)
+            if transfer is not None:
+                return transfer
         nbytes = max(len(send), len(recv))
         if nbytes < self.pacing.polite_min_bytes:
             self.comm.Sendrecv(sendbuf, dest, sendtag, recvbuf, source, recvtag)

@@ -62,7 +62,7 @@ _LENGTH = struct.Struct("!Q")
 
 
 class PeerConnectionLost(MpiddpError):
-    """A ring neighbour's connection broke during an exchange (it died, or its node)."""
+    """A partner's connection broke during an exchange (it died, or its node)."""
 
 
 def interface_addresses(names: Optional[Sequence[str]] = None) -> list[str]:
@@ -95,7 +95,7 @@ def _connect(addresses: Sequence[str], port: int) -> socket.socket:
             continue
         sock.settimeout(None)
         return sock
-    raise ConnectionError("; ".join(errors) or "the neighbour has no IPv4 address")
+    raise ConnectionError("; ".join(errors) or "the partner has no IPv4 address")
 
 
 def _prepare(sock: socket.socket) -> socket.socket:
@@ -256,13 +256,22 @@ class PeerSockets:
     def describe(self, rank: int) -> str:
         return f"rank {rank} on {self.hosts[rank]}"
 
-    def carries(self, nbytes_out: int, dest: int, nbytes_in: int, source: int,
-                min_bytes: int) -> tuple[bool, bool]:
-        """Which halves of an exchange go over the sockets: a message to or from a
-        connected partner of at least ``min_bytes`` (both ends decide alike: the same
-        message has the same length on both)."""
-        return (dest in self.connections and nbytes_out >= min_bytes,
-                source in self.connections and nbytes_in >= min_bytes)
+    def start_exchange(self, comm, sendbuf, send: memoryview, dest: int, sendtag: int,
+                       recvbuf, recv: memoryview, source: int,
+                       recvtag: int) -> Optional[SocketTransfer]:
+        """Start an exchange (``comm.Sendrecv``'s arguments, with ``send`` and ``recv`` the
+        buffers' bytes): each half with a connected partner goes over its socket, the other
+        over ``comm`` (Isend / Irecv), both completed by the returned transfer's ``wait``.
+        None where neither partner is connected (the caller keeps MPI for all). Both ends
+        decide alike: a rank connected to ``p`` is connected from ``p``."""
+        out, into = dest in self.connections, source in self.connections
+        if not (out or into):
+            return None
+        requests = [] if into else [comm.Irecv(recvbuf, source, recvtag)]
+        if not out:
+            requests.append(comm.Isend(sendbuf, dest, sendtag))
+        return self.start(dest, send if out else None, source, recv if into else None,
+                          requests)
 
     def start(self, dest: int, send_view: Optional[memoryview], source: int,
               recv_view: Optional[memoryview], mpi_requests: list) -> SocketTransfer:
@@ -357,13 +366,13 @@ class PeerSockets:
             for which, sockets in enumerate((True, False)):
                 self.comm.Barrier()
                 start = time.perf_counter()
-                out, into = self.carries(nbytes, right, nbytes, left, 0) if sockets \
-                    else (False, False)
-                requests = [] if into else [self.comm.Irecv(recv, left, 78)]
-                if not out:
-                    requests.append(self.comm.Isend(send, right, 78))
-                self.start(right, memoryview(send) if out else None, left,
-                           memoryview(recv) if into else None, requests).wait()
+                transfer = self.start_exchange(self.comm, send, memoryview(send), right, 78,
+                                               recv, memoryview(recv), left, 78) \
+                    if sockets else None
+                if transfer is not None:
+                    transfer.wait()
+                else:
+                    self.comm.Sendrecv(send, right, 78, recv, left, 78)
                 best[which] = min(best[which], time.perf_counter() - start)
         return best[0], best[1]
 
