@@ -6,13 +6,26 @@ emulated cluster's measurements, then extrapolated to hundreds of nodes.
 
 The all-reduce of each fused buffer costs what ``mpiddp.collectives.cost_model`` says for the
 algorithm the engine picks (the MPI library's below an N- and link-dependent threshold,
-halving-doubling or the ring above), plus a negotiation cycle (a small all-reduce). The step is an
-event simulation of one rank, as the engine runs it: backward produces the gradients layer by
-layer in reverse (the simulated models' per-layer MACs), a bucket is reduced once its last
-gradient is ready, one reduction at a time, in order; the standard path starts the next
-forward when every reduction is done, forward overlap starts it at once and lets layer j's
-forward wait only for its own parameters. The period of the steady state is the step time.
+halving-doubling or the ring above); each engine cycle adds its own work and a negotiation (a
+small all-reduce). The step is an event simulation of one rank, as the engine runs it:
+backward produces the gradients layer by layer in reverse (the simulated models' per-layer
+MACs), a bucket is submitted once its last gradient is ready, and each cycle takes what is
+ready when the previous one ends (the standard path all of it, in order; forward overlap the
+earliest layers first, up to its cycle budget); the standard path starts the next forward
+when every reduction is done, forward overlap starts it at once and lets layer j's forward
+wait only for its own parameters. The period of the steady state is the step time.
 Efficiency is the one-process step over that.
+
+Where the ranks share a machine's cores (the emulated cluster: 16 ranks on 2 cores), a cycle
+also cannot end before the cores have done every rank's CPU work for it: ``validate`` reads
+what one all-reduce costs a rank in CPU from ``scripts/benchmark_allreduce.py``'s run at the
+same N and links (``allreduce-<setting>-<N>x1.json`` beside the training results) and bounds
+each cycle by ranks / cores times that, and each step by the cores' work for its cycles and
+for the one-process step's own CPU (``MachineCpu``, ``cores_bound_s``). The same benchmark
+gives the links' latency at each N (its smallest ``MPI_Allreduce``; with many ranks on few
+cores, the scheduler's delays are part of it), and ``validate`` also sets the model of each
+algorithm against it. ``extrapolate`` leaves the cores out: a GPU node's rank has a core of
+its own for its communication.
 """
 from __future__ import annotations
 
@@ -22,17 +35,68 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import simulated_models as sim  # noqa: E402
 from mpiddp.collectives.algorithms import AlgorithmChoice  # noqa: E402
-from mpiddp.collectives.cost_model import (LinkCosts, halving_doubling_seconds,  # noqa: E402
-                                           native_seconds, ring_seconds)
+from mpiddp.collectives.cost_model import (ENGINE_CYCLE_S, LinkCosts,  # noqa: E402
+                                           halving_doubling_seconds, native_seconds,
+                                           priority_cycle_bytes, ring_seconds)
 from mpiddp.collectives.topology import Topology  # noqa: E402
 
 NEGOTIATION_BYTES = 3 * 128 + 16     # a cached cycle's bit vectors and flags (engine.md)
+# scripts/benchmark_allreduce.py's rows for the algorithm the engine picks.
+BENCHMARK_ROWS = {"ring": "mpiddp ring", "halving_doubling": "mpiddp halving-doubling",
+                  "native": "MPI_Allreduce"}
+
+
+@dataclass(frozen=True)
+class MachineCpu:
+    """The CPU one all-reduce costs a rank (measured at this N: contention's busy waiting
+    included) and how many ranks share each core. A cycle takes at least ``share`` times its
+    CPU: every rank runs the same cycle at once, so the cores do ``ranks`` cycles' work."""
+
+    seconds_by_row: dict = field(repr=False)   # benchmark row -> (sizes, CPU s per call)
+    share: float                               # ranks per core, at least 1
+    compute_s: float = 0.0                     # the CPU of one process's step (no reductions)
+
+    @classmethod
+    def from_benchmark(cls, rows: list, ranks: int, cores: int,
+                       compute_s: float = 0.0) -> "MachineCpu":
+        table = {}
+        for row in rows:
+            table.setdefault(row["method"], []).append(
+                (row["bytes"], row["cpu_s_per_gb"] * row["bytes"] / 1e9))
+        return cls({method: tuple(np.array(v) for v in zip(*sorted(points)))
+                    for method, points in table.items()}, max(1.0, ranks / cores), compute_s)
+
+    def call_s(self, row: str, nbytes: int) -> float:
+        """CPU seconds of one call of ``nbytes`` by the benchmark's ``row``: linear between
+        the measured sizes, beyond the largest at its CPU per byte."""
+        sizes, seconds = self.seconds_by_row[row]
+        if nbytes > sizes[-1]:
+            return float(seconds[-1] * nbytes / sizes[-1])
+        return float(np.interp(nbytes, sizes, seconds))
+
+    def engine_cycle_s(self) -> float:
+        """What the engine's cycle costs beyond the data (its negotiation, the Python around
+        it): a small all-reduce through the engine against the same by ``MPI_Allreduce``."""
+        smallest = int(self.seconds_by_row["MPI_Allreduce"][0][0])
+        return max(0.0, self.call_s("mpiddp auto", smallest)
+                   - self.call_s("MPI_Allreduce", smallest))
+
+    def cycle_s(self, algorithms_and_bytes: list) -> float:
+        """The CPU of one cycle: the engine's part once, then each buffer's data (the engine
+        rows' calls less the engine's part they include)."""
+        engine = self.engine_cycle_s()
+        data = sum(self.call_s("MPI_Allreduce", n) if name == "native"
+                   else max(0.0, self.call_s(BENCHMARK_ROWS[name], n) - engine)
+                   for name, n in algorithms_and_bytes)
+        return engine + data
 
 
 @dataclass(frozen=True)
@@ -48,23 +112,41 @@ class Job:
     fusion_bytes: int = 1 << 20          # MPIDDP_FUSION_THRESHOLD
     step_overhead_s: float | None = None  # the ring's Python cost per step (None: default)
     optimizer_s: float = 0.0
+    machine_cpu: MachineCpu | None = None  # ranks sharing cores (None: a core each, unbounded)
+    engine_cycle_s: float = ENGINE_CYCLE_S  # the engine's own work per cycle of many tensors
 
     def cycle_s(self, buffers: list[int], algorithm: str = "auto") -> float:
-        """One engine cycle: the negotiation (a small all-reduce), then each fused buffer's
-        all-reduce as the engine's ``AlgorithmChoice`` picks it with one rank per node and
-        measured links (or every one by ``native``), charged at this job's step overhead."""
-        extra = {} if self.step_overhead_s is None else {"step_overhead_s": self.step_overhead_s}
-        choice = AlgorithmChoice(algorithm, None, "0",
-                                 Topology(0, self.nodes, 0, 1, 0, self.nodes, True), self.link,
-                                 **extra)
+        """One engine cycle: its own work and the negotiation (a small all-reduce), then each
+        fused buffer's all-reduce as the engine's ``AlgorithmChoice`` picks it with one rank
+        per node and measured links (or every one by ``native``), charged at this job's step
+        overhead; no shorter than the shared cores allow (``machine_cpu``)."""
+        extra = self.step_overhead()
         cost = {"native": lambda n: native_seconds(n, self.nodes, self.link),
                 "ring": lambda n: ring_seconds(n, self.nodes, self.link, **extra),
                 "halving_doubling":
                     lambda n: halving_doubling_seconds(n, self.nodes, self.link, **extra)}
-        seconds = native_seconds(NEGOTIATION_BYTES, self.nodes, self.link)
-        for nbytes in buffers:
-            seconds += cost[choice.choose(nbytes).name](nbytes)
-        return seconds
+        seconds = self.engine_cycle_s + native_seconds(NEGOTIATION_BYTES, self.nodes, self.link)
+        for name, nbytes in self.chosen(buffers, algorithm):
+            seconds += cost[name](nbytes)
+        if self.machine_cpu is None:
+            return seconds
+        return max(seconds, self.machine_cpu.share * self.cycle_cpu_s(buffers, algorithm))
+
+    def cycle_cpu_s(self, buffers: list[int], algorithm: str = "auto") -> float:
+        """The CPU one cycle costs a rank (0 where the cores are not modelled)."""
+        if self.machine_cpu is None:
+            return 0.0
+        return self.machine_cpu.cycle_s(self.chosen(buffers, algorithm))
+
+    def chosen(self, buffers: list[int], algorithm: str) -> list[tuple[str, int]]:
+        """(algorithm name, bytes) of each buffer, as the engine's ``AlgorithmChoice`` picks."""
+        choice = AlgorithmChoice(algorithm, None, "0",
+                                 Topology(0, self.nodes, 0, 1, 0, self.nodes, True), self.link,
+                                 **self.step_overhead())
+        return [(choice.choose(nbytes).name, nbytes) for nbytes in buffers]
+
+    def step_overhead(self) -> dict:
+        return {} if self.step_overhead_s is None else {"step_overhead_s": self.step_overhead_s}
 
 
 def layer_times(job: Job) -> tuple[list[float], list[float]]:
@@ -119,6 +201,7 @@ def step_seconds(job: Job, overlap: bool, algorithm: str = "auto", steps: int = 
                        job.fusion_bytes), [i])
         for i, layer in reversed(list(enumerate(job.layers)))]
     bucket_of = {i: b for b, (_, members) in enumerate(plan) for i in members}
+    budget = priority_cycle_bytes(job.nodes, job.link)
     everything = total_bytes(plan)
     comm_free = 0.0                      # when the engine can start the next reduction
     updated = [0.0] * len(plan)          # when each submission's reduction (and update) ended
@@ -134,17 +217,50 @@ def step_seconds(job: Job, overlap: bool, algorithm: str = "auto", steps: int = 
             t += backward[i]
             ready[i] = t
         compute_end = t
+        cycles_cpu = 0.0
         pending = {b: max(ready[i] for i in members) for b, (_, members) in enumerate(plan)}
         while pending:
             now = max(comm_free, min(pending.values()))
-            candidates = [b for b, at in pending.items() if at <= now]
-            # urgency: the submission holding the earliest layer (forward overlap's order)
-            b = min(candidates, key=lambda c: min(plan[c][1])) if overlap else min(candidates)
-            del pending[b]
-            comm_free = now + job.cycle_s(plan[b][0], algorithm)
-            updated[b] = comm_free + job.optimizer_s * sum(plan[b][0]) / everything
+            taken = cycle_submissions(plan, [b for b, at in pending.items() if at <= now],
+                                      overlap, budget)
+            buffers = [n for b in taken for n in plan[b][0]]
+            comm_free = now + job.cycle_s(buffers, algorithm)
+            cycles_cpu += job.cycle_cpu_s(buffers, algorithm)
+            for b in taken:
+                del pending[b]
+                updated[b] = comm_free + job.optimizer_s * sum(plan[b][0]) / everything
         start = compute_end if overlap else max(compute_end, comm_free + job.optimizer_s)
+        start = max(start, starts[-1] + cores_bound_s(job, overlap, cycles_cpu))
     return (starts[-1] - starts[len(starts) // 2]) / (len(starts) - 1 - len(starts) // 2)
+
+
+def cores_bound_s(job: Job, overlap: bool, cycles_cpu_s: float) -> float:
+    """The shortest step the shared cores allow: they do every rank's CPU for the step's
+    cycles and its compute (a third of it in the forward, as the compute's time) wherever
+    that runs beside communication; the standard path's forward runs alone (and no faster
+    than its wait)."""
+    cpu = job.machine_cpu
+    if cpu is None:
+        return 0.0
+    if overlap:
+        return cpu.share * (cycles_cpu_s + cpu.compute_s)
+    forward = max(job.step_s / 3, cpu.share * cpu.compute_s / 3)
+    return forward + cpu.share * (cycles_cpu_s + 2 * cpu.compute_s / 3)
+
+
+def cycle_submissions(plan, ready: list[int], overlap: bool, budget: int) -> list[int]:
+    """What one engine cycle reduces of the ready submissions: the standard path all of them
+    (every tensor ready everywhere goes in the cycle); forward overlap the most urgent (the
+    earliest layers) up to its cycle budget of bytes, at least one."""
+    if not overlap:
+        return sorted(ready)
+    taken, nbytes = [], 0
+    for b in sorted(ready, key=lambda c: min(plan[c][1])):
+        if taken and nbytes + sum(plan[b][0]) > budget:
+            break
+        taken.append(b)
+        nbytes += sum(plan[b][0])
+    return taken
 
 
 def total_bytes(plan) -> int:
@@ -157,7 +273,37 @@ RESULT = re.compile(r"(?P<setting>light|heavy)-(?P<model>sim-[a-z0-9]+)-(?P<regi
 SETTINGS = {"light": 0.2, "heavy": 1.0}          # link Gbit/s of scripts/scaling_benchmark.sh
 
 
-def validate(directory: str, latency_us: float, step_overhead_us: float) -> None:
+def machine_cpu(directory: str, setting: str, nodes: int, cores: int,
+                compute_s: float) -> MachineCpu | None:
+    """The all-reduce benchmark's CPU costs at this setting and N, if it ran (None if not),
+    with ``compute_s`` the one-process step's CPU."""
+    path = os.path.join(directory, f"allreduce-{setting}-{nodes}x1.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return MachineCpu.from_benchmark(json.load(f)["rows"], nodes, cores, compute_s)
+
+
+def measured_latency_s(directory: str, setting: str, nodes: int,
+                       default_us: float | None) -> float:
+    """The links' latency at this N as the emulation presents it (with many ranks on few
+    cores the scheduler's delays are part of it): ``default_us`` if given, else the latency
+    at which the model's ``MPI_Allreduce`` takes the time the all-reduce benchmark measured
+    for its smallest size (the model is linear in it), else 100 us."""
+    path = os.path.join(directory, f"allreduce-{setting}-{nodes}x1.json")
+    if default_us is not None or not os.path.exists(path):
+        return (100.0 if default_us is None else default_us) * 1e-6
+    with open(path) as f:
+        smallest = min((row for row in json.load(f)["rows"] if row["method"] == "MPI_Allreduce"),
+                       key=lambda row: row["bytes"])
+    rate = SETTINGS[setting]
+    at_zero = native_seconds(smallest["bytes"], nodes, LinkCosts.from_rate(rate, 0.0))
+    per_second = native_seconds(smallest["bytes"], nodes, LinkCosts.from_rate(rate, 1e6)) - at_zero
+    return max(0.0, (smallest["seconds"] - at_zero) / per_second)
+
+
+def validate(directory: str, latency_us: float | None, step_overhead_us: float,
+             cores: int) -> None:
     rows, errors = [], []
     for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
         match = RESULT.search(os.path.basename(path))
@@ -166,31 +312,120 @@ def validate(directory: str, latency_us: float, step_overhead_us: float) -> None
         with open(path) as f:
             result = json.load(f)
         nodes = int(match["nodes"])
-        job = Job(sim.MODELS[match["model"]](), result["simulation"]["param_scale"],
-                  result["simulation"]["step_s"], nodes,
-                  LinkCosts.from_rate(SETTINGS[match["setting"]], latency_us),
-                  bucket_bytes=int(result.get("bucket_cap_mb", 4.0) * 2 ** 20),
-                  step_overhead_s=step_overhead_us * 1e-6,
-                  optimizer_s=result["simulation"]["optimizer_s"])
+        links_only = Job(sim.MODELS[match["model"]](), result["simulation"]["param_scale"],
+                         result["simulation"]["step_s"], nodes,
+                         LinkCosts.from_rate(SETTINGS[match["setting"]], 1e6 * measured_latency_s(
+                             directory, match["setting"], nodes, latency_us)),
+                         bucket_bytes=int(result.get("bucket_cap_mb", 4.0) * 2 ** 20),
+                         step_overhead_s=step_overhead_us * 1e-6,
+                         optimizer_s=result["simulation"]["optimizer_s"])
+        single = result["variants"].get("single") or {}
+        cpu = machine_cpu(directory, match["setting"], nodes, cores,
+                          single.get("cpu_ms_per_step", 0.0) / 1e3)
+        with_cores = replace(links_only, machine_cpu=cpu) if cpu else None
         for variant, overlap, algorithm in (("mpiddp", False, "auto"), ("overlap", True, "auto"),
                                             ("native", False, "native")):
             measured = result["variants"].get(variant)
             if not measured:
                 continue
-            predicted = step_seconds(job, overlap, algorithm)
-            error = predicted / measured["step_s"] - 1
-            errors.append((match["setting"], abs(error)))
+            cells = []
+            for kind, job in (("links", links_only), ("cores", with_cores)):
+                if job is None:
+                    cells += ["", ""]
+                    continue
+                predicted = step_seconds(job, overlap, algorithm)
+                error = predicted / measured["step_s"] - 1
+                errors.append((match["setting"], kind, abs(error)))
+                cells += [f"{predicted:.3f}", percent(error)]
             rows.append(f"| {match['setting']} | {match['regime']} | {nodes} | {variant} | "
-                        f"{measured['step_s']:.3f} | {predicted:.3f} | {100 * error:+.0f}% |")
-    print("| setting | regime | nodes | variant | measured step (s) | model (s) | error |")
-    print("|---|---|---:|---|---:|---:|---:|")
+                        f"{measured['step_s']:.3f} | " + " | ".join(cells) + " |")
+    print("| setting | regime | nodes | variant | measured step (s) | model, links (s) | error "
+          f"| model, links and {cores} cores (s) | error |")
+    print("|---|---|---:|---|---:|---:|---:|---:|---:|")
     print("\n".join(rows))
     for setting in SETTINGS:
-        mine = [e for s, e in errors if s == setting]
-        if mine:
-            within = sum(e <= 0.15 for e in mine)
-            print(f"\n{setting}: mean |error| {100 * sum(mine) / len(mine):.0f}%, "
-                  f"{within} of {len(mine)} within 15%")
+        for kind in ("links", "cores"):
+            mine = [e for s, k, e in errors if s == setting and k == kind]
+            if mine:
+                within = sum(e <= 0.15 for e in mine)
+                print(f"\n{setting}, model with the {kind}: mean |error| "
+                      f"{100 * sum(mine) / len(mine):.0f}%, {within} of {len(mine)} within 15%")
+
+
+ALLREDUCE_RESULT = re.compile(r"allreduce-(?P<setting>light|heavy)-(?P<nodes>\d+)x1\.json$")
+
+
+def allreduce_model_s(method: str, nbytes: int, nodes: int, link: LinkCosts,
+                      step_overhead_s: float) -> float:
+    """One all-reduce as ``scripts/benchmark_allreduce.py`` times it: through the engine (a
+    cycle of its own per call: the negotiation; the engine's own work for one tensor and the
+    hand-offs between threads left out) by one algorithm, or ``MPI_Allreduce`` called
+    directly."""
+    if method == "MPI_Allreduce":
+        return native_seconds(nbytes, nodes, link)
+    algorithm = {row: name for name, row in BENCHMARK_ROWS.items()}[method]
+    job = Job([], 1.0, 0.0, nodes, link, step_overhead_s=step_overhead_s, engine_cycle_s=0.0)
+    return job.cycle_s([nbytes], algorithm)
+
+
+def validate_allreduce(directory: str, latency_us: float | None, step_overhead_us: float,
+                       cores: int) -> None:
+    """The alpha-beta model of each algorithm against the all-reduce benchmark at each N: on
+    the links alone, and no shorter than the shared cores allow given the CPU the call was
+    measured to cost (a consistency check, that CPU being the same run's)."""
+    table, errors, sizes = {}, [], set()
+    for path in sorted(glob.glob(os.path.join(directory, "allreduce-*.json"))):
+        match = ALLREDUCE_RESULT.search(os.path.basename(path))
+        if not match:
+            continue
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+        nodes, setting = int(match["nodes"]), match["setting"]
+        link = LinkCosts.from_rate(SETTINGS[setting],
+                                   1e6 * measured_latency_s(directory, setting, nodes, latency_us))
+        share = max(1.0, nodes / cores)
+        for row in rows:
+            method = row["method"]
+            if method not in BENCHMARK_ROWS.values() or (
+                    method == BENCHMARK_ROWS["halving_doubling"] and nodes < 4):
+                continue
+            links = allreduce_model_s(method, row["bytes"], nodes, link,
+                                      step_overhead_us * 1e-6)
+            with_cores = max(links, share * row["cpu_s_per_gb"] * row["bytes"] / 1e9)
+            cell = []
+            for kind, predicted in (("links", links), ("cores", with_cores)):
+                error = predicted / row["seconds"] - 1
+                errors.append((setting, kind, row["bytes"] >= 1 << 20, abs(error)))
+                cell.append(percent(error))
+            sizes.add(row["bytes"])
+            table.setdefault((setting, nodes, method), {})[row["bytes"]] = " / ".join(cell)
+    if not table:
+        return
+    sizes = sorted(sizes)
+    print("\nAll-reduce, model / measured - 1 (links alone / no shorter than the cores allow):\n")
+    print("| setting | nodes | method | " + " | ".join(human_bytes(n) for n in sizes) + " |")
+    print("|---|---:|---|" + "---:|" * len(sizes))
+    for (setting, nodes, method), cells in sorted(table.items(),
+                                                  key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+        print(f"| {setting} | {nodes} | {method} | "
+              + " | ".join(cells.get(n, "") for n in sizes) + " |")
+    for setting in SETTINGS:
+        for kind in ("links", "cores"):
+            for large in (False, True):
+                mine = [e for s, k, big, e in errors if (s, k, big) == (setting, kind, large)]
+                if mine:
+                    print(f"\n{setting}, all-reduce {'from' if large else 'below'} 1 MiB, model "
+                          f"with the {kind}: mean |error| {100 * sum(mine) / len(mine):.0f}%, "
+                          f"{sum(e <= 0.15 for e in mine)} of {len(mine)} within 15%")
+
+
+def percent(error: float) -> str:
+    """A signed whole percentage, with no "-0%"."""
+    return f"{round(100 * error):+d}%"
+
+
+def human_bytes(nbytes: int) -> str:
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
 # ---- extrapolate: hundreds of nodes --------------------------------------------------------
@@ -235,10 +470,13 @@ def main(argv=None) -> None:
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("validate", help="the model against scripts/scaling_benchmark.sh's JSON")
     v.add_argument("directory")
-    v.add_argument("--latency-us", type=float, default=100.0,
-                   help="the emulated links' latency (the engine logs what it measures)")
+    v.add_argument("--latency-us", type=float, default=None,
+                   help="the emulated links' latency (default: from the all-reduce benchmark "
+                        "at each N where it ran, else 100)")
     v.add_argument("--step-overhead-us", type=float, default=50.0,
                    help="the ring's cost per step in Python and MPI")
+    v.add_argument("--cores", type=int, default=os.sysconf("SC_NPROCESSORS_ONLN"),
+                   help="the cores the emulated nodes shared (default: this machine's)")
     e = sub.add_parser("extrapolate", help="64-512 nodes at 10, 25 and 100 Gbit/s")
     e.add_argument("--profile", default="v100-fp32", choices=sorted(sim.PROFILES))
     e.add_argument("--latency-us", type=float, default=5.0)
@@ -247,7 +485,8 @@ def main(argv=None) -> None:
                         "reductions on the device")
     args = p.parse_args(argv)
     if args.command == "validate":
-        validate(args.directory, args.latency_us, args.step_overhead_us)
+        validate(args.directory, args.latency_us, args.step_overhead_us, args.cores)
+        validate_allreduce(args.directory, args.latency_us, args.step_overhead_us, args.cores)
     else:
         extrapolate(args.profile, args.latency_us, args.reduce_gb_per_s)
 

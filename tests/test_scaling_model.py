@@ -1,0 +1,130 @@
+"""The cost model of a training step (scripts/scaling_model.py, docs/scaling.md): the engine's
+cycles as the model forms them, and the bound the shared cores of the emulated cluster put on
+a cycle and a step, from the all-reduce benchmark's CPU per call."""
+import json
+import sys
+
+import pytest
+
+from mpi_launch import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import scaling_model as model  # noqa: E402
+import simulated_models as sim  # noqa: E402
+from mpiddp.collectives.cost_model import LinkCosts  # noqa: E402
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def benchmark_rows(cpu_ms: dict) -> list:
+    """Rows as scripts/benchmark_allreduce.py writes them, from CPU ms per call by method
+    at 4 KiB and 1 MiB."""
+    return [{"bytes": nbytes, "method": method, "seconds": 1e-3,
+             "cpu_s_per_gb": ms * 1e-3 / nbytes * 1e9}
+            for method, by_size in cpu_ms.items() for nbytes, ms in by_size.items()]
+
+
+CPU_MS = {"mpiddp auto": {4 * KIB: 0.5, MIB: 3.0},
+          "MPI_Allreduce": {4 * KIB: 0.2, MIB: 2.0},
+          "mpiddp ring": {4 * KIB: 0.6, MIB: 4.0},
+          "mpiddp halving-doubling": {4 * KIB: 0.5, MIB: 3.5}}
+
+
+def test_machine_cpu_interpolates_and_charges_the_engine_once():
+    cpu = model.MachineCpu.from_benchmark(benchmark_rows(CPU_MS), ranks=16, cores=2)
+    assert cpu.share == 8
+    middle = (4 * KIB + MIB) // 2
+    assert cpu.call_s("MPI_Allreduce", middle) == pytest.approx(1.1e-3)
+    assert cpu.call_s("mpiddp ring", 4 * MIB) == pytest.approx(16e-3)   # its CPU per byte
+    # The engine's part of a cycle: a small call through it against MPI_Allreduce's.
+    assert cpu.engine_cycle_s() == pytest.approx(0.3e-3)
+    # One cycle of a ring buffer and a native one: the engine's part once.
+    assert cpu.cycle_s([("ring", MIB), ("native", MIB)]) == pytest.approx(
+        0.3e-3 + (4.0e-3 - 0.3e-3) + 2.0e-3)
+    # A rank with cores of its own shares none.
+    assert model.MachineCpu.from_benchmark(benchmark_rows(CPU_MS), 2, 2).share == 1
+
+
+def job(nodes=16, cpu=None, gbit=100.0, scale=0.05):
+    return model.Job(sim.MODELS["sim-resnet18"](), scale, 0.2, nodes,
+                     LinkCosts.from_rate(gbit, 5.0), bucket_bytes=int(4 * scale * MIB),
+                     machine_cpu=cpu)
+
+
+def test_a_cycle_takes_no_less_than_its_ranks_cpu_on_the_shared_cores():
+    cpu = model.MachineCpu.from_benchmark(benchmark_rows(CPU_MS), ranks=16, cores=2)
+    fast_links, bounded = job(), job(cpu=cpu)
+    buffers = [MIB, MIB // 2]
+    on_links = fast_links.cycle_s(buffers)
+    assert bounded.cycle_s(buffers) == pytest.approx(8 * bounded.cycle_cpu_s(buffers))
+    assert bounded.cycle_s(buffers) > on_links
+    assert fast_links.cycle_cpu_s(buffers) == 0.0
+    # Slow links and cheap CPU: the links decide.
+    cheap = model.MachineCpu.from_benchmark(
+        benchmark_rows({k: {s: ms / 1000 for s, ms in v.items()} for k, v in CPU_MS.items()}),
+        ranks=16, cores=2)
+    assert job(cpu=cheap, gbit=0.1).cycle_s(buffers) == pytest.approx(
+        job(gbit=0.1).cycle_s(buffers))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_step_grows_with_the_ranks_per_core_once_the_cores_are_the_limit(overlap):
+    one_core_each = model.MachineCpu.from_benchmark(benchmark_rows(CPU_MS), 16, 16,
+                                                    compute_s=0.01)
+    shared = model.MachineCpu.from_benchmark(benchmark_rows(CPU_MS), 16, 2, compute_s=0.01)
+    links_only = model.step_seconds(job(), overlap)
+    own = model.step_seconds(job(cpu=one_core_each), overlap)
+    crowded_job = job(cpu=shared)
+    crowded = model.step_seconds(crowded_job, overlap)
+    assert links_only <= own < crowded
+    # No less than eight ranks' CPU per core for the least CPU the gradients can cost (all
+    # in one cycle) and the compute beside them.
+    gradients = [n for buffers, _ in model.buckets(crowded_job) for n in buffers]
+    least = crowded_job.cycle_cpu_s(gradients)
+    assert crowded >= model.cores_bound_s(crowded_job, overlap, least) > 8 * least
+
+
+def test_cycles_take_what_is_ready_as_the_engine_does():
+    plan = [([MIB], [5, 4]), ([2 * MIB], [3]), ([MIB], [1, 2]), ([MIB], [0])]
+    # The standard path: every ready submission in one cycle, in order.
+    assert model.cycle_submissions(plan, [3, 0, 2], False, MIB) == [0, 2, 3]
+    # Forward overlap: the earliest layers first, up to the cycle budget, at least one.
+    assert model.cycle_submissions(plan, [0, 1, 2, 3], True, 2 * MIB) == [3, 2]
+    assert model.cycle_submissions(plan, [1, 0], True, MIB) == [1]
+
+
+def test_validate_compares_both_models_with_the_measurements(tmp_path, capsys):
+    result = {"bucket_cap_mb": 0.2,
+              "simulation": {"param_scale": 0.05, "step_s": 0.2, "optimizer_s": 0.0},
+              "variants": {"mpiddp": {"step_s": 0.5, "cpu_ms_per_step": 60.0},
+                           "single": {"step_s": 0.2, "cpu_ms_per_step": 10.0}}}
+    (tmp_path / "heavy-sim-resnet18-balanced-16x1.json").write_text(json.dumps(result))
+    (tmp_path / "heavy-sim-resnet18-balanced-8x1.json").write_text(json.dumps(result))
+    (tmp_path / "allreduce-heavy-16x1.json").write_text(json.dumps(
+        {"ranks": 16, "rows": benchmark_rows(CPU_MS)}))
+    model.main(["validate", str(tmp_path), "--cores", "2"])
+    out = capsys.readouterr().out
+    rows = {line.split("|")[3].strip(): line for line in out.splitlines()
+            if line.startswith("| heavy | balanced")}
+    with_cores = rows["16"].split("|")[8].strip()
+    assert float(with_cores) > float(rows["16"].split("|")[6])     # the cores add time
+    assert rows["8"].split("|")[8].strip() == ""                   # no benchmark at 8 nodes
+    assert "heavy, model with the links: mean |error|" in out
+    assert "of 1 within 15%" in out.split("model with the cores")[1]
+    # Each algorithm against the all-reduce benchmark; the latency is solved from the
+    # smallest MPI_Allreduce, which the model then takes exactly.
+    assert "| heavy | 16 | MPI_Allreduce | +0% / " in out
+    assert "| heavy | 16 | mpiddp halving-doubling |" in out
+
+
+def test_the_latency_is_the_one_at_which_the_model_takes_the_measured_small_all_reduce(tmp_path):
+    rows = benchmark_rows(CPU_MS)
+    for row in rows:
+        if row["method"] == "MPI_Allreduce" and row["bytes"] == 4 * KIB:
+            row["seconds"] = 2.3e-3
+    (tmp_path / "allreduce-heavy-16x1.json").write_text(json.dumps({"ranks": 16, "rows": rows}))
+    latency = model.measured_latency_s(str(tmp_path), "heavy", 16, None)
+    assert model.native_seconds(4 * KIB, 16, LinkCosts.from_rate(1.0, latency * 1e6)) \
+        == pytest.approx(2.3e-3)
+    assert model.measured_latency_s(str(tmp_path), "heavy", 8, None) == pytest.approx(100e-6)
+    assert model.measured_latency_s(str(tmp_path), "heavy", 16, 30.0) == pytest.approx(30e-6)
