@@ -49,6 +49,17 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 CORES="$(getconf _NPROCESSORS_ONLN)"   # not nproc: it obeys OMP_NUM_THREADS
 mkdir -p "$OUT"
 trap 'bash "$CLUSTER" down >/dev/null 2>&1 || true' EXIT
+failed=()
+
+# One launch, its output to NAME.txt (and the terminal); a launch that fails is named at the
+# end and the others still run (an hour's runs should not end at the first failure).
+launch() {
+  local name="$1"; shift
+  if ! bash "$CLUSTER" run "$@" 2>&1 | grep -v "c10d\] The hostname" | tee "$name.txt"; then
+    echo "### FAILED: $(basename "$name") (output in $name.txt)"
+    failed+=("$(basename "$name")")
+  fi
+}
 
 for setting in $SETTINGS; do
   case "$setting" in
@@ -65,21 +76,25 @@ for setting in $SETTINGS; do
     if [[ "$PARTS" == *allreduce* && " $ALLREDUCE_SETTINGS " == *" $setting "* ]]; then
       name="$OUT/allreduce-$setting-${nodes}x1"
       echo "### all-reduce, $setting ($rate links), ${nodes}x1 ($(date -u +%T))"
-      bash "$CLUSTER" run "${nodes}x1" -- "${yield[@]}" \
+      launch "$name" "${nodes}x1" -- "${yield[@]}" \
         python "$ROOT/scripts/benchmark_allreduce.py" --min-size 4K --max-size 64M \
-        --seconds 0.5 --json "$name.json" 2>&1 | grep -v "c10d\] The hostname" | tee "$name.txt"
+        --seconds 0.5 --json "$name.json"
     fi
     [[ "$PARTS" == *training* ]] || continue
     for regime in $REGIMES; do
       name="$OUT/$setting-$MODEL-$regime-${nodes}x1"
       echo "### $setting, $MODEL, $regime, ${nodes}x1 ($(date -u +%T))"
-      bash "$CLUSTER" run "${nodes}x1" -- "${yield[@]}" \
+      launch "$name" "${nodes}x1" -- "${yield[@]}" \
         python "$ROOT/scripts/synthetic_benchmark.py" --threads 1 --model "$MODEL" \
         --param-scale "$scale" --regime "$regime" --link-gbit "$gbit" \
         --variants "$VARIANTS" --iters "$ITERS" --steps "$STEPS" --warmup 2 \
         --bucket-cap-mb "$(python3 -c "print(4 * $scale)")" \
         --ddp-bucket-mb "$(python3 -c "print(25 * $scale)")" \
-        --json "$name.json" 2>&1 | grep -v "c10d\] The hostname" | tee "$name.txt"
+        --json "$name.json"
     done
   done
 done
+if [ "${#failed[@]}" -gt 0 ]; then
+  echo "### ${#failed[@]} launch(es) failed: ${failed[*]}" >&2
+  exit 1
+fi
