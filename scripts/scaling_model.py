@@ -173,20 +173,24 @@ def fused_buffers(tensor_bytes: list[int], fusion_bytes: int) -> list[int]:
     return out + ([packed] if packed else [])
 
 
+def tensor_bytes(job: Job, layer) -> list[int]:
+    """The gradient bytes of each of ``layer``'s parameters."""
+    return [4 * sim.param_count([sim.LayerSpec(layer.name, (param,), 0.0)], job.param_scale)
+            for param in layer.params]
+
+
 def buckets(job: Job) -> list[tuple[list[int], list[int]]]:
-    """(fused buffer sizes, layer indices) per submission, in the order backward fills them
+    """(tensor sizes, layer indices) per submission, in the order backward fills them
     (reverse): DistributedOptimizer submits once ``bucket_bytes`` are ready."""
     out, members, sizes = [], [], []
     for index in reversed(range(len(job.layers))):
-        layer = job.layers[index]
         members.append(index)
-        sizes += [4 * sim.param_count([sim.LayerSpec(layer.name, (param,), 0.0)],
-                                      job.param_scale) for param in layer.params]
+        sizes += tensor_bytes(job, job.layers[index])
         if sum(sizes) >= job.bucket_bytes:
-            out.append((fused_buffers(sizes, job.fusion_bytes), members))
+            out.append((sizes, members))
             members, sizes = [], []
     if members:
-        out.append((fused_buffers(sizes, job.fusion_bytes), members))
+        out.append((sizes, members))
     return out
 
 
@@ -196,10 +200,7 @@ def step_seconds(job: Job, overlap: bool, algorithm: str = "auto", steps: int = 
     # Forward overlap submits every layer on its own, urgent (first) layers first; the
     # standard path submits buckets and the engine takes them in order.
     plan = buckets(job) if not overlap else [
-        (fused_buffers([4 * sim.param_count([sim.LayerSpec(layer.name, (param,), 0.0)],
-                                            job.param_scale) for param in layer.params],
-                       job.fusion_bytes), [i])
-        for i, layer in reversed(list(enumerate(job.layers)))]
+        (tensor_bytes(job, layer), [i]) for i, layer in reversed(list(enumerate(job.layers)))]
     bucket_of = {i: b for b, (_, members) in enumerate(plan) for i in members}
     budget = priority_cycle_bytes(job.nodes, job.link)
     everything = total_bytes(plan)
@@ -223,7 +224,8 @@ def step_seconds(job: Job, overlap: bool, algorithm: str = "auto", steps: int = 
             now = max(comm_free, min(pending.values()))
             taken = cycle_submissions(plan, [b for b, at in pending.items() if at <= now],
                                       overlap, budget)
-            buffers = [n for b in taken for n in plan[b][0]]
+            # The cycle fuses all its tensors together (engine/fusion.py).
+            buffers = fused_buffers([n for b in taken for n in plan[b][0]], job.fusion_bytes)
             comm_free = now + job.cycle_s(buffers, algorithm)
             cycles_cpu += job.cycle_cpu_s(buffers, algorithm)
             for b in taken:

@@ -79,8 +79,8 @@ def test_the_step_grows_with_the_ranks_per_core_once_the_cores_are_the_limit(ove
     assert links_only <= own < crowded
     # No less than eight ranks' CPU per core for the least CPU the gradients can cost (all
     # in one cycle) and the compute beside them.
-    gradients = [n for buffers, _ in model.buckets(crowded_job) for n in buffers]
-    least = crowded_job.cycle_cpu_s(gradients)
+    gradients = [n for tensors, _ in model.buckets(crowded_job) for n in tensors]
+    least = crowded_job.cycle_cpu_s(model.fused_buffers(gradients, crowded_job.fusion_bytes))
     assert crowded >= model.cores_bound_s(crowded_job, overlap, least) > 8 * least
 
 
