@@ -82,17 +82,17 @@ class MachineCpu:
             return float(seconds[-1] * nbytes / sizes[-1])
         return float(np.interp(nbytes, sizes, seconds))
 
-    def engine_cycle_s(self) -> float:
+    def engine_cpu_s(self) -> float:
         """What the engine's cycle costs beyond the data (its negotiation, the Python around
         it): a small all-reduce through the engine against the same by ``MPI_Allreduce``."""
         smallest = int(self.seconds_by_row["MPI_Allreduce"][0][0])
         return max(0.0, self.call_s("mpiddp auto", smallest)
                    - self.call_s("MPI_Allreduce", smallest))
 
-    def cycle_s(self, algorithms_and_bytes: list) -> float:
+    def cycle_cpu_s(self, algorithms_and_bytes: list) -> float:
         """The CPU of one cycle: the engine's part once, then each buffer's data (the engine
         rows' calls less the engine's part they include)."""
-        engine = self.engine_cycle_s()
+        engine = self.engine_cpu_s()
         data = sum(self.call_s("MPI_Allreduce", n) if name == "native"
                    else max(0.0, self.call_s(BENCHMARK_ROWS[name], n) - engine)
                    for name, n in algorithms_and_bytes)
@@ -136,7 +136,7 @@ class Job:
         """The CPU one cycle costs a rank (0 where the cores are not modelled)."""
         if self.machine_cpu is None:
             return 0.0
-        return self.machine_cpu.cycle_s(self.chosen(buffers, algorithm))
+        return self.machine_cpu.cycle_cpu_s(self.chosen(buffers, algorithm))
 
     def chosen(self, buffers: list[int], algorithm: str) -> list[tuple[str, int]]:
         """(algorithm name, bytes) of each buffer, as the engine's ``AlgorithmChoice`` picks."""

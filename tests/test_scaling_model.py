@@ -37,9 +37,9 @@ def test_machine_cpu_interpolates_and_charges_the_engine_once():
     assert cpu.call_s("MPI_Allreduce", middle) == pytest.approx(1.1e-3)
     assert cpu.call_s("mpiddp ring", 4 * MIB) == pytest.approx(16e-3)   # its CPU per byte
     # The engine's part of a cycle: a small call through it against MPI_Allreduce's.
-    assert cpu.engine_cycle_s() == pytest.approx(0.3e-3)
+    assert cpu.engine_cpu_s() == pytest.approx(0.3e-3)
     # One cycle of a ring buffer and a native one: the engine's part once.
-    assert cpu.cycle_s([("ring", MIB), ("native", MIB)]) == pytest.approx(
+    assert cpu.cycle_cpu_s([("ring", MIB), ("native", MIB)]) == pytest.approx(
         0.3e-3 + (4.0e-3 - 0.3e-3) + 2.0e-3)
     # A rank with cores of its own shares none.
     assert model.MachineCpu.from_benchmark(benchmark_rows(CPU_MS), 2, 2).share == 1
