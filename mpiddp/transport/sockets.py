@@ -133,6 +133,16 @@ def accept_peers(listener: socket.socket, token: bytes, peers: set[int],
     return accepted
 
 
+def _fill(sock: socket.socket, view: memoryview, got: int) -> None:
+    """Receive into ``view`` from ``got`` bytes on until it is full (blocking, the GIL
+    released); a connection closed before then raises ``ConnectionResetError``."""
+    while got < len(view):
+        more = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
+        if more == 0:
+            raise ConnectionResetError("the connection was closed")
+        got += more
+
+
 class _Sender(threading.Thread):
     """Writes queued chunks to their sockets in order, so the caller need not wait for the
     kernel to take them (the GIL is released while it writes)."""
@@ -321,24 +331,14 @@ class PeerSockets:
             got = sock.recvmsg_into([length, view])[0]
             if got == 0:
                 raise ConnectionResetError("the connection was closed")
-            while got < len(length):
-                more = sock.recv_into(memoryview(length)[got:], len(length) - got,
-                                      socket.MSG_WAITALL)
-                if more == 0:
-                    raise ConnectionResetError("the connection was closed")
-                got += more
+            _fill(sock, memoryview(length), min(got, len(length)))
             sent, = _LENGTH.unpack(length)
             if sent != len(view):
                 raise MpiddpError(
                     f"mpiddp: {self.describe(peer)} sent a message of {sent} bytes where rank "
                     f"{self.rank} expected {len(view)}: the ranks' exchanges are out of "
                     "step (a bug in mpiddp; please report it with MPIDDP_LOG_LEVEL=DEBUG)")
-            got -= len(length)
-            while got < len(view):
-                more = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
-                if more == 0:
-                    raise ConnectionResetError("the connection was closed")
-                got += more
+            _fill(sock, view, max(0, got - len(length)))
         except OSError as error:
             raise self._lost(peer, error) from error
         transfer.received = True
