@@ -54,6 +54,11 @@ BENCHMARK_ROWS = {"ring": "mpiddp ring", "halving_doubling": "mpiddp halving-dou
                   "native": "MPI_Allreduce"}
 
 
+def ranks_per_core(ranks: int, cores: int) -> float:
+    """How many ranks share each core (at least 1: a rank never has more than one)."""
+    return max(1.0, ranks / cores)
+
+
 @dataclass(frozen=True)
 class MachineCpu:
     """The CPU one all-reduce costs a rank (measured at this N: contention's busy waiting
@@ -72,7 +77,7 @@ class MachineCpu:
             table.setdefault(row["method"], []).append(
                 (row["bytes"], row["cpu_s_per_gb"] * row["bytes"] / 1e9))
         return cls({method: tuple(np.array(v) for v in zip(*sorted(points)))
-                    for method, points in table.items()}, max(1.0, ranks / cores), compute_s)
+                    for method, points in table.items()}, ranks_per_core(ranks, cores), compute_s)
 
     def call_s(self, row: str, nbytes: int) -> float:
         """CPU seconds of one call of ``nbytes`` by the benchmark's ``row``: linear between
@@ -116,27 +121,31 @@ class Job:
     engine_cycle_s: float = ENGINE_CYCLE_S  # the engine's own work per cycle of many tensors
 
     def cycle_s(self, buffers: list[int], algorithm: str = "auto") -> float:
-        """One engine cycle: its own work and the negotiation (a small all-reduce), then each
-        fused buffer's all-reduce as the engine's ``AlgorithmChoice`` picks it with one rank
-        per node and measured links (or every one by ``native``), charged at this job's step
-        overhead; no shorter than the shared cores allow (``machine_cpu``)."""
+        """One engine cycle's seconds (``cycle``)."""
+        return self.cycle(buffers, algorithm)[0]
+
+    def cycle_cpu_s(self, buffers: list[int], algorithm: str = "auto") -> float:
+        """The CPU one cycle costs a rank (0 where the cores are not modelled)."""
+        return self.cycle(buffers, algorithm)[1]
+
+    def cycle(self, buffers: list[int], algorithm: str = "auto") -> tuple[float, float]:
+        """(seconds, CPU seconds per rank) of one engine cycle: its own work and the
+        negotiation (a small all-reduce), then each fused buffer's all-reduce as the
+        engine's ``AlgorithmChoice`` picks it with one rank per node and measured links (or
+        every one by ``native``), charged at this job's step overhead; no shorter than the
+        shared cores allow (``machine_cpu``; without it, no CPU counted)."""
         extra = self.step_overhead()
         cost = {"native": lambda n: native_seconds(n, self.nodes, self.link),
                 "ring": lambda n: ring_seconds(n, self.nodes, self.link, **extra),
                 "halving_doubling":
                     lambda n: halving_doubling_seconds(n, self.nodes, self.link, **extra)}
+        chosen = self.chosen(buffers, algorithm)
         seconds = self.engine_cycle_s + native_seconds(NEGOTIATION_BYTES, self.nodes, self.link)
-        for name, nbytes in self.chosen(buffers, algorithm):
-            seconds += cost[name](nbytes)
+        seconds += sum(cost[name](nbytes) for name, nbytes in chosen)
         if self.machine_cpu is None:
-            return seconds
-        return max(seconds, self.machine_cpu.share * self.cycle_cpu_s(buffers, algorithm))
-
-    def cycle_cpu_s(self, buffers: list[int], algorithm: str = "auto") -> float:
-        """The CPU one cycle costs a rank (0 where the cores are not modelled)."""
-        if self.machine_cpu is None:
-            return 0.0
-        return self.machine_cpu.cycle_cpu_s(self.chosen(buffers, algorithm))
+            return seconds, 0.0
+        cpu = self.machine_cpu.cycle_cpu_s(chosen)
+        return max(seconds, self.machine_cpu.share * cpu), cpu
 
     def chosen(self, buffers: list[int], algorithm: str) -> list[tuple[str, int]]:
         """(algorithm name, bytes) of each buffer, as the engine's ``AlgorithmChoice`` picks."""
@@ -226,8 +235,9 @@ def step_seconds(job: Job, overlap: bool, algorithm: str = "auto", steps: int = 
                                       overlap, budget)
             # The cycle fuses all its tensors together (engine/fusion.py).
             buffers = fused_buffers([n for b in taken for n in plan[b][0]], job.fusion_bytes)
-            comm_free = now + job.cycle_s(buffers, algorithm)
-            cycles_cpu += job.cycle_cpu_s(buffers, algorithm)
+            seconds, cpu = job.cycle(buffers, algorithm)
+            comm_free = now + seconds
+            cycles_cpu += cpu
             for b in taken:
                 del pending[b]
                 updated[b] = comm_free + job.optimizer_s * sum(plan[b][0]) / everything
@@ -275,33 +285,36 @@ RESULT = re.compile(r"(?P<setting>light|heavy)-(?P<model>sim-[a-z0-9]+)-(?P<regi
 SETTINGS = {"light": 0.2, "heavy": 1.0}          # link Gbit/s of scripts/scaling_benchmark.sh
 
 
-def machine_cpu(directory: str, setting: str, nodes: int, cores: int,
-                compute_s: float) -> MachineCpu | None:
-    """The all-reduce benchmark's CPU costs at this setting and N, if it ran (None if not),
-    with ``compute_s`` the one-process step's CPU."""
+def allreduce_rows(directory: str, setting: str, nodes: int) -> list | None:
+    """The rows of the all-reduce benchmark run at this setting and N (None if it did not)."""
     path = os.path.join(directory, f"allreduce-{setting}-{nodes}x1.json")
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return MachineCpu.from_benchmark(json.load(f)["rows"], nodes, cores, compute_s)
+        return json.load(f)["rows"]
 
 
-def measured_latency_s(directory: str, setting: str, nodes: int,
+def measured_latency_s(rows: list | None, setting: str, nodes: int,
                        default_us: float | None) -> float:
     """The links' latency at this N as the emulation presents it (with many ranks on few
     cores the scheduler's delays are part of it): ``default_us`` if given, else the latency
     at which the model's ``MPI_Allreduce`` takes the time the all-reduce benchmark measured
-    for its smallest size (the model is linear in it), else 100 us."""
-    path = os.path.join(directory, f"allreduce-{setting}-{nodes}x1.json")
-    if default_us is not None or not os.path.exists(path):
+    (``rows``) for its smallest size (the model is linear in it), else 100 us."""
+    if default_us is not None or rows is None:
         return (100.0 if default_us is None else default_us) * 1e-6
-    with open(path) as f:
-        smallest = min((row for row in json.load(f)["rows"] if row["method"] == "MPI_Allreduce"),
-                       key=lambda row: row["bytes"])
+    smallest = min((row for row in rows if row["method"] == "MPI_Allreduce"),
+                   key=lambda row: row["bytes"])
     rate = SETTINGS[setting]
     at_zero = native_seconds(smallest["bytes"], nodes, LinkCosts.from_rate(rate, 0.0))
     per_second = native_seconds(smallest["bytes"], nodes, LinkCosts.from_rate(rate, 1e6)) - at_zero
     return max(0.0, (smallest["seconds"] - at_zero) / per_second)
+
+
+def print_summary(label: str, errors: list[float]) -> None:
+    """Mean |error| and how many within 15%, if there are any."""
+    if errors:
+        print(f"\n{label}: mean |error| {100 * sum(errors) / len(errors):.0f}%, "
+              f"{sum(e <= 0.15 for e in errors)} of {len(errors)} within 15%")
 
 
 def validate(directory: str, latency_us: float | None, step_overhead_us: float,
@@ -313,18 +326,19 @@ def validate(directory: str, latency_us: float | None, step_overhead_us: float,
             continue
         with open(path) as f:
             result = json.load(f)
-        nodes = int(match["nodes"])
+        nodes, setting = int(match["nodes"]), match["setting"]
+        benchmark = allreduce_rows(directory, setting, nodes)
         links_only = Job(sim.MODELS[match["model"]](), result["simulation"]["param_scale"],
                          result["simulation"]["step_s"], nodes,
-                         LinkCosts.from_rate(SETTINGS[match["setting"]], 1e6 * measured_latency_s(
-                             directory, match["setting"], nodes, latency_us)),
+                         LinkCosts.from_rate(SETTINGS[setting], 1e6 * measured_latency_s(
+                             benchmark, setting, nodes, latency_us)),
                          bucket_bytes=int(result.get("bucket_cap_mb", 4.0) * 2 ** 20),
                          step_overhead_s=step_overhead_us * 1e-6,
                          optimizer_s=result["simulation"]["optimizer_s"])
         single = result["variants"].get("single") or {}
-        cpu = machine_cpu(directory, match["setting"], nodes, cores,
-                          single.get("cpu_ms_per_step", 0.0) / 1e3)
-        with_cores = replace(links_only, machine_cpu=cpu) if cpu else None
+        with_cores = None if benchmark is None else replace(
+            links_only, machine_cpu=MachineCpu.from_benchmark(
+                benchmark, nodes, cores, single.get("cpu_ms_per_step", 0.0) / 1e3))
         for variant, overlap, algorithm in (("mpiddp", False, "auto"), ("overlap", True, "auto"),
                                             ("native", False, "native")):
             measured = result["variants"].get(variant)
@@ -337,9 +351,9 @@ def validate(directory: str, latency_us: float | None, step_overhead_us: float,
                     continue
                 predicted = step_seconds(job, overlap, algorithm)
                 error = predicted / measured["step_s"] - 1
-                errors.append((match["setting"], kind, abs(error)))
+                errors.append((setting, kind, abs(error)))
                 cells += [f"{predicted:.3f}", percent(error)]
-            rows.append(f"| {match['setting']} | {match['regime']} | {nodes} | {variant} | "
+            rows.append(f"| {setting} | {match['regime']} | {nodes} | {variant} | "
                         f"{measured['step_s']:.3f} | " + " | ".join(cells) + " |")
     print("| setting | regime | nodes | variant | measured step (s) | model, links (s) | error "
           f"| model, links and {cores} cores (s) | error |")
@@ -347,11 +361,8 @@ def validate(directory: str, latency_us: float | None, step_overhead_us: float,
     print("\n".join(rows))
     for setting in SETTINGS:
         for kind in ("links", "cores"):
-            mine = [e for s, k, e in errors if s == setting and k == kind]
-            if mine:
-                within = sum(e <= 0.15 for e in mine)
-                print(f"\n{setting}, model with the {kind}: mean |error| "
-                      f"{100 * sum(mine) / len(mine):.0f}%, {within} of {len(mine)} within 15%")
+            print_summary(f"{setting}, model with the {kind}",
+                          [e for s, k, e in errors if s == setting and k == kind])
 
 
 ALLREDUCE_RESULT = re.compile(r"allreduce-(?P<setting>light|heavy)-(?P<nodes>\d+)x1\.json$")
@@ -384,8 +395,8 @@ def validate_allreduce(directory: str, latency_us: float | None, step_overhead_u
             rows = json.load(f)["rows"]
         nodes, setting = int(match["nodes"]), match["setting"]
         link = LinkCosts.from_rate(SETTINGS[setting],
-                                   1e6 * measured_latency_s(directory, setting, nodes, latency_us))
-        share = max(1.0, nodes / cores)
+                                   1e6 * measured_latency_s(rows, setting, nodes, latency_us))
+        share = ranks_per_core(nodes, cores)
         for row in rows:
             method = row["method"]
             if method not in BENCHMARK_ROWS.values() or (
@@ -407,18 +418,15 @@ def validate_allreduce(directory: str, latency_us: float | None, step_overhead_u
     print("\nAll-reduce, model / measured - 1 (links alone / no shorter than the cores allow):\n")
     print("| setting | nodes | method | " + " | ".join(human_bytes(n) for n in sizes) + " |")
     print("|---|---:|---|" + "---:|" * len(sizes))
-    for (setting, nodes, method), cells in sorted(table.items(),
-                                                  key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
+    for (setting, nodes, method), cells in sorted(table.items()):
         print(f"| {setting} | {nodes} | {method} | "
               + " | ".join(cells.get(n, "") for n in sizes) + " |")
     for setting in SETTINGS:
         for kind in ("links", "cores"):
             for large in (False, True):
-                mine = [e for s, k, big, e in errors if (s, k, big) == (setting, kind, large)]
-                if mine:
-                    print(f"\n{setting}, all-reduce {'from' if large else 'below'} 1 MiB, model "
-                          f"with the {kind}: mean |error| {100 * sum(mine) / len(mine):.0f}%, "
-                          f"{sum(e <= 0.15 for e in mine)} of {len(mine)} within 15%")
+                print_summary(f"{setting}, all-reduce {'from' if large else 'below'} 1 MiB, "
+                              f"model with the {kind}",
+                              [e for s, k, big, e in errors if (s, k, big) == (setting, kind, large)])
 
 
 def percent(error: float) -> str:

@@ -123,8 +123,11 @@ def test_the_latency_is_the_one_at_which_the_model_takes_the_measured_small_all_
         if row["method"] == "MPI_Allreduce" and row["bytes"] == 4 * KIB:
             row["seconds"] = 2.3e-3
     (tmp_path / "allreduce-heavy-16x1.json").write_text(json.dumps({"ranks": 16, "rows": rows}))
-    latency = model.measured_latency_s(str(tmp_path), "heavy", 16, None)
-    assert model.native_seconds(4 * KIB, 16, LinkCosts.from_rate(1.0, latency * 1e6)) \
+    def latency(nodes, default_us):
+        return model.measured_latency_s(model.allreduce_rows(str(tmp_path), "heavy", nodes),
+                                        "heavy", nodes, default_us)
+
+    assert model.native_seconds(4 * KIB, 16, LinkCosts.from_rate(1.0, latency(16, None) * 1e6)) \
         == pytest.approx(2.3e-3)
-    assert model.measured_latency_s(str(tmp_path), "heavy", 8, None) == pytest.approx(100e-6)
-    assert model.measured_latency_s(str(tmp_path), "heavy", 16, 30.0) == pytest.approx(30e-6)
+    assert latency(8, None) == pytest.approx(100e-6)       # no benchmark at 8 nodes
+    assert latency(16, 30.0) == pytest.approx(30e-6)
