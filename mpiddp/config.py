@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
-ALGORITHMS = ("auto", "ring", "halving_doubling", "native", "hierarchical")
+ALGORITHMS = ("auto", "ring", "halving_doubling", "recursive_doubling", "native",
+              "hierarchical")
 TRI_STATE = ("auto", "0", "1")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # MPIDDP_* variables that belong to the project's scripts and tests, not to the engine:

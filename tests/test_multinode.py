@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from mpi_launch import (ROOT, WORKERS, Job, MPIResult, assert_ok, process_gone,
+from mpi_launch import (ROOT, WORKERS, Job, MPIResult, assert_ok, process_gone, reported,
                         wait_for_files)
 from slurm_jobs import job as slurm_job, slurm_on_cluster_nodes, srun, wait_for_job
 
@@ -47,22 +47,30 @@ def test_topology_and_hierarchical_allreduce_across_nodes(cluster, nodes, per_no
     assert_ok(result, expect_lines=7 if (nodes, per_node) == (4, 1) else 6)
 
 
-@pytest.mark.parametrize("sockets", ["0", "1"], ids=["over-mpi", "over-sockets"])
-def test_every_collective_across_nodes(cluster, sockets):
+@pytest.mark.parametrize("layout,sockets,algorithm", [
+    ("2x2", "0", "auto"), ("2x2", "1", "auto"), ("4x1", "1", "recursive_doubling")],
+    ids=["over-mpi", "over-sockets", "recursive-doubling-over-sockets"])
+def test_every_collective_across_nodes(cluster, layout, sockets, algorithm):
     # Transfers over MPI block here (MPIDDP_TRANSFER_SLEEP_US=0, as on links too fast for
     # sleeps); the other tests on the cluster sleep between tests, as 1 Gbit/s links ask.
     # Over sockets, the ring steps between the nodes (1 -> 2, 3 -> 0) and the hierarchical
-    # all-reduce's cross-node rings take TCP connections, those within a node MPI; on the
-    # nodes' link only (eth0: the loopback address would not reach another node anyway).
-    result = run_on_cluster("2x2", "collectives_worker.py", "check_allreduce",
+    # all-reduce's cross-node rings take TCP connections, those within a node MPI, and the
+    # cycle's bit vector goes by recursive doubling over connections of its own (within a
+    # node too); on the nodes' link only (eth0: the loopback address would not reach another
+    # node anyway). At 4x1, every fused buffer by recursive doubling over the sockets.
+    result = run_on_cluster(layout, "collectives_worker.py", "check_allreduce",
                             "check_allgather", "check_broadcast", "check_reducescatter",
                             "check_alltoall", "check_process_sets",
                             env={"MPIDDP_FUSION_THRESHOLD": "65536",
                                  "MPIDDP_RING_THRESHOLD": "16384",
                                  "MPIDDP_TRANSFER_SLEEP_US": "0",
                                  "MPIDDP_SOCKET_TRANSPORT": sockets,
-                                 "MPIDDP_SOCKET_IFNAME": "eth0"})
+                                 "MPIDDP_SOCKET_IFNAME": "eth0",
+                                 "MPIDDP_ALLREDUCE_ALGORITHM": algorithm})
     assert_ok(result, expect_lines=7)
+    if algorithm == "recursive_doubling":
+        counts, = reported(result, "allreduce every op x dtype x size")
+        assert counts["recursive_doubling_batches"] > 0, counts
 
 
 def test_training_equivalence_across_nodes(cluster):

@@ -30,7 +30,8 @@ def test_settings_defaults_and_parsing():
     ({"MPIDDP_FUSION_THRESHOLD": "big"}, "MPIDDP_FUSION_THRESHOLD='big' is not a valid int"),
     ({"MPIDDP_FUSION_THRESHOLD": "-1"}, "must be at least 0"),
     ({"MPIDDP_CYCLE_TIME": "0"}, "MPIDDP_CYCLE_TIME"),
-    ({"MPIDDP_ALLREDUCE_ALGORITHM": "tree"}, "auto, ring, halving_doubling, native"),
+    ({"MPIDDP_ALLREDUCE_ALGORITHM": "tree"},
+     "auto, ring, halving_doubling, recursive_doubling, native"),
     ({"MPIDDP_ABORT_ON_EXCEPTION": "maybe"}, "not a boolean"),
     ({"MPIDDP_STALL_SHUTDOWN_TIME": "soon"}, "MPIDDP_STALL_SHUTDOWN_TIME='soon'"),
     ({"MPIDDP_LAUNCH_CHECK": "maybe"}, "MPIDDP_LAUNCH_CHECK='maybe' is not a boolean"),
@@ -488,6 +489,52 @@ def test_automatic_choice_across_nodes_follows_the_measured_links():
     assert (pinned.ring_threshold, pinned.cross_ring_threshold) == (4096, 4096)
     local = AlgorithmChoice("auto", None, "auto", Topology(0, 2, 0, 2, 0, 1, True), link)
     assert local.ring_threshold == LOCAL_RING_THRESHOLD
+
+
+def test_recursive_doubling_over_the_sockets_takes_the_smallest_buffers():
+    from mpiddp.collectives.algorithms import AlgorithmChoice
+    from mpiddp.collectives.cost_model import (LinkCosts, halving_doubling_seconds,
+                                               recursive_doubling_limit,
+                                               recursive_doubling_seconds)
+    from mpiddp.collectives.topology import Topology
+
+    link = LinkCosts.from_rate(1, 30)
+    # Up to the limit recursive doubling costs no more than halving-doubling, beyond it more.
+    for ranks in (4, 8, 16, 12, 64):
+        limit = recursive_doubling_limit(ranks, link, 1 << 30)
+        assert 0 < limit < 1 << 30
+        assert recursive_doubling_seconds(limit, ranks, link) <= \
+            halving_doubling_seconds(limit, ranks, link)
+        assert recursive_doubling_seconds(limit + 128, ranks, link) > \
+            halving_doubling_seconds(limit + 128, ranks, link)
+    # Slower per message (latency), more bytes; at 2 ranks the same bytes in half the steps.
+    assert recursive_doubling_limit(16, LinkCosts.from_rate(1, 300), 1 << 30) > \
+        recursive_doubling_limit(16, link, 1 << 30)
+    assert recursive_doubling_limit(2, link, 12345) == 12345
+
+    one_per_node = Topology(0, 16, 0, 1, 0, 16, True)
+    choice = AlgorithmChoice("auto", None, "auto", one_per_node, link, over_sockets=True)
+    limit = choice.recursive_doubling_limit
+    assert 0 < limit < choice.ring_threshold
+    assert [choice.choose(n).name for n in (4096, limit, limit + 1)] == \
+        ["recursive_doubling", "recursive_doubling", "native"]
+    # Only over the sockets, with one rank per node and the links measured; a forced ring
+    # threshold (autotune, the user) moves the limit with it.
+    assert AlgorithmChoice("auto", None, "auto", one_per_node, link).choose(4096).name == \
+        "native"
+    two_per_node = Topology(0, 16, 0, 2, 0, 8, True)
+    assert AlgorithmChoice("auto", None, "auto", two_per_node, link,
+                           over_sockets=True).recursive_doubling_limit == 0
+    assert AlgorithmChoice("auto", None, "auto", one_per_node, None,
+                           over_sockets=True).recursive_doubling_limit == 0
+    choice.configure("auto", ring_threshold=1000)
+    assert choice.recursive_doubling_limit <= 1000
+    assert choice.choose(2000).name != "recursive_doubling"
+    # Forced: it applies across nodes (without the sockets its run is MPI_Allreduce's).
+    forced = AlgorithmChoice("recursive_doubling", None, "auto", one_per_node, link)
+    assert forced.choose(64 << 20).name == "recursive_doubling"
+    single = Topology(0, 2, 0, 2, 0, 1, True)
+    assert AlgorithmChoice("recursive_doubling", None, "auto", single).choose(64).name == "ring"
 
 
 def test_transfer_sleep_setting_caps_the_sleeps_between_tests(monkeypatch):

@@ -143,6 +143,40 @@ def halving_doubling_seconds(nbytes: int, ranks: int, link: LinkCosts,
     return seconds
 
 
+def recursive_doubling_seconds(nbytes: int, ranks: int, link: LinkCosts,
+                               step_overhead_s: float = RING_STEP_OVERHEAD_S) -> float:
+    """Predicted time of ``recursive_doubling.py``'s all-reduce: the whole buffer sent and
+    reduced in each of ``log2 P`` steps (two more, whole, where ranks fold in)."""
+    if ranks < 2:
+        return 0.0
+    pof2 = power_of_two_below(ranks)
+    steps = log2_steps(pof2) + (0 if pof2 == ranks else 2)
+    return steps * (link.latency_s + step_overhead_s + nbytes * link.seconds_per_byte) + \
+        log2_steps(pof2) * nbytes * link.reduce_seconds_per_byte
+
+
+def recursive_doubling_limit(ranks: int, link: LinkCosts, ceiling: int,
+                             step_overhead_s: float = RING_STEP_OVERHEAD_S) -> int:
+    """The largest buffer recursive doubling takes, at most ``ceiling``: up to where it
+    costs no more than halving-doubling, which moves ``2 (P-1)/P`` of the buffer instead of
+    ``log2 P`` times all of it, in twice the steps (at 2 ranks the two send the same bytes
+    and recursive doubling has half the steps: ``ceiling``)."""
+    if ranks < 2:
+        return 0
+    low, high = 0, ceiling
+    if recursive_doubling_seconds(high, ranks, link, step_overhead_s) <= \
+            halving_doubling_seconds(high, ranks, link, step_overhead_s):
+        return ceiling
+    while high - low > 64:          # the costs are linear in the size: one crossing
+        middle = (low + high) // 2
+        if recursive_doubling_seconds(middle, ranks, link, step_overhead_s) <= \
+                halving_doubling_seconds(middle, ranks, link, step_overhead_s):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
 def reduce_seconds(nbytes: int, ranks: int, link: LinkCosts) -> float:
     """The arithmetic of a bandwidth-optimal all-reduce: (N-1)/N of the buffer reduced."""
     return (ranks - 1) / ranks * nbytes * link.reduce_seconds_per_byte

@@ -7,6 +7,7 @@ from .native import native_allreduce
 from .ring import ring_allreduce
 
 RING, NATIVE, HALVING_DOUBLING = "ring", "native", "halving_doubling"
+RECURSIVE_DOUBLING = "recursive_doubling"
 
 
 def flat_allreduce(transport, buf, scratch, dtype: DType, op: ReduceOp, algorithm: str,

@@ -49,14 +49,14 @@ def scratch_elements(count: int, size: int) -> int:
     return chunk_bounds(count, pof2)[pof2 // 2]
 
 
-def _virtual_rank(rank: int, extra: int) -> Optional[int]:
+def virtual_rank(rank: int, extra: int) -> Optional[int]:
     """The rank's place among the power of two that takes part (None: folded away)."""
     if rank < 2 * extra:
         return rank // 2 if rank % 2 else None
     return rank - extra
 
 
-def _real_rank(virtual: int, extra: int) -> int:
+def real_rank(virtual: int, extra: int) -> int:
     return 2 * virtual + 1 if virtual < extra else virtual + extra
 
 
@@ -64,13 +64,13 @@ def partners(rank: int, size: int) -> set[int]:
     """The ranks ``rank`` exchanges with in ``halving_doubling_steps`` over ``size``."""
     pof2 = power_of_two_below(size)
     extra = size - pof2
-    virtual = _virtual_rank(rank, extra)
+    virtual = virtual_rank(rank, extra)
     if virtual is None:
         return {rank + 1}
     found = {rank - 1} if rank < 2 * extra else set()
     width = 1
     while width < pof2:
-        found.add(_real_rank(virtual ^ width, extra))
+        found.add(real_rank(virtual ^ width, extra))
         width *= 2
     return found
 
@@ -88,7 +88,7 @@ def halving_doubling_steps(comm, buf, scratch, reduce_into: ReduceInto,
         return
     pof2 = power_of_two_below(size)
     extra = size - pof2
-    virtual = _virtual_rank(rank, extra)
+    virtual = virtual_rank(rank, extra)
     nothing = buf[:0]
     if virtual is None:          # folded: hand the buffer over, take the result back
         yield start_sendrecv(comm, as_bytes(buf), rank + 1, as_bytes(nothing), rank + 1, _TAG_FOLD)
@@ -104,7 +104,7 @@ def halving_doubling_steps(comm, buf, scratch, reduce_into: ReduceInto,
     lo, width = 0, pof2          # the chunks this rank works on: [lo, lo + width)
     while width > 1:
         half = width // 2
-        partner = _real_rank(virtual ^ half, extra)
+        partner = real_rank(virtual ^ half, extra)
         keep = lo + half if virtual & half else lo
         give = lo if virtual & half else lo + half
         start, stop = bounds[keep], bounds[keep + half]
@@ -116,7 +116,7 @@ def halving_doubling_steps(comm, buf, scratch, reduce_into: ReduceInto,
     if postprocess is not None:
         postprocess(buf[bounds[lo]:bounds[lo + 1]])
     while width < pof2:
-        partner = _real_rank(virtual ^ width, extra)
+        partner = real_rank(virtual ^ width, extra)
         other = lo ^ width       # the partner's finished range, as wide as ours
         yield start_sendrecv(comm, as_bytes(buf[bounds[lo]:bounds[lo + width]]), partner,
                              as_bytes(buf[bounds[other]:bounds[other + width]]), partner,

@@ -53,9 +53,18 @@ def start_engine(comm: MPI.Comm, settings: Settings) -> "Engine":
     if private.Get_size() > 1 and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
         names = private.allgather((MPI.Get_processor_name(), launch_host()))
         watchdog_comm = private.Dup()
-    engine = Engine(MPIChannel(private), settings,
-                    lambda stats, timeline, complete: Executor(private, settings, stats, timeline,
-                                                               complete))
+    channel = MPIChannel(private)
+
+    def make_executor(stats, timeline, complete):
+        executor = Executor(private, settings, stats, timeline, complete)
+        # Where transfers across nodes take the engine's own TCP connections, so does the
+        # cycle's bit vector (channel.py); the executor owns and closes the connections.
+        control = executor.partner_sockets.get("control")
+        if control is not None:
+            channel.use_sockets(control)
+        return executor
+
+    engine = Engine(channel, settings, make_executor)
     if watchdog_comm is not None:
         watchdog = Watchdog(watchdog_comm, [n for n, _ in names], lambda: engine.stats.cycles,
                             settings.peer_check_time, launch_hosts=[h for _, h in names])

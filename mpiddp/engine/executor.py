@@ -258,7 +258,8 @@ class Executor:
         chooses = settings.ring_threshold is None and settings.allreduce_algorithm == AUTO
         self.algorithms = AlgorithmChoice(settings.allreduce_algorithm, settings.ring_threshold,
                                           settings.hierarchical_allreduce, self.topology,
-                                          link if chooses else None)
+                                          link if chooses else None,
+                                          over_sockets="control" in self.partner_sockets)
         if self.rank == 0 and link is not None:
             self._log_links(link)
         self._links: dict = {}
@@ -276,8 +277,13 @@ class Executor:
         if choice.halving_doubling_limit:
             own = (f"halving-doubling (the ring from "
                    f"{describe_threshold(choice.halving_doubling_limit)})")
-        log.info("mpiddp: automatic all-reduce takes %s from %s (whole communicator) and the "
-                 "ring from %s (across nodes)", own, describe_threshold(choice.ring_threshold),
+        small = "MPI_Allreduce"
+        if choice.recursive_doubling_limit:
+            small = (f"recursive doubling over the TCP connections up to "
+                     f"{describe_threshold(choice.recursive_doubling_limit)}, then MPI_Allreduce")
+        log.info("mpiddp: automatic all-reduce takes %s, %s from %s (whole communicator) and "
+                 "the ring from %s (across nodes)", small, own,
+                 describe_threshold(choice.ring_threshold),
                  describe_threshold(choice.cross_ring_threshold))
 
     def links(self, backend) -> Links:
@@ -291,7 +297,8 @@ class Executor:
                               self.partner_sockets.get("whole")),
                 transport_for(self.local, backend),
                 transport_for(self.cross, backend, across_nodes=True, pacing=self.pacing,
-                              sockets=self.partner_sockets.get("cross")))
+                              sockets=self.partner_sockets.get("cross")),
+                self.partner_sockets.get("control") if backend.device_type == "cpu" else None)
         return links
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ class EngineStats:
     allreduce_bytes: int = 0        # bytes of all-reduced buffers
     ring_batches: int = 0           # batches reduced by the ring
     halving_doubling_batches: int = 0   # batches reduced by recursive halving-doubling
+    recursive_doubling_batches: int = 0  # batches reduced by recursive doubling (sockets)
     native_batches: int = 0         # batches reduced by MPI_Allreduce
     hierarchical_batches: int = 0   # batches reduced by the hierarchical all-reduce
     pipelined_batches: int = 0      # of those, batches cut into pipelined segments

@@ -6,7 +6,8 @@ start-up probe (``PROBE_LARGE_BYTES`` with each ring neighbour, timed over both,
 in no more than ``SOCKETS_SLOWER_TOLERATED`` times MPI's time. Over TCP both
 fill the same link and the sockets cost less CPU (``transport/sockets.py``); where MPI has
 RDMA (InfiniBand, RoCE, Slingshot) it is faster than any socket, and stays. Every rank
-takes the same decision (the slowest pair's times, agreed).
+takes the same decision (the slowest pair's times, agreed). Where the sockets are kept, the
+cycle's bit vector travels over connections of its own too (``channel.py``).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..collectives.cost_model import PROBE_LARGE_BYTES
+from ..collectives import recursive_doubling
 from ..collectives.halving_doubling import partners
 from ..collectives.ring import neighbours
 from ..config import Settings
@@ -35,9 +37,11 @@ def exchange_partners(rank: int, size: int) -> set[int]:
 def open_partner_sockets(comm: MPI.Comm, local: MPI.Comm, cross: MPI.Comm,
                       settings: Settings) -> dict:
     """The partner sockets of the whole communicator and of the cross-node one, as
-    ``{"whole": PeerSockets, "cross": PeerSockets}`` ({} where MPI keeps the transfers):
-    connections to the ring's neighbours and the halving-doubling partners that are on
-    other nodes. Collective on ``comm`` (and ``local``, ``cross``)."""
+    ``{"whole": PeerSockets, "cross": PeerSockets, "control": PeerSockets}`` ({} where MPI
+    keeps the transfers): connections to the ring's neighbours and the halving-doubling
+    partners that are on other nodes, and, for the control channel's bit vector, to every
+    recursive-doubling partner on any node (its own connections: a cycle's AND must not
+    queue behind a transfer's bytes). Collective on ``comm`` (and ``local``, ``cross``)."""
     mode = settings.socket_transport
     if mode == "0":
         return {}
@@ -72,7 +76,11 @@ def open_partner_sockets(comm: MPI.Comm, local: MPI.Comm, cross: MPI.Comm,
     rank = comm.Get_rank()
     across = {p for p in exchange_partners(rank, comm.Get_size()) if node_of[p] != node_of[rank]}
     whole = PeerSockets.connect(comm, across, interfaces, required)
-    if whole is None:
-        cross_sockets.close()
+    control = PeerSockets.connect(comm, recursive_doubling.partners(rank, comm.Get_size()),
+                                  interfaces, required) if whole is not None else None
+    if control is None:
+        for sockets in (whole, cross_sockets):
+            if sockets is not None:
+                sockets.close()
         return {}
-    return {"whole": whole, "cross": cross_sockets}
+    return {"whole": whole, "cross": cross_sockets, "control": control}

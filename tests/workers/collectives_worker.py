@@ -65,6 +65,7 @@ def check_allreduce():
     after = mpiddp.engine_stats()
     ok("allreduce every op x dtype x size",
        **{key: after[key] - before[key] for key in ("ring_batches", "halving_doubling_batches",
+                                                    "recursive_doubling_batches",
                                                     "native_batches",
                                                     "hierarchical_batches", "fused_batches")})
     for op in (mpiddp.Min, mpiddp.Max):

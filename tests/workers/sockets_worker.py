@@ -4,12 +4,16 @@ of its own: connections to the ring and halving-doubling partners, both algorith
 uneven and empty chunks) and not one message over MPI, then a connection
 that cannot be made: agreed by every rank, an error naming the ranks where it was required.
 
-Prints 'OK ...' on rank 0 (4 lines).
+Then recursive doubling over the same connections (its partners are among them): a float32
+sum against the reference, and the control channel's byte-wise AND.
+
+Prints 'OK ...' on rank 0 (5 lines).
 """
 import numpy as np
 from mpi4py import MPI
 
 from mpiddp.collectives.halving_doubling import halving_doubling_allreduce, scratch_elements
+from mpiddp.collectives.recursive_doubling import recursive_doubling
 from mpiddp.collectives.ring import ring_allreduce
 from mpiddp.engine.transport_choice import exchange_partners
 from mpiddp.errors import MpiddpError
@@ -61,6 +65,29 @@ for name, algorithm, scratch_for in (
         same = world.allgather(buf.tobytes())
         assert all(b == same[0] for b in same), f"{name} {count}: ranks differ"
     say(f"{name} over sockets matches the float64 reference on every rank")
+
+
+def exchange(dest, send, source, recv):
+    sockets.start(dest, memoryview(send).cast("B"), source, memoryview(recv).cast("B"),
+                  []).wait()
+
+
+for count in (0, 1, 1000, 300_001):
+    rng = np.random.default_rng(count + RANK)
+    mine = rng.standard_normal(count).astype(np.float32)
+    expected = np.sum(np.stack([a.astype(np.float64) for a in world.allgather(mine)]), axis=0)
+    buf = mine.copy()
+    recursive_doubling(exchange, RANK, SIZE, buf, np.empty_like(buf),
+                       lambda dst, src: np.add(dst, src, out=dst))
+    np.testing.assert_allclose(buf, expected.astype(np.float32), rtol=1e-5, atol=1e-4)
+    same = world.allgather(buf.tobytes())
+    assert all(b == same[0] for b in same), f"recursive doubling {count}: ranks differ"
+bits = np.frombuffer(np.random.default_rng(RANK).bytes(403), np.uint8).copy()
+expected_bits = np.bitwise_and.reduce(np.stack(world.allgather(bits)), axis=0)
+recursive_doubling(exchange, RANK, SIZE, bits, np.empty_like(bits),
+                   lambda dst, src: np.bitwise_and(dst, src, out=dst))
+assert (bits == expected_bits).all()
+say("recursive doubling over sockets: sums match the reference, bytes AND exactly")
 over_sockets, over_mpi = sockets.probe_seconds(1 << 16, repeats=2)
 assert 0 < over_sockets < 10 and 0 < over_mpi < 10, (over_sockets, over_mpi)
 sockets.close()
