@@ -72,6 +72,39 @@ def test_an_empty_message_is_not_sent_on_either_side(pair):
     np.testing.assert_array_equal(into, data)
 
 
+def test_finish_spins_only_after_a_run_of_short_waits(pair, monkeypatch):
+    from mpiddp.transport import sockets as module
+
+    zero, one = pair
+    polls = []
+    real_select = module.select.select
+    monkeypatch.setattr(module.select, "select", lambda *a: polls.append(1) or real_select(*a))
+    message, into = np.arange(4, dtype=np.uint8), np.empty(4, np.uint8)
+
+    def send():
+        one.start(0, memoryview(message), 0, None, []).wait()
+
+    def receive():
+        polls.clear()
+        zero.finish(zero.start(1, None, 1, memoryview(into), []))
+        np.testing.assert_array_equal(into, message)
+
+    def receive_late():                 # the partner's bytes come after the spin
+        late = threading.Timer(0.05, send)
+        late.start()
+        receive()
+        late.join()
+
+    receive_late()                      # at first it spins; then not for a few waits
+    assert polls and zero._short_waits == 0
+    for waits in range(1, module.SHORT_WAITS_BEFORE_SPIN + 1):
+        send()                          # already in when rank 0 waits
+        receive()
+        assert zero._short_waits == waits and not polls
+    receive_late()                      # after a run of short waits it polls, then blocks
+    assert polls and zero._short_waits == 0
+
+
 def test_a_message_of_another_length_than_expected_is_an_error_naming_both(pair):
     zero, one = pair
     exchange(zero, 1, np.zeros(10, np.uint8), np.empty(0, np.uint8))

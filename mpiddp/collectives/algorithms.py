@@ -141,8 +141,8 @@ class RecursiveDoublingAllreduce:
             native_allreduce(whole, buf, dtype, op, reduce_kernel)
         elif len(buf):
             def exchange(dest, send, source, recv):
-                sockets.start(dest, memoryview(send).cast("B"), source,
-                              memoryview(recv).cast("B"), []).wait()
+                sockets.finish(sockets.start(dest, memoryview(send).cast("B"), source,
+                                             memoryview(recv).cast("B"), []))
 
             recursive_doubling(exchange, whole.Get_rank(), whole.Get_size(), buf,
                                scratch[:len(buf)],

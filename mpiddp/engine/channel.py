@@ -65,7 +65,7 @@ class MPIChannel:
         self._sockets = sockets
 
     def and_reduce(self, message: bytes, wait) -> bytes:
-        if self._sockets is not None:
+        if self._sockets is not None:       # its receives wait in the kernel
             return self._and_reduce_over_sockets(message)
         if len(self._recv) != len(message):
             self._recv = bytearray(len(message))
@@ -79,7 +79,7 @@ class MPIChannel:
         scratch = np.empty_like(result)
 
         def exchange(dest, send, source, recv):
-            sockets.start(dest, memoryview(send), source, memoryview(recv), []).wait()
+            sockets.finish(sockets.start(dest, memoryview(send), source, memoryview(recv), []))
 
         recursive_doubling(exchange, self.rank, self.size, result, scratch,
                            lambda mine, theirs: np.bitwise_and(mine, theirs, out=mine))
