@@ -132,8 +132,8 @@ class Settings:
     # Seconds after which a stall shuts the engine down on every rank (0 = never). Finite by
     # default, like NCCL's 10-minute watchdog, so that a hung job does not burn its allocation.
     stall_shutdown_time: float = setting(600.0, Number(float))
-    # Reduction algorithm for fused buffers: auto (by size), ring, halving_doubling or native
-    # MPI_Allreduce.
+    # Reduction algorithm for fused buffers: auto (by size), ring, halving_doubling,
+    # recursive_doubling (over mpiddp's TCP connections across nodes) or native MPI_Allreduce.
     allreduce_algorithm: str = setting("auto", Choice(ALGORITHMS))
     # auto: messages of at most this many bytes use native MPI_Allreduce, larger ones ours (the
     # ring, or halving-doubling). Unset (None): 2 MiB where all ranks share a node; across

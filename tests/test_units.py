@@ -1,5 +1,6 @@
 """Single-process tests of the pure logic: settings, chunking, fusion plans, negotiation,
 the response cache and stall reports."""
+import dataclasses
 import math
 from pathlib import Path
 
@@ -493,21 +494,25 @@ def test_automatic_choice_across_nodes_follows_the_measured_links():
 
 def test_recursive_doubling_over_the_sockets_takes_the_smallest_buffers():
     from mpiddp.collectives.algorithms import AlgorithmChoice
-    from mpiddp.collectives.cost_model import (LinkCosts, halving_doubling_seconds,
+    from mpiddp.collectives.cost_model import (HOST_REDUCE_SECONDS_PER_BYTE, LinkCosts,
+                                               halving_doubling_seconds,
                                                recursive_doubling_limit,
                                                recursive_doubling_seconds)
     from mpiddp.collectives.topology import Topology
 
     link = LinkCosts.from_rate(1, 30)
-    # Up to the limit recursive doubling costs no more than halving-doubling, beyond it more.
-    for ranks in (4, 8, 16, 12, 64):
+    # Host buffers: the reductions counted at NumPy's rate.
+    host = dataclasses.replace(link, reduce_seconds_per_byte=HOST_REDUCE_SECONDS_PER_BYTE)
+    # Up to the limit recursive doubling costs no more than halving-doubling, beyond it more;
+    # at 2 ranks too (the same bytes in half the steps, but twice the reductions).
+    for ranks in (2, 4, 8, 16, 12, 64):
         limit = recursive_doubling_limit(ranks, link, 1 << 30)
         assert 0 < limit < 1 << 30
-        assert recursive_doubling_seconds(limit, ranks, link) <= \
-            halving_doubling_seconds(limit, ranks, link)
-        assert recursive_doubling_seconds(limit + 128, ranks, link) > \
-            halving_doubling_seconds(limit + 128, ranks, link)
-    # Slower per message (latency), more bytes; at 2 ranks the same bytes in half the steps.
+        assert recursive_doubling_seconds(limit, ranks, host) <= \
+            halving_doubling_seconds(limit, ranks, host)
+        assert recursive_doubling_seconds(limit + 128, ranks, host) > \
+            halving_doubling_seconds(limit + 128, ranks, host)
+    # Slower per message (latency), more bytes; never above the ceiling.
     assert recursive_doubling_limit(16, LinkCosts.from_rate(1, 300), 1 << 30) > \
         recursive_doubling_limit(16, link, 1 << 30)
     assert recursive_doubling_limit(2, link, 12345) == 12345

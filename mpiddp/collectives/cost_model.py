@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
@@ -54,6 +54,8 @@ RING_TOLERANCE = 0.05
 # MPICH's MPIR_CVAR_ALLREDUCE_SHORT_MSG_SIZE: recursive doubling up to here.
 NATIVE_SHORT_BYTES = 2048
 NEVER = 1 << 62          # a threshold no buffer reaches
+# A float32 sum of host memory with NumPy, per byte reduced: about 7 GB/s on one core here.
+HOST_REDUCE_SECONDS_PER_BYTE = 1 / 7e9
 # The engine's own work per cycle beyond the negotiation's messages (the protocol's Python over
 # the pending names, fusion, the hand-offs): forward overlap's cycles cost about this much
 # wall time and CPU each on 2 nodes at ~12 Gbit/s (docs/benchmarks.md, "Forward overlap's
@@ -159,10 +161,14 @@ def recursive_doubling_limit(ranks: int, link: LinkCosts, ceiling: int,
                              step_overhead_s: float = RING_STEP_OVERHEAD_S) -> int:
     """The largest buffer recursive doubling takes, at most ``ceiling``: up to where it
     costs no more than halving-doubling, which moves ``2 (P-1)/P`` of the buffer instead of
-    ``log2 P`` times all of it, in twice the steps (at 2 ranks the two send the same bytes
-    and recursive doubling has half the steps: ``ceiling``)."""
+    ``log2 P`` times all of it, in twice the steps, and reduces ``(P-1)/P`` of it instead of
+    ``log2 P`` times all of it (host buffers: ``HOST_REDUCE_SECONDS_PER_BYTE`` where
+    ``link`` has no reduction cost; at 2 ranks the two send the same bytes, and that is
+    what stops recursive doubling)."""
     if ranks < 2:
         return 0
+    if not link.reduce_seconds_per_byte:
+        link = replace(link, reduce_seconds_per_byte=HOST_REDUCE_SECONDS_PER_BYTE)
     low, high = 0, ceiling
     if recursive_doubling_seconds(high, ranks, link, step_overhead_s) <= \
             halving_doubling_seconds(high, ranks, link, step_overhead_s):

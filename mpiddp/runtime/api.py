@@ -195,8 +195,8 @@ def engine_stats() -> dict[str, int]:
         bit-vector all-reduce), ``slow_cycles`` (cycles that went through rank 0),
         ``tensors`` (requests completed, errors included), ``errors``, ``cache_hits``,
         ``allreduce_batches``, ``fused_batches``, ``fused_tensors``, ``max_batch_tensors``,
-        ``allreduce_bytes``, ``ring_batches``, ``halving_doubling_batches``, ``native_batches``,
-        ``hierarchical_batches``, ``pipelined_batches`` (hierarchical batches cut into
+        ``allreduce_bytes``, ``ring_batches``, ``halving_doubling_batches``,
+        ``recursive_doubling_batches``, ``native_batches``, ``hierarchical_batches``, ``pipelined_batches`` (hierarchical batches cut into
         pipelined segments), ``reducescatter_bytes``.
 
     Raises:
@@ -226,7 +226,9 @@ def set_allreduce_algorithm(algorithm: str, ring_threshold: int | None = None) -
 
     Args:
         algorithm: ``'auto'`` (native ``MPI_Allreduce`` up to ``ring_threshold`` bytes, the
-            ring or recursive halving-doubling above), ``'ring'``, ``'halving_doubling'``,
+            ring or recursive halving-doubling above; where mpiddp's TCP connections carry
+            the transfers across nodes, recursive doubling over them for the smallest
+            buffers), ``'ring'``, ``'halving_doubling'``, ``'recursive_doubling'``,
             ``'native'`` or ``'hierarchical'``. Case-sensitive.
         ring_threshold: the new threshold in bytes for ``'auto'``. Default None: keep the
             current one.
