@@ -532,6 +532,9 @@ def test_recursive_doubling_over_the_sockets_takes_the_smallest_buffers():
                            over_sockets=True).recursive_doubling_limit == 0
     assert AlgorithmChoice("auto", None, "auto", one_per_node, None,
                            over_sockets=True).recursive_doubling_limit == 0
+    two_nodes = Topology(0, 2, 0, 1, 0, 2, True)    # MPI's own single exchange
+    assert AlgorithmChoice("auto", None, "auto", two_nodes, link,
+                           over_sockets=True).recursive_doubling_limit == 0
     choice.configure("auto", ring_threshold=1000)
     assert choice.recursive_doubling_limit <= 1000
     assert choice.choose(2000).name != "recursive_doubling"
