@@ -48,7 +48,7 @@ class FakeChannel:
     def __init__(self, hub: Hub, rank: int):
         self.hub, self.rank, self.size = hub, rank, hub.size
 
-    def and_reduce(self, message: bytes, wait) -> bytes:
+    def and_reduce(self, message: bytes, wait, spin: bool = True) -> bytes:
         values = self.hub.exchange(self.rank, int.from_bytes(message, "little"))
         result = values[0]
         for value in values[1:]:

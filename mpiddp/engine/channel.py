@@ -29,9 +29,11 @@ class ControlChannel(Protocol):
     rank: int
     size: int
 
-    def and_reduce(self, message: bytes, wait: Callable[[Callable[[], bool]], None]) -> bytes:
+    def and_reduce(self, message: bytes, wait: Callable[[Callable[[], bool]], None],
+                   spin: bool = True) -> bytes:
         """Bitwise AND of every rank's ``message`` (valid until the next call);
-        ``wait(test)`` waits for completion."""
+        ``wait(test)`` waits for completion; ``spin``: the cycle brought work, the partners
+        may answer within microseconds (``WaitPolicy.spin``)."""
 
     def gather_to_root(self, obj: Any) -> Optional[list]:
         """Every rank's ``obj`` on rank 0 (in rank order); None elsewhere."""
@@ -64,22 +66,23 @@ class MPIChannel:
         the first cycle: the ranks must agree on how each cycle's AND travels."""
         self._sockets = sockets
 
-    def and_reduce(self, message: bytes, wait) -> bytes:
+    def and_reduce(self, message: bytes, wait, spin: bool = True) -> bytes:
         if self._sockets is not None:       # its receives wait in the kernel
-            return self._and_reduce_over_sockets(message)
+            return self._and_reduce_over_sockets(message, spin)
         if len(self._recv) != len(message):
             self._recv = bytearray(len(message))
         request = self.comm.Iallreduce([message, MPI.BYTE], [self._recv, MPI.BYTE], MPI.BAND)
         wait(request.Test)
         return self._recv               # valid until the next call
 
-    def _and_reduce_over_sockets(self, message: bytes) -> np.ndarray:
+    def _and_reduce_over_sockets(self, message: bytes, spin: bool) -> np.ndarray:
         sockets = self._sockets
         result = np.frombuffer(bytearray(message), np.uint8)
         scratch = np.empty_like(result)
 
         def exchange(dest, send, source, recv):
-            sockets.finish(sockets.start(dest, memoryview(send), source, memoryview(recv), []))
+            sockets.finish(sockets.start(dest, memoryview(send), source, memoryview(recv), []),
+                           spin)
 
         recursive_doubling(exchange, self.rank, self.size, result, scratch,
                            lambda mine, theirs: np.bitwise_and(mine, theirs, out=mine))

@@ -210,7 +210,7 @@ class Engine:
         if self._join_handle is not None:
             protocol.join()
         reduced = channel.and_reduce(protocol.encode(shutdown_reason is not None),
-                                     self.policy.wait)
+                                     self.policy.wait, self.policy.spin)
         bits = protocol.decode(reduced)
         stats.cycles += 1
         plan = None

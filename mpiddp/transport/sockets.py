@@ -323,9 +323,10 @@ class PeerSockets:
         self._last_queued = done
         return done
 
-    def finish(self, transfer: SocketTransfer) -> None:
+    def finish(self, transfer: SocketTransfer, spin: bool = True) -> None:
         """``transfer.wait()``, after a spin of up to ``SPIN_SECONDS`` for the partner's bytes
-        where the last ``SHORT_WAITS_BEFORE_SPIN`` waits all ended within it. For latency-
+        where the last ``SHORT_WAITS_BEFORE_SPIN`` waits all ended within it (and ``spin``:
+        the caller expects its partners soon; an idle heartbeat does not). For latency-
         bound exchanges in a row (recursive doubling): a thread woken from its blocking
         receive comes tens of microseconds later than one that polls (2 emulated nodes, the
         cycle's bit vector: 80 us blocking at once, 32 us with the spin); but a spin that
@@ -333,7 +334,7 @@ class PeerSockets:
         ms of CPU per 4 KiB all-reduce when each short wait allowed the next spin), hence
         the run of short waits before spinning again."""
         start = time.perf_counter()
-        if not transfer.received and self._short_waits >= SHORT_WAITS_BEFORE_SPIN:
+        if spin and not transfer.received and self._short_waits >= SHORT_WAITS_BEFORE_SPIN:
             ready = (self.connections[transfer.source],)
             while time.perf_counter() - start < SPIN_SECONDS and \
                     not select.select(ready, (), (), 0)[0]:
