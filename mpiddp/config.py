@@ -152,6 +152,13 @@ class Settings:
     # slower, 4-8 MiB at 16 emulated nodes on 1 Gbit/s, 8-16 MiB at 2 nodes on ~12 Gbit/s);
     # 1 MiB where nothing was measured.
     priority_cycle_bytes: Optional[int] = setting(None, Number(int))
+    # Small all-reduces carried beside every cycle's negotiation (engine/speculation.py): a
+    # cached Sum or Average of host memory up to this many bytes (and this many in all) is
+    # summed together with the cycle's bit vector, so where it is ready on every rank it is
+    # over in one synchronization instead of two. Unset: where the bit vector travels over
+    # mpiddp's TCP connections across nodes, the bytes the measured links move in one
+    # latency, a power of two, 4-64 KiB (4 KiB at 1 Gbit/s); elsewhere 0 (off).
+    speculation_bytes: Optional[int] = setting(None, Number(int))
     # Forward overlap for DistributedOptimizer(overlap_forward=None) (docs/training.md):
     # step() returns before the gradients are averaged; each parameter is updated just before
     # the next forward uses it. 'auto': try both in the first steps, keep the faster. An

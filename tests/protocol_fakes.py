@@ -48,11 +48,17 @@ class FakeChannel:
     def __init__(self, hub: Hub, rank: int):
         self.hub, self.rank, self.size = hub, rank, hub.size
 
-    def and_reduce(self, message: bytes, wait, spin: bool = True) -> bytes:
-        values = self.hub.exchange(self.rank, int.from_bytes(message, "little"))
-        result = values[0]
-        for value in values[1:]:
+    def and_reduce(self, message: bytes, wait, spin: bool = True, sums=()) -> bytes:
+        values = self.hub.exchange(self.rank, (int.from_bytes(message, "little"),
+                                               [array.copy() for array in sums]))
+        result = values[0][0]
+        for value, _ in values[1:]:
             result &= value
+        for i, array in enumerate(sums):    # in rank order: the same sum on every rank
+            total = values[0][1][i].copy()
+            for _, arrays in values[1:]:
+                total += arrays[i]
+            array[:] = total
         return result.to_bytes(len(message), "little")
 
     def gather_to_root(self, obj):
@@ -77,10 +83,11 @@ class RecordingExecutor:
     """Runs nothing: records the agreed order and completes (or fails) every handle, the way
     the real executor reports agreed errors."""
 
-    def __init__(self, rank, complete, priority_cycle_bytes):
+    def __init__(self, rank, complete, priority_cycle_bytes, speculation_bytes=0):
         self.rank = rank
         self.complete = complete
         self.priority_cycle_bytes = priority_cycle_bytes   # the engine's protocol takes it
+        self.speculation_bytes = speculation_bytes         # and the engine this
         self.log: list = []          # (name, error or None), in execution order
 
     def knobs(self):
@@ -93,6 +100,15 @@ class RecordingExecutor:
 
     def close(self) -> None:
         pass
+
+    def complete_speculated(self, done) -> None:
+        """Summed beside the negotiation: the sum becomes the output (as the real executor
+        does, without scaling), logged in the agreed order with a mark."""
+        for entry, response, part in done:
+            self.log.append((response.name, "speculated"))
+            if entry is not None:
+                entry.output[:] = part
+                self.complete(entry)
 
     def run(self, responses, entries) -> None:
         for response in responses:
@@ -121,7 +137,8 @@ class FakeCluster:
             def make(stats, timeline, complete):
                 self.executors[rank] = RecordingExecutor(
                     rank, complete, settings.priority_cycle_bytes
-                    if settings.priority_cycle_bytes is not None else PRIORITY_CYCLE_MIN_BYTES)
+                    if settings.priority_cycle_bytes is not None else PRIORITY_CYCLE_MIN_BYTES,
+                    settings.speculation_bytes or 0)
                 return self.executors[rank]
             return make
 
@@ -142,5 +159,8 @@ class FakeCluster:
 
 
 def entry(name: str, kind: str = ALLREDUCE, shape=(4,), dtype: str = "float32",
-          **fields) -> Entry:
-    return Entry(Request(name, kind, dtype, tuple(shape), **fields), None, None, Handle(name))
+          input=None, output=None, **fields) -> Entry:
+    """An entry without data (the recording executor moves none), or with flat ``input`` and
+    ``output`` arrays (speculated sums write the output)."""
+    return Entry(Request(name, kind, dtype, tuple(shape), **fields), input, output,
+                 Handle(name))

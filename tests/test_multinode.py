@@ -59,7 +59,7 @@ def test_every_collective_across_nodes(cluster, layout, sockets, algorithm):
     # node too); on the nodes' link only (eth0: the loopback address would not reach another
     # node anyway). At 4x1, every fused buffer by recursive doubling over the sockets.
     result = run_on_cluster(layout, "collectives_worker.py", "check_allreduce",
-                            "check_allgather", "check_broadcast", "check_reducescatter",
+                            "check_speculated_allreduce", "check_allgather", "check_broadcast", "check_reducescatter",
                             "check_alltoall", "check_process_sets",
                             env={"MPIDDP_FUSION_THRESHOLD": "65536",
                                  "MPIDDP_RING_THRESHOLD": "16384",
@@ -67,7 +67,10 @@ def test_every_collective_across_nodes(cluster, layout, sockets, algorithm):
                                  "MPIDDP_SOCKET_TRANSPORT": sockets,
                                  "MPIDDP_SOCKET_IFNAME": "eth0",
                                  "MPIDDP_ALLREDUCE_ALGORITHM": algorithm})
-    assert_ok(result, expect_lines=7)
+    assert_ok(result, expect_lines=8)
+    # Small all-reduces ride in the negotiation where it goes over the sockets (by default).
+    spec, = reported(result, "finished in the negotiation")
+    assert (spec["speculated"] > 0) == (sockets == "1"), spec
     if algorithm == "recursive_doubling":
         counts, = reported(result, "allreduce every op x dtype x size")
         assert counts["recursive_doubling_batches"] > 0, counts

@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from mpiddp.engine.protocol import CycleProtocol
@@ -106,10 +107,15 @@ def random_schedule(seed: int, size: int, rounds: int, names_per_round: int,
     return plan
 
 
-def play(cluster: FakeCluster, plan, prioritized: bool = False) -> dict:
+def play(cluster: FakeCluster, plan, prioritized: bool = False, data: bool = False) -> dict:
     """Every rank submits its schedule round by round and waits for its handles; returns the
     number of completed and failed handles per rank. ``prioritized``: all-reduces carry a
-    priority derived from their name (the same on every rank), 0 for every fifth."""
+    priority derived from their name (the same on every rank), 0 for every fifth. ``data``:
+    entries carry inputs (rank + 1) and NaN outputs, and a finished output is either
+    untouched (the recording executor moves no data) or the sum over the ranks (summed
+    beside the negotiation: engine/speculation.py)."""
+    total = cluster.size * (cluster.size + 1) / 2
+
     def work(rank, engine):
         done = failed = 0
         for round_ in plan[rank]:
@@ -118,11 +124,13 @@ def play(cluster: FakeCluster, plan, prioritized: bool = False) -> dict:
                 if delay:
                     time.sleep(delay)
                 entries = [entry(name, kind, shape, root=0 if kind == BROADCAST else -1,
-                                 priority=(int(name[1:]) % 5 if prioritized else 0))
+                                 priority=(int(name[1:]) % 5 if prioritized else 0),
+                                 input=np.full(shape, rank + 1.0, np.float32) if data else None,
+                                 output=np.full(shape, np.nan, np.float32) if data else None)
                            for name, shape, kind, _ in group]
-                handles += [(h, err) for h, (_, _, _, err)
-                            in zip(engine.submit_many(entries), group)]
-            for handle, expect_error in handles:
+                handles += [(h, err, e.output) for h, (_, _, _, err), e
+                            in zip(engine.submit_many(entries), group, entries)]
+            for handle, expect_error, output in handles:
                 try:
                     handle.wait(timeout=30)
                     assert not expect_error, f"{handle.name}: mismatch not reported"
@@ -130,6 +138,9 @@ def play(cluster: FakeCluster, plan, prioritized: bool = False) -> dict:
                 except TensorMismatchError:
                     assert expect_error, f"{handle.name}: unexpected mismatch"
                     failed += 1
+                if data:
+                    assert np.isnan(output).all() or (output == total).all(), \
+                        f"{handle.name} on rank {rank}: {output}"
         return done, failed
     return run_ranks(cluster, work)
 
@@ -148,6 +159,47 @@ def test_random_schedules_execute_identically_everywhere(size):
     assert len(order) == expected, "a name was lost or run twice"
     assert all(done + failed == expected for done, failed in counts)
     assert counts[0][1] > 0, "the schedule should contain mismatches"
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_small_allreduces_summed_beside_the_negotiation(size):
+    """Random schedules (constant eviction, changed shapes, mismatches on one rank) with a
+    speculation budget of 16 floats: the small cached all-reduces ready everywhere finish in
+    the negotiation with the right sum, on every rank alike; a mismatched or changed name
+    never does (it fails or renegotiates); nothing is lost or run twice."""
+    cluster = FakeCluster(size, cache_capacity=6, speculation_bytes=64)
+    try:
+        plan = random_schedule(seed=20 + size, size=size, rounds=40, names_per_round=6,
+                               max_delay=0.002)
+        counts = play(cluster, plan, data=True)
+        order = assert_same_order(cluster)
+    finally:
+        cluster.shutdown()
+    expected = sum(len(group) for round_ in plan[0] for group, _ in round_)
+    assert len(order) == expected, "a name was lost or run twice"
+    assert all(done + failed == expected for done, failed in counts)
+    assert counts[0][1] > 0, "the schedule should contain mismatches"
+    assert 0 < sum(1 for _, mark in order if mark == "speculated") < expected
+
+
+def test_speculated_sums_take_zeros_from_a_joined_rank():
+    """Rank 2 joins at once; the others' small all-reduces finish beside the negotiation
+    with rank 2 contributing zeros (the sum's identity), as the executor's joined ranks do."""
+    def work(rank, engine):
+        outputs = []
+        if rank != 2:
+            for i in range(6):
+                out = np.full(3, np.nan, np.float32)
+                engine.submit_many([entry(f"s{i % 2}", shape=(3,), output=out,
+                                          input=np.full(3, rank + 1.0, np.float32))])[0] \
+                    .wait(timeout=10)
+                outputs.append(out)
+        engine.join().wait(timeout=20)
+        return outputs
+    results, order = run_cluster(3, work, speculation_bytes=64)
+    finished = [out for out in results[0] + results[1] if not np.isnan(out).any()]
+    assert finished and all((out == 3.0).all() for out in finished), results
+    assert any(mark == "speculated" for _, mark in order), order
 
 
 @pytest.mark.parametrize("size", [2, 3])

@@ -691,3 +691,88 @@ def test_a_cycle_spins_only_while_its_partners_answer_within_the_spin(monkeypatc
     assert not policy.spin
     policy.wait(partner_after(5e-3))
     assert policy.spin_pays
+
+
+def test_speculative_layout_and_sums():
+    """engine/speculation.py: which cached all-reduces get a place (Sum or Average, host
+    memory, a natively summed type, up to the budget in all, in slot order), what a rank
+    puts there (its prescaled input where the name is ready here, zeros elsewhere), which
+    ready responses the sum finishes; the layout follows the cache's changes."""
+    import numpy as np
+
+    from mpiddp.engine.handle import Handle
+    from mpiddp.engine.request import Entry
+    from mpiddp.engine.speculation import Speculation, build_layout
+    from mpiddp.reduce_ops import ReduceOp
+
+    def cached(name, shape=(2,), dtype="float32", **fields):
+        return Response(Request(name, ALLREDUCE, dtype, shape, **fields))
+
+    cache = ResponseCache(16)
+    responses = [cached("old", shape=(8,)), cached("a"), cached("big", shape=(20,)),
+                 cached("min", op=int(ReduceOp.MIN)), cached("gpu", device="cuda:0"),
+                 cached("half", dtype="float16"), cached("flag", dtype="bool"),
+                 cached("ints", dtype="int64"),
+                 cached("avg", op=int(ReduceOp.AVERAGE), prescale=2.0),
+                 Response(Request("bcast", BROADCAST, "float32", (2,), root=0)),
+                 Response(cached("bad").request, error="mismatch"), cached("late", shape=(4,))]
+    for slot, response in enumerate(responses):
+        cache.put(slot, response)
+    layout = build_layout(cache, budget=48)
+    # The newest first: late (16 B), avg (8), ints (16), a (8); old (32 B) would pass the
+    # budget; big alone is 80 B; the rest are not summed (op, device, type, kind, error).
+    assert list(layout.places) == ["late", "avg", "ints", "a"]
+    assert [b.dtype for b in layout.buffers] == [np.float32, np.int64]
+    assert [(p.buffer, p.start, p.stop) for p in layout.places.values()] == \
+        [(0, 0, 4), (0, 4, 6), (1, 0, 2), (0, 6, 8)]
+    assert build_layout(ResponseCache(4), 48) is None
+    a, avg, old = responses[1], responses[8], responses[0]
+
+    def pending_entry(response, values):
+        request = response.request
+        return Entry(request, np.array(values, dtype=request.dtype), None, Handle(request.name))
+
+    speculation = Speculation(48)
+    pending = {"a": pending_entry(a, [1, 2]),
+               "avg": pending_entry(avg, [3, 4]),            # prescaled by 2
+               "old": pending_entry(old, [1] * 8)}           # no place: goes on as before
+    floats, ints = speculation.begin(cache, pending)
+    assert floats.tolist() == [0, 0, 0, 0, 6, 8, 1, 2] and ints.tolist() == [0, 0]
+    floats += 1                                       # what the other ranks added
+    ready = [a, avg, old]
+    done, rest = speculation.finish(ready, pending)
+    assert [(e.request.name, r.name, part.tolist()) for e, r, part in done] == \
+        [("a", "a", [2, 3]), ("avg", "avg", [7, 9])]
+    assert rest == [old] and list(pending) == ["old"]
+    # A changed signature here gets no data (the bit vector marks the slot invalid, so it is
+    # never ready: its name goes back through rank 0); a ready response that is not the one
+    # the place was made for (defensive: its slot was reassigned) is left to run as before.
+    pending["a"] = Entry(Request("a", ALLREDUCE, "float32", (3,)), np.ones(3, np.float32),
+                         None, Handle("a"))
+    floats, _ = speculation.begin(cache, pending)
+    assert not floats.any()
+    other = cached("a")
+    done, rest = speculation.finish([other], pending)
+    assert done == [] and rest == [other] and "a" in pending
+    cache.put(1, cached("a2"))                      # the cache changed: a new layout
+    speculation.begin(cache, {})
+    assert "a2" in speculation._layout.places and "a" not in speculation._layout.places
+    # Off, or nothing eligible: nothing to sum, every response runs as before.
+    assert Speculation(0).begin(cache, pending) == []
+    assert Speculation(48).finish(ready, pending) == ([], ready)
+
+
+def test_speculation_budget_follows_the_measured_links():
+    from mpiddp.collectives.cost_model import (SPECULATION_MAX_BYTES, SPECULATION_MIN_BYTES,
+                                               LinkCosts,
+                                               speculation_bytes)
+
+    kib = 1 << 10
+    # The bytes a link moves in one latency, rounded down to a power of two.
+    assert speculation_bytes(LinkCosts.from_rate(10, 20)) == 16 * kib      # 25 KB
+    assert speculation_bytes(LinkCosts.from_rate(100, 5)) == 32 * kib      # 62.5 KB
+    assert speculation_bytes(LinkCosts.from_rate(0.2, 400)) == 8 * kib     # 10 KB
+    # Bounds: slow links keep room for a 1024-float vector; fast ones stay small.
+    assert speculation_bytes(LinkCosts.from_rate(1, 7)) == SPECULATION_MIN_BYTES == 4 * kib
+    assert speculation_bytes(LinkCosts.from_rate(400, 50)) == SPECULATION_MAX_BYTES
+    assert speculation_bytes(None) == SPECULATION_MIN_BYTES

@@ -292,7 +292,7 @@ class AlgorithmChoice:
             if chosen is self.hierarchical and self.hierarchical_setting == "0":
                 return self.ring
             return chosen if chosen.applies(self.topology) else self.ring
-        if nbytes <= self.recursive_doubling_limit:
+        if 0 < nbytes <= self.recursive_doubling_limit:
             return self.recursive_doubling     # one rank per node: nothing hierarchical
         by_size = self.native if nbytes <= self.ring_threshold else self.own_algorithm(nbytes)
         if self.hierarchical_setting != "0" and self.hierarchical.applies(self.topology) and \

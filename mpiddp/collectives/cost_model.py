@@ -247,6 +247,26 @@ def priority_cycle_bytes(ranks: int, link: Optional[LinkCosts],
     return 1 << int(math.log2(budget))
 
 
+# Small all-reduces carried beside the negotiation (engine/speculation.py): the buffer's wire
+# time at most one latency, so a cycle with nothing to carry takes at most about one latency
+# per level longer; a power of two between these bounds.
+SPECULATION_MIN_BYTES = 4 << 10
+SPECULATION_MAX_BYTES = 64 << 10
+
+
+def speculation_bytes(link: Optional[LinkCosts]) -> int:
+    """How many bytes of small all-reduces every cycle's negotiation carries where it travels
+    over the engine's TCP connections (``MPIDDP_SPECULATION_BYTES`` unset): the bytes a link
+    moves in one latency, rounded down to a power of two, ``SPECULATION_MIN_BYTES`` to
+    ``SPECULATION_MAX_BYTES`` (4 KiB at 1 Gbit/s and 30 us; 16 KiB at 10 Gbit/s and 20 us;
+    32 KiB at 100 Gbit/s and 5 us); ``SPECULATION_MIN_BYTES`` where nothing was measured."""
+    if link is None or link.seconds_per_byte <= 0:
+        return SPECULATION_MIN_BYTES
+    budget = link.latency_s / link.seconds_per_byte
+    budget = min(max(budget, SPECULATION_MIN_BYTES), SPECULATION_MAX_BYTES)
+    return 1 << int(math.log2(budget))
+
+
 # ---- measuring a link ------------------------------------------------------------------------
 PROBE_SMALL_BYTES = 8
 PROBE_LARGE_BYTES = 1 << 20     # above tc's burst on the emulated links; 8 ms at 1 Gbit/s

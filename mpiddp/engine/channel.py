@@ -17,7 +17,7 @@ for a blocking ``MPI_Allreduce`` (docs/benchmarks.md).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -25,15 +25,21 @@ from mpi4py import MPI
 from ..collectives.recursive_doubling import recursive_doubling
 
 
+def _aligned(offset: int) -> int:
+    return (offset + 7) // 8 * 8
+
+
 class ControlChannel(Protocol):
     rank: int
     size: int
 
     def and_reduce(self, message: bytes, wait: Callable[[Callable[[], bool]], None],
-                   spin: bool = True) -> bytes:
+                   spin: bool = True, sums: Sequence = ()) -> bytes:
         """Bitwise AND of every rank's ``message`` (valid until the next call);
         ``wait(test)`` waits for completion; ``spin``: the cycle brought work, the partners
-        may answer within microseconds (``WaitPolicy.spin``)."""
+        may answer within microseconds (``WaitPolicy.spin``). Meanwhile each array of
+        ``sums`` (the same shapes on every rank) becomes the sum of every rank's, in place
+        (engine/speculation.py)."""
 
     def gather_to_root(self, obj: Any) -> Optional[list]:
         """Every rank's ``obj`` on rank 0 (in rank order); None elsewhere."""
@@ -66,27 +72,55 @@ class MPIChannel:
         the first cycle: the ranks must agree on how each cycle's AND travels."""
         self._sockets = sockets
 
-    def and_reduce(self, message: bytes, wait, spin: bool = True) -> bytes:
+    @property
+    def over_sockets(self) -> bool:
+        return self._sockets is not None
+
+    def and_reduce(self, message: bytes, wait, spin: bool = True, sums=()) -> bytes:
         if self._sockets is not None:       # its receives wait in the kernel
-            return self._and_reduce_over_sockets(message, spin)
+            return self._and_reduce_over_sockets(message, spin, sums)
         if len(self._recv) != len(message):
             self._recv = bytearray(len(message))
         request = self.comm.Iallreduce([message, MPI.BYTE], [self._recv, MPI.BYTE], MPI.BAND)
-        wait(request.Test)
+        if sums:
+            # Started together, so the two synchronizations overlap: the cycle takes about
+            # as long as the bit vector's alone.
+            requests = [request] + [self.comm.Iallreduce(MPI.IN_PLACE, array, MPI.SUM)
+                                    for array in sums]
+            wait(lambda: MPI.Request.Testall(requests))
+        else:
+            wait(request.Test)
         return self._recv               # valid until the next call
 
-    def _and_reduce_over_sockets(self, message: bytes, spin: bool) -> np.ndarray:
+    def _and_reduce_over_sockets(self, message: bytes, spin: bool, sums) -> np.ndarray:
+        """The bit vector and ``sums`` in one message, AND on the first, sums on the others,
+        each step of recursive doubling (every array placed at a multiple of 8 bytes)."""
         sockets = self._sockets
-        result = np.frombuffer(bytearray(message), np.uint8)
-        scratch = np.empty_like(result)
+        places, end = [], _aligned(len(message))
+        for array in sums:
+            places.append((end, end + array.nbytes, array.dtype))
+            end = _aligned(end + array.nbytes)
+        combined = np.zeros(end, np.uint8)
+        combined[:len(message)] = np.frombuffer(message, np.uint8)
+        for array, (start, stop, _) in zip(sums, places):
+            combined[start:stop] = array.view(np.uint8)
+        scratch = np.empty_like(combined)
+        bits = len(message)
+
+        def combine(mine, theirs):
+            np.bitwise_and(mine[:bits], theirs[:bits], out=mine[:bits])
+            for start, stop, dtype in places:
+                into = mine[start:stop].view(dtype)
+                np.add(into, theirs[start:stop].view(dtype), out=into)
 
         def exchange(dest, send, source, recv):
             sockets.finish(sockets.start(dest, memoryview(send), source, memoryview(recv), []),
                            spin)
 
-        recursive_doubling(exchange, self.rank, self.size, result, scratch,
-                           lambda mine, theirs: np.bitwise_and(mine, theirs, out=mine))
-        return result
+        recursive_doubling(exchange, self.rank, self.size, combined, scratch, combine)
+        for array, (start, stop, _) in zip(sums, places):
+            array.view(np.uint8)[:] = combined[start:stop]
+        return combined[:bits]
 
     def gather_to_root(self, obj):
         return self.comm.gather(obj, root=0)

@@ -28,6 +28,7 @@ from .handle import Handle
 from .liveness import Watchdog, launch_host
 from .protocol import CycleProtocol
 from .request import BARRIER, Entry, Request
+from .speculation import Speculation
 from .stats import EngineStats
 from .timeline import Timeline
 from .waiting import WaitPolicy
@@ -80,9 +81,12 @@ class Engine:
         self.stats = EngineStats()
         self.timeline = Timeline(bool(settings.timeline))
         self.executor = make_executor(self.stats, self.timeline, self._complete)
-        # The cycle budget as the executor resolved it (unset: sized from the measured links).
+        # The cycle budget and the speculative bytes as the executor resolved them (unset:
+        # sized from the measured links).
         self.settings = settings = replace(
-            settings, priority_cycle_bytes=self.executor.priority_cycle_bytes)
+            settings, priority_cycle_bytes=self.executor.priority_cycle_bytes,
+            speculation_bytes=self.executor.speculation_bytes)
+        self.speculation = Speculation(settings.speculation_bytes)
         self.protocol = CycleProtocol(self.rank, self.size, settings)
         self.policy = WaitPolicy(settings.cycle_time / 1000)
         self.on_stop: list[Callable[[], None]] = []   # run on the coordinator when it stops
@@ -209,10 +213,15 @@ class Engine:
         shutdown_reason = self._shutdown_reason
         if self._join_handle is not None:
             protocol.join()
+        # Small cached all-reduces ride beside the negotiation (speculation.py).
+        sums = self.speculation.begin(protocol.cache, protocol.pending)
         reduced = channel.and_reduce(protocol.encode(shutdown_reason is not None),
-                                     self.policy.wait, self.policy.spin)
+                                     self.policy.wait, self.policy.spin, sums)
         bits = protocol.decode(reduced)
         stats.cycles += 1
+        speculated = ()
+        if sums:
+            bits, speculated = self._finish_speculated(bits)
         plan = None
         if bits.slow:
             message = protocol.slow_message(bits, shutdown_reason)
@@ -225,23 +234,39 @@ class Engine:
         result = protocol.conclude(bits, plan)
         if result.retune is not None:       # the same cycle on every rank, before running it
             self._retune(result.retune)
-        stats.cache_hits += len(bits.ready)
+        stats.cache_hits += len(bits.ready) + len(speculated)
         if self.timeline.enabled:
             for name in result.entries:
                 self.timeline.record(name, "agreed")
+        if self.tuner is not None and (result.ready or speculated):
+            # The bytes finished in the negotiation count too.
+            retune = self.tuner.observe(result.ready + [r for _, r, _ in speculated],
+                                        time.perf_counter())
+            if retune is not None:
+                protocol.announce(retune)
         if result.ready:
-            if self.tuner is not None:
-                retune = self.tuner.observe(result.ready, time.perf_counter())
-                if retune is not None:
-                    protocol.announce(retune)
             self.executor.run(result.ready, result.entries)
-        self.policy.after_cycle(bool(result.ready), result.all_known, result.lacking)
+        self.policy.after_cycle(bool(result.ready or speculated), result.all_known,
+                                result.lacking)
         if result.stop_reason:
             self._stopped_reason = result.stop_reason
             return False
         if result.join_complete:
             self._complete_join()
         return True
+
+    def _finish_speculated(self, bits):
+        """Finish the small all-reduces whose sum came with the negotiation (speculation.py)
+        and take them out of the cycle's ready list; returns the bits left and those done."""
+        done, ready = self.speculation.finish(bits.ready, self.protocol.pending)
+        if not done:
+            return bits, done
+        if self.timeline.enabled:
+            for entry, _, _ in done:
+                if entry is not None:
+                    self.timeline.record(entry.request.name, "agreed")
+        self.executor.complete_speculated(done)
+        return bits._replace(ready=ready), done
 
     def _retune(self, retune: Retune) -> None:
         """Apply autotune's settings (from rank 0's plan, at this cycle on every rank)."""

@@ -23,7 +23,7 @@ from ..buffers import backend_for
 from ..buffers.dtypes import DType, dtype_named, identity_value
 from ..collectives.algorithms import AUTO, AlgorithmChoice, Links
 from ..collectives.cost_model import (LinkCosts, describe_threshold, measure_link_costs,
-                                      priority_cycle_bytes)
+                                      priority_cycle_bytes, speculation_bytes)
 from ..collectives.native import allgatherv, alltoallv, broadcast
 from ..collectives.ring import chunk_bounds, ring_reduce_scatter
 from ..collectives.topology import node_layout
@@ -253,6 +253,14 @@ class Executor:
         self.priority_cycle_bytes = settings.priority_cycle_bytes \
             if settings.priority_cycle_bytes is not None else \
             priority_cycle_bytes(self.topology.cross_size, link)
+        # Small all-reduces carried beside the negotiation (engine/speculation.py): the
+        # user's bytes, else, where the bit vector travels over the engine's TCP
+        # connections (each step a wait in the kernel), what the links move in one latency;
+        # none over MPI, whose polite waiting fell into a lasting oscillation with it
+        # (docs/benchmarks.md, "Small all-reduces inside the negotiation").
+        self.speculation_bytes = settings.speculation_bytes \
+            if settings.speculation_bytes is not None else \
+            speculation_bytes(link) if "control" in self.partner_sockets else 0
         # Adjustable at run time (set_allreduce_algorithm); start from the settings. A ring
         # threshold or an algorithm the user set leaves the links out of the choice.
         chooses = settings.ring_threshold is None and settings.allreduce_algorithm == AUTO
@@ -356,6 +364,27 @@ class Executor:
                                   f"{kind} '{first.name}'")
             job = self._execute(OPERATIONS[kind], batch, members)
             self.stats.record(kind, len(batch), job)
+
+    def complete_speculated(self, done: list) -> None:
+        """Finish the all-reduces summed beside the negotiation (engine/speculation.py):
+        ``done`` holds (entry, or None on a joined rank; response; the summed part). The
+        result goes to the output, scaled as the executor scales every all-reduce."""
+        backend = backend_for("cpu")
+        timeline = self.timeline if self.timeline.enabled else None
+        for entry, response, part in done:
+            self.stats.record_speculated(part.nbytes)
+            if entry is None:
+                continue
+            request = response.request
+            if timeline:
+                timeline.record(request.name, "start")
+            backend.copy(entry.output, part)
+            scale = result_scaling(backend, request, self.size, dtype_named(request.dtype))
+            if scale is not None:
+                scale(entry.output)
+            if timeline:
+                timeline.record(request.name, "end")
+            self.complete(entry)
 
     def _execute(self, operation: Operation, batch: list, members: list) -> Job:
         """The device phase, the same for every kind: wait until the producers' device work

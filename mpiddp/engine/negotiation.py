@@ -20,6 +20,7 @@ class ResponseCache:
         self._by_slot: dict[int, Response] = {}
         self._slot_by_name: dict[str, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()   # rank 0's recency order
+        self.version = 0            # changes with the contents (speculation's layout follows)
 
     def __len__(self) -> int:
         return len(self._by_slot)
@@ -33,7 +34,12 @@ class ResponseCache:
     def holds(self, slot: int) -> bool:
         return slot in self._by_slot
 
+    def slots(self):
+        """The filled slots, in the order they were filled (the same on every rank)."""
+        return self._by_slot.keys()
+
     def put(self, slot: int, response: Response) -> None:
+        self.version += 1
         self.evict(slot)
         old = self._slot_by_name.get(response.name)
         if old is not None:
@@ -45,6 +51,7 @@ class ResponseCache:
     def evict(self, slot: int) -> None:
         response = self._by_slot.pop(slot, None)
         if response is not None:
+            self.version += 1
             del self._slot_by_name[response.name]
         self._lru.pop(slot, None)
 

@@ -27,6 +27,7 @@ class EngineStats:
     hierarchical_batches: int = 0   # batches reduced by the hierarchical all-reduce
     pipelined_batches: int = 0      # of those, batches cut into pipelined segments
     reducescatter_bytes: int = 0    # bytes of reduce-scattered tensors
+    speculated_tensors: int = 0     # all-reduces summed beside the negotiation (speculation.py)
 
     def record(self, kind: str, tensors: int, job) -> None:
         """Count one executed batch of ``tensors`` requests of ``kind`` (``job``: what the
@@ -45,6 +46,12 @@ class EngineStats:
             self.pipelined_batches += job.segments > 1
         elif kind == "reducescatter":
             self.reducescatter_bytes += job.request.numel * job.dtype.itemsize
+
+    def record_speculated(self, nbytes: int) -> None:
+        """Count one all-reduce finished beside the negotiation (no batch of its own)."""
+        self.tensors += 1
+        self.speculated_tensors += 1
+        self.allreduce_bytes += nbytes
 
     def record_error(self) -> None:
         self.tensors += 1

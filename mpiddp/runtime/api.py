@@ -196,8 +196,10 @@ def engine_stats() -> dict[str, int]:
         ``tensors`` (requests completed, errors included), ``errors``, ``cache_hits``,
         ``allreduce_batches``, ``fused_batches``, ``fused_tensors``, ``max_batch_tensors``,
         ``allreduce_bytes``, ``ring_batches``, ``halving_doubling_batches``,
-        ``recursive_doubling_batches``, ``native_batches``, ``hierarchical_batches``, ``pipelined_batches`` (hierarchical batches cut into
-        pipelined segments), ``reducescatter_bytes``.
+        ``recursive_doubling_batches``, ``native_batches``, ``hierarchical_batches``,
+        ``pipelined_batches`` (hierarchical batches cut into pipelined segments),
+        ``reducescatter_bytes``, ``speculated_tensors`` (small all-reduces finished in the
+        negotiation, without a batch of their own).
 
     Raises:
         {needs_init}

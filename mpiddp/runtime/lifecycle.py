@@ -24,7 +24,8 @@ log = logging.getLogger("mpiddp")
 
 # Settings every rank must share: they decide message sizes, fusion plans and algorithms.
 PROTOCOL_SETTINGS = ("fusion_threshold", "cache_capacity", "allreduce_algorithm",
-                     "ring_threshold", "hierarchical_allreduce", "priority_cycle_bytes")
+                     "ring_threshold", "hierarchical_allreduce", "priority_cycle_bytes",
+                     "speculation_bytes")
 
 
 class Runtime:

@@ -12,6 +12,7 @@ import torch
 
 import checks
 import mpiddp
+from mpiddp.runtime import current
 from reference_data import as64, data
 
 torch.set_num_threads(1)
@@ -118,6 +119,68 @@ def check_allreduce_variants():
     got = mpiddp.allreduce(t, average=False, name="average_kw")
     assert torch.equal(got, torch.full((4,), float(SIZE)))
     ok("allreduce variants (in place, scalar, non-contiguous, scaling, grouped)")
+
+
+def check_speculated_allreduce():
+    """Small all-reduces summed beside the negotiation (engine/speculation.py): the same names
+    again and again (cached after the first use), every type MPI sums, Sum and Average, scale
+    factors, in place, a scalar and a non-contiguous view; new data every time, against the
+    reference every time. A buffer above the budget goes the usual way."""
+    before = mpiddp.engine_stats()["speculated_tensors"]
+    dtypes = [torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16, torch.int32,
+              torch.int64]
+    calls = 0
+    for step in range(3):
+        for dtype in dtypes:
+            for op in (mpiddp.Sum, mpiddp.Average):
+                for n in (1, 13, 97):
+                    name = f"spec.{dtype}.{op.name}.{n}"
+                    key = f"{name}#{step}"            # this step's data
+                    got = mpiddp.allreduce(data(RANK, key, (n,), dtype, op), name=name, op=op)
+                    check_close(key, got, reference(key, (n,), dtype, op), dtype)
+                    calls += 1
+        key = f"spec.scaled#{step}"
+        got = mpiddp.allreduce(data(RANK, key, (5,), torch.float64), name="spec.scaled",
+                               op=mpiddp.Sum, prescale_factor=0.5, postscale_factor=3.0)
+        check_close(key, got, reference(key, (5,), torch.float64, mpiddp.Sum) * 1.5,
+                    torch.float64)
+        key = f"spec.inplace#{step}"
+        t = data(RANK, key, (3, 4), torch.float32)
+        assert mpiddp.allreduce_(t, name="spec.inplace") is t
+        check_close(key, t, reference(key, (3, 4), torch.float32, mpiddp.Average),
+                    torch.float32)
+        key = f"spec.scalar#{step}"
+        got = mpiddp.allreduce(data(RANK, key, (), torch.float64), name="spec.scalar")
+        check_close(key, got, reference(key, (), torch.float64, mpiddp.Average), torch.float64)
+        key = f"spec.view#{step}"
+        view = data(RANK, key, (6, 8), torch.float32).t()
+        got = mpiddp.allreduce(view, name="spec.view", op=mpiddp.Sum)
+        check_close(key, got, reference(key, (6, 8), torch.float32, mpiddp.Sum).T,
+                    torch.float32)
+        calls += 4
+    speculated = mpiddp.engine_stats()["speculated_tensors"] - before
+    budget = current.require("check").engine.settings.speculation_bytes
+    # Every call after a name's first: cached, and finished in the negotiation, where the
+    # budget holds every name (over the engine's TCP connections, or MPIDDP_SPECULATION_BYTES
+    # set); a smaller one holds the most recently cached; none, none.
+    names_bytes = sum(n * torch.tensor([], dtype=dtype).element_size()
+                      for dtype in dtypes for n in (1, 13, 97)) * 2 + 8 * (5 + 1) + 4 * (12 + 48)
+    if budget >= names_bytes:
+        assert speculated == calls * 2 // 3, (speculated, calls, budget)
+    else:
+        assert (speculated > 0) == (budget >= 8 * 97), (speculated, calls, budget)
+    big = mpiddp.engine_stats()
+    for step in range(2):          # 64 KiB: above the budgets the tests use (4-16 KiB)
+        key = f"spec.big#{step}"
+        got = mpiddp.allreduce(data(RANK, key, (16384,), torch.float32), name="spec.big",
+                               op=mpiddp.Sum)
+        check_close(key, got, reference(key, (16384,), torch.float32, mpiddp.Sum),
+                    torch.float32)
+    after = mpiddp.engine_stats()
+    assert after["speculated_tensors"] == big["speculated_tensors"], after
+    assert after["allreduce_batches"] == big["allreduce_batches"] + 2, after
+    ok("small all-reduces finished in the negotiation (every summed type, Sum and Average, "
+       "scaling, in place, scalar, non-contiguous)", speculated=speculated, budget=budget)
 
 
 def check_allgather():
@@ -409,7 +472,8 @@ def check_topology():
     ok("topology (local and cross ranks on one node)")
 
 
-CHECKS = [check_topology, check_allreduce, check_allreduce_variants, check_allgather,
+CHECKS = [check_topology, check_allreduce, check_allreduce_variants,
+          check_speculated_allreduce, check_allgather,
           check_broadcast,
           check_reducescatter, check_alltoall, check_fusion_and_cache, check_out_of_order,
           check_autograd, check_process_sets, check_grouped_and_sparse,
