@@ -145,19 +145,28 @@ def play(cluster: FakeCluster, plan, prioritized: bool = False, data: bool = Fal
     return run_ranks(cluster, work)
 
 
-@pytest.mark.parametrize("size", [2, 3, 4, 8])
-def test_random_schedules_execute_identically_everywhere(size):
-    cluster = FakeCluster(size, cache_capacity=4)          # tiny cache: constant eviction
+def run_schedule(size: int, seed: int, rounds: int, settings: dict, **options):
+    """A random schedule on a fresh fake cluster of ``size`` ranks with ``settings``, played
+    with ``options``: every rank executed the same order, and every name exactly once.
+    Returns (per rank (done, failed), the order, how many names)."""
+    cluster = FakeCluster(size, **settings)
     try:
-        plan = random_schedule(seed=size, size=size, rounds=40, names_per_round=6,
+        plan = random_schedule(seed=seed, size=size, rounds=rounds, names_per_round=6,
                                max_delay=0.002)
-        counts = play(cluster, plan)
+        counts = play(cluster, plan, **options)
         order = assert_same_order(cluster)
     finally:
         cluster.shutdown()
     expected = sum(len(group) for round_ in plan[0] for group, _ in round_)
     assert len(order) == expected, "a name was lost or run twice"
     assert all(done + failed == expected for done, failed in counts)
+    return counts, order, expected
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+def test_random_schedules_execute_identically_everywhere(size):
+    # A tiny cache: constant eviction.
+    counts, _, _ = run_schedule(size, seed=size, rounds=40, settings={"cache_capacity": 4})
     assert counts[0][1] > 0, "the schedule should contain mismatches"
 
 
@@ -167,17 +176,9 @@ def test_small_allreduces_summed_beside_the_negotiation(size):
     speculation budget of 16 floats: the small cached all-reduces ready everywhere finish in
     the negotiation with the right sum, on every rank alike; a mismatched or changed name
     never does (it fails or renegotiates); nothing is lost or run twice."""
-    cluster = FakeCluster(size, cache_capacity=6, speculation_bytes=64)
-    try:
-        plan = random_schedule(seed=20 + size, size=size, rounds=40, names_per_round=6,
-                               max_delay=0.002)
-        counts = play(cluster, plan, data=True)
-        order = assert_same_order(cluster)
-    finally:
-        cluster.shutdown()
-    expected = sum(len(group) for round_ in plan[0] for group, _ in round_)
-    assert len(order) == expected, "a name was lost or run twice"
-    assert all(done + failed == expected for done, failed in counts)
+    counts, order, expected = run_schedule(
+        size, seed=20 + size, rounds=40,
+        settings={"cache_capacity": 6, "speculation_bytes": 64}, data=True)
     assert counts[0][1] > 0, "the schedule should contain mismatches"
     assert 0 < sum(1 for _, mark in order if mark == "speculated") < expected
 
@@ -207,17 +208,8 @@ def test_prioritized_schedules_with_a_tiny_cycle_budget_lose_nothing(size):
     """Prioritized all-reduces cut by a budget of one tensor per cycle, under constant cache
     eviction: the cut ones wait and are evicted and renegotiated, yet every name runs once,
     in the same order on every rank."""
-    cluster = FakeCluster(size, cache_capacity=4, priority_cycle_bytes=1)
-    try:
-        plan = random_schedule(seed=10 + size, size=size, rounds=30, names_per_round=6,
-                               max_delay=0.002)
-        counts = play(cluster, plan, prioritized=True)
-        order = assert_same_order(cluster)
-    finally:
-        cluster.shutdown()
-    expected = sum(len(group) for round_ in plan[0] for group, _ in round_)
-    assert len(order) == expected, "a name was lost or run twice"
-    assert all(done + failed == expected for done, failed in counts)
+    run_schedule(size, seed=10 + size, rounds=30,
+                 settings={"cache_capacity": 4, "priority_cycle_bytes": 1}, prioritized=True)
 
 
 def test_soak_ten_thousand_cycles(soak_cycles):

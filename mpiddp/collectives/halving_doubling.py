@@ -60,11 +60,16 @@ def real_rank(virtual: int, extra: int) -> int:
     return 2 * virtual + 1 if virtual < extra else virtual + extra
 
 
-def partners(rank: int, size: int) -> set[int]:
-    """The ranks ``rank`` exchanges with in ``halving_doubling_steps`` over ``size``."""
+def fold_layout(rank: int, size: int) -> tuple[int, int, Optional[int]]:
+    """(P, the ranks folded in, ``rank``'s place among the P or None where it is folded)."""
     pof2 = power_of_two_below(size)
     extra = size - pof2
-    virtual = virtual_rank(rank, extra)
+    return pof2, extra, virtual_rank(rank, extra)
+
+
+def partners(rank: int, size: int) -> set[int]:
+    """The ranks ``rank`` exchanges with in ``halving_doubling_steps`` over ``size``."""
+    pof2, extra, virtual = fold_layout(rank, size)
     if virtual is None:
         return {rank + 1}
     found = {rank - 1} if rank < 2 * extra else set()
@@ -86,9 +91,7 @@ def halving_doubling_steps(comm, buf, scratch, reduce_into: ReduceInto,
         if postprocess is not None:
             postprocess(buf)
         return
-    pof2 = power_of_two_below(size)
-    extra = size - pof2
-    virtual = virtual_rank(rank, extra)
+    pof2, extra, virtual = fold_layout(rank, size)
     nothing = buf[:0]
     if virtual is None:          # folded: hand the buffer over, take the result back
         yield start_sendrecv(comm, as_bytes(buf), rank + 1, as_bytes(nothing), rank + 1, _TAG_FOLD)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .halving_doubling import real_rank, virtual_rank, partners, power_of_two_below
+from .halving_doubling import fold_layout, partners, real_rank
 
 # exchange(dest, send, source, recv): send ``send`` to ``dest`` and receive ``recv`` from
 # ``source``, both done when it returns (an empty buffer: nothing moves that way).
@@ -33,9 +33,7 @@ def recursive_doubling(exchange: Exchange, rank: int, size: int, buf, scratch,
     ``partners(rank, size)``."""
     if size < 2:
         return
-    pof2 = power_of_two_below(size)
-    extra = size - pof2
-    virtual = virtual_rank(rank, extra)
+    pof2, extra, virtual = fold_layout(rank, size)
     nothing = buf[:0]
     if virtual is None:                 # folded: hand the buffer over, take the result back
         exchange(rank + 1, buf, rank + 1, nothing)
