@@ -36,6 +36,7 @@ HYDRA_ENDED = re.compile(r"RUNNING AT (\S+)\s*\n[=\s]*(?:EXIT CODE|KILLED BY SIG
 KILLED_SIGNALS = (9, 15)       # the node went (or its processes were killed with it)
 CRASH_SIGNALS = (6, 7, 11)     # the rank crashed on a node that may well be alive
 PROBE_TIMEOUT_S = 10.0         # a node that cannot start 'true' in this time is lost
+SRUN_STEP_ABORTED = "srun: Job step aborted"
 SRUN_LOST = re.compile(r"srun: error: (\S+): tasks? [\d\-,]+: (?:Killed|Terminated)|"
                        r"srun: error: Node failure on (\S+)")
 
@@ -188,8 +189,13 @@ class Launcher:
                 lost.add(host)
             elif int(code) in CRASH_SIGNALS:
                 crashed.add(host)
+        # Once srun aborts the step (a rank called MPI_Abort: it found a partner gone), it
+        # kills the tasks still running, which it then reports "Killed" too: only the tasks
+        # killed before that, and nodes that failed, are lost.
+        aborted = output.find(SRUN_STEP_ABORTED)
         for match in SRUN_LOST.finditer(output):
-            lost.add(match.group(1) or match.group(2))
+            if match.group(2) or aborted < 0 or match.start() < aborted:
+                lost.add(match.group(1) or match.group(2))
         return lost, crashed, reports
 
     def decide_lost(self, hosts: list[str], lost: set[str], reports: dict) -> set[str]:

@@ -233,6 +233,12 @@ def test_lost_nodes_from_srun_and_hydra_output(tmp_path):
         {"n4", "n5", "10.0.0.9"}, {"10.0.0.8"}, {"n1": {"n7"}, "n7": {"n1", "n2"}})
     # A rank that exits with an error status on a live node is not a lost node.
     (tmp_path / "empty").mkdir()
+    # Once a survivor aborted the step, srun kills the other tasks and says so: not lost.
+    aborted = ("srun: error: n2: task 2: Killed\n"
+               "srun: Job step aborted: Waiting up to 7 seconds for job step to finish.\n"
+               "srun: error: n0: task 0: Killed\nsrun: error: n1: task 1: Killed\n"
+               "srun: error: Node failure on n3\n")
+    assert launcher.lost_nodes(aborted, str(tmp_path / "empty"))[0] == {"n2", "n3"}
     assert launcher.lost_nodes("=   PID 1 RUNNING AT h\n=   EXIT CODE: 1\n"
                                "srun: error: n4: task 3: Exited with exit code 1\n",
                                str(tmp_path / "empty")) == (set(), set(), {})

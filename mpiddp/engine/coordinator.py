@@ -21,6 +21,7 @@ from mpi4py import MPI
 from ..buffers import use_default_device
 from ..config import Settings
 from ..errors import DuplicateNameError, EngineShutdownError, MpiddpError
+from ..transport.sockets import PeerConnectionLost
 from .autotune import Autotuner, Retune
 from .channel import ControlChannel, MPIChannel
 from .executor import Executor
@@ -36,6 +37,9 @@ from .waiting import WaitPolicy
 log = logging.getLogger("mpiddp")
 
 _WAKE = object()   # inbox token: "look at the flags" (join, shutdown)
+# How long a rank that lost a partner's connection waits for the launcher to end the job
+# before ending it itself.
+PEER_LOST_GRACE_SECONDS = 5.0
 
 # make_executor(stats, timeline, complete) -> an object with run(responses, entries),
 # knobs(), retune(knobs), close() and priority_cycle_bytes.
@@ -183,6 +187,14 @@ class Engine:
         except BaseException as exc:  # a bug or an MPI failure: other ranks would hang
             detail = traceback.format_exc()
             log.critical("mpiddp coordinator on rank %d failed:\n%s", self.rank, detail)
+            if isinstance(exc, PeerConnectionLost):
+                # A partner's process died (the kernel closed its sockets at once). Its
+                # launcher reports how (mpiexec: "KILLED BY SIGNAL: 9 ... RUNNING AT host";
+                # srun: "Killed"), which the elastic launcher (mpiddp.run) reads to leave
+                # the node out; it also ends the job. Give it that time before this rank
+                # ends the job itself (and before the user's handles fail and their
+                # thread ends it), else the report would be this rank's abort alone.
+                time.sleep(PEER_LOST_GRACE_SECONDS)
             self._stop(f"the coordinator thread on rank {self.rank} failed: {exc!r}",
                        close=False)
             self.channel.abort()
