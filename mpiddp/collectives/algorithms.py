@@ -140,11 +140,7 @@ class RecursiveDoublingAllreduce:
         if sockets is None:
             native_allreduce(whole, buf, dtype, op, reduce_kernel)
         elif len(buf):
-            def exchange(dest, send, source, recv):
-                sockets.finish(sockets.start(dest, memoryview(send).cast("B"), source,
-                                             memoryview(recv).cast("B"), []))
-
-            recursive_doubling(exchange, whole.Get_rank(), whole.Get_size(), buf,
+            recursive_doubling(sockets.exchange, whole.Get_rank(), whole.Get_size(), buf,
                                scratch[:len(buf)],
                                lambda mine, theirs: reduce_kernel(mine, theirs, op, dtype))
         if postprocess is not None:

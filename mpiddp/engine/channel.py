@@ -17,6 +17,7 @@ for a blocking ``MPI_Allreduce`` (docs/benchmarks.md).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import numpy as np
@@ -72,10 +73,6 @@ class MPIChannel:
         the first cycle: the ranks must agree on how each cycle's AND travels."""
         self._sockets = sockets
 
-    @property
-    def over_sockets(self) -> bool:
-        return self._sockets is not None
-
     def and_reduce(self, message: bytes, wait, spin: bool = True, sums=()) -> bytes:
         if self._sockets is not None:       # its receives wait in the kernel
             return self._and_reduce_over_sockets(message, spin, sums)
@@ -113,11 +110,8 @@ class MPIChannel:
                 into = mine[start:stop].view(dtype)
                 np.add(into, theirs[start:stop].view(dtype), out=into)
 
-        def exchange(dest, send, source, recv):
-            sockets.finish(sockets.start(dest, memoryview(send), source, memoryview(recv), []),
-                           spin)
-
-        recursive_doubling(exchange, self.rank, self.size, combined, scratch, combine)
+        recursive_doubling(partial(sockets.exchange, spin=spin), self.rank, self.size,
+                           combined, scratch, combine)
         for array, (start, stop, _) in zip(sums, places):
             array.view(np.uint8)[:] = combined[start:stop]
         return combined[:bits]

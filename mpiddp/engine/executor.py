@@ -258,16 +258,17 @@ class Executor:
         # connections (each step a wait in the kernel), what the links move in one latency;
         # none over MPI, whose polite waiting fell into a lasting oscillation with it
         # (docs/benchmarks.md, "Small all-reduces inside the negotiation").
+        over_sockets = "control" in self.partner_sockets
         self.speculation_bytes = settings.speculation_bytes \
             if settings.speculation_bytes is not None else \
-            speculation_bytes(link) if "control" in self.partner_sockets else 0
+            speculation_bytes(link) if over_sockets else 0
         # Adjustable at run time (set_allreduce_algorithm); start from the settings. A ring
         # threshold or an algorithm the user set leaves the links out of the choice.
         chooses = settings.ring_threshold is None and settings.allreduce_algorithm == AUTO
         self.algorithms = AlgorithmChoice(settings.allreduce_algorithm, settings.ring_threshold,
                                           settings.hierarchical_allreduce, self.topology,
                                           link if chooses else None,
-                                          over_sockets="control" in self.partner_sockets)
+                                          over_sockets=over_sockets)
         if self.rank == 0 and link is not None:
             self._log_links(link)
         self._links: dict = {}

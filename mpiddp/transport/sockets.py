@@ -323,6 +323,13 @@ class PeerSockets:
         self._last_queued = done
         return done
 
+    def exchange(self, dest: int, send, source: int, recv, spin: bool = True) -> None:
+        """Send the array ``send`` to ``dest`` and receive ``recv`` from ``source``, both done
+        when it returns (``finish``'s waiting; an empty array: nothing moves that way). The
+        ``Exchange`` of ``collectives/recursive_doubling.py``."""
+        self.finish(self.start(dest, memoryview(send).cast("B"), source,
+                               memoryview(recv).cast("B"), []), spin)
+
     def finish(self, transfer: SocketTransfer, spin: bool = True) -> None:
         """``transfer.wait()``, after a spin of up to ``SPIN_SECONDS`` for the partner's bytes
         where the last ``SHORT_WAITS_BEFORE_SPIN`` waits all ended within it (and ``spin``:

@@ -67,24 +67,20 @@ for name, algorithm, scratch_for in (
     say(f"{name} over sockets matches the float64 reference on every rank")
 
 
-def exchange(dest, send, source, recv):
-    sockets.start(dest, memoryview(send).cast("B"), source, memoryview(recv).cast("B"),
-                  []).wait()
-
 
 for count in (0, 1, 1000, 300_001):
     rng = np.random.default_rng(count + RANK)
     mine = rng.standard_normal(count).astype(np.float32)
     expected = np.sum(np.stack([a.astype(np.float64) for a in world.allgather(mine)]), axis=0)
     buf = mine.copy()
-    recursive_doubling(exchange, RANK, SIZE, buf, np.empty_like(buf),
+    recursive_doubling(sockets.exchange, RANK, SIZE, buf, np.empty_like(buf),
                        lambda dst, src: np.add(dst, src, out=dst))
     np.testing.assert_allclose(buf, expected.astype(np.float32), rtol=1e-5, atol=1e-4)
     same = world.allgather(buf.tobytes())
     assert all(b == same[0] for b in same), f"recursive doubling {count}: ranks differ"
 bits = np.frombuffer(np.random.default_rng(RANK).bytes(403), np.uint8).copy()
 expected_bits = np.bitwise_and.reduce(np.stack(world.allgather(bits)), axis=0)
-recursive_doubling(exchange, RANK, SIZE, bits, np.empty_like(bits),
+recursive_doubling(sockets.exchange, RANK, SIZE, bits, np.empty_like(bits),
                    lambda dst, src: np.bitwise_and(dst, src, out=dst))
 assert (bits == expected_bits).all()
 say("recursive doubling over sockets: sums match the reference, bytes AND exactly")
