@@ -16,12 +16,13 @@ when every reduction is done, forward overlap starts it at once and lets layer j
 wait only for its own parameters. The period of the steady state is the step time.
 Efficiency is the one-process step over that.
 
-Where the ranks share a machine's cores (the emulated cluster: 16 ranks on 2 cores), a cycle
-also cannot end before the cores have done every rank's CPU work for it: ``validate`` reads
+Where the ranks share a machine's cores (the emulated cluster: 16 ranks on 2 cores), the
+ranks run each cycle in lockstep, and those of one core one after another: ``validate`` reads
 what one all-reduce costs a rank in CPU from ``scripts/benchmark_allreduce.py``'s run at the
-same N and links (``allreduce-<setting>-<N>x1.json`` beside the training results) and bounds
-each cycle by ranks / cores times that, and each step by the cores' work for its cycles and
-for the one-process step's own CPU (``MachineCpu``, ``cores_bound_s``). The same benchmark
+same N and links (``allreduce-<setting>-<N>x1.json`` beside the training results) and adds to
+each cycle the CPU the other ranks of a core spend on it (ranks / cores - 1 times a rank's),
+and bounds each step by the cores' work for its cycles and for the one-process step's own CPU
+(``MachineCpu``, ``cores_bound_s``). The same benchmark
 gives the links' latency at each N (its smallest ``MPI_Allreduce``; with many ranks on few
 cores, the scheduler's delays are part of it), and ``validate`` also sets the model of each
 algorithm against it. ``extrapolate`` leaves the cores out: a GPU node's rank has a core of
@@ -45,13 +46,19 @@ import simulated_models as sim  # noqa: E402
 from mpiddp.collectives.algorithms import AlgorithmChoice  # noqa: E402
 from mpiddp.collectives.cost_model import (ENGINE_CYCLE_S, LinkCosts,  # noqa: E402
                                            halving_doubling_seconds, native_seconds,
-                                           priority_cycle_bytes, ring_seconds)
+                                           priority_cycle_bytes, recursive_doubling_seconds,
+                                           ring_seconds)
 from mpiddp.collectives.topology import Topology  # noqa: E402
 
 NEGOTIATION_BYTES = 3 * 128 + 16     # a cached cycle's bit vectors and flags (engine.md)
-# scripts/benchmark_allreduce.py's rows for the algorithm the engine picks.
+# scripts/benchmark_allreduce.py's rows for the algorithm the engine picks (recursive
+# doubling has no row of its own: ``auto`` takes it for the sizes where the engine would).
 BENCHMARK_ROWS = {"ring": "mpiddp ring", "halving_doubling": "mpiddp halving-doubling",
-                  "native": "MPI_Allreduce"}
+                  "native": "MPI_Allreduce", "recursive_doubling": "mpiddp auto"}
+# The benchmark's rows ``validate`` models, and by which algorithm (``auto``: the engine's
+# choice for each size).
+MODELLED_ROWS = {"mpiddp ring": "ring", "mpiddp halving-doubling": "halving_doubling",
+                 "mpiddp auto": "auto", "MPI_Allreduce": "native"}
 
 
 def ranks_per_core(ranks: int, cores: int) -> float:
@@ -62,8 +69,11 @@ def ranks_per_core(ranks: int, cores: int) -> float:
 @dataclass(frozen=True)
 class MachineCpu:
     """The CPU one all-reduce costs a rank (measured at this N: contention's busy waiting
-    included) and how many ranks share each core. A cycle takes at least ``share`` times its
-    CPU: every rank runs the same cycle at once, so the cores do ``ranks`` cycles' work."""
+    included) and how many ranks share each core. Every rank runs the same cycle at once and
+    in lockstep: a step of a collective ends only once its partners have run theirs, and the
+    ranks sharing a core run one after another, so a cycle takes its time on the links plus
+    the CPU the other ``share - 1`` ranks of the core spend on it (``waiting_s``; the rank's
+    own CPU is in the links' terms, as the steps' overhead)."""
 
     seconds_by_row: dict = field(repr=False)   # benchmark row -> (sizes, CPU s per call)
     share: float                               # ranks per core, at least 1
@@ -78,6 +88,10 @@ class MachineCpu:
                 (row["bytes"], row["cpu_s_per_gb"] * row["bytes"] / 1e9))
         return cls({method: tuple(np.array(v) for v in zip(*sorted(points)))
                     for method, points in table.items()}, ranks_per_core(ranks, cores), compute_s)
+
+    def waiting_s(self, cpu_s: float) -> float:
+        """How long a rank waits for the others of its core to spend ``cpu_s`` each."""
+        return (self.share - 1) * cpu_s
 
     def call_s(self, row: str, nbytes: int) -> float:
         """CPU seconds of one call of ``nbytes`` by the benchmark's ``row``: linear between
@@ -119,6 +133,10 @@ class Job:
     optimizer_s: float = 0.0
     machine_cpu: MachineCpu | None = None  # ranks sharing cores (None: a core each, unbounded)
     engine_cycle_s: float = ENGINE_CYCLE_S  # the engine's own work per cycle of many tensors
+    # The engine's TCP connections carry the transfers across nodes (the start-up probe kept
+    # them: the emulated cluster), and with them the cycle's bit vector and the smallest
+    # buffers, by recursive doubling; False: MPI carries them (RDMA networks).
+    over_sockets: bool = False
 
     def cycle_s(self, buffers: list[int], algorithm: str = "auto") -> float:
         """One engine cycle's seconds (``cycle``)."""
@@ -130,28 +148,32 @@ class Job:
 
     def cycle(self, buffers: list[int], algorithm: str = "auto") -> tuple[float, float]:
         """(seconds, CPU seconds per rank) of one engine cycle: its own work and the
-        negotiation (a small all-reduce), then each fused buffer's all-reduce as the
-        engine's ``AlgorithmChoice`` picks it with one rank per node and measured links (or
-        every one by ``native``), charged at this job's step overhead; no shorter than the
-        shared cores allow (``machine_cpu``; without it, no CPU counted)."""
+        negotiation (a small all-reduce: the library's, or recursive doubling over the
+        engine's sockets), then each fused buffer's all-reduce as the engine's
+        ``AlgorithmChoice`` picks it with one rank per node and measured links (or every one
+        by ``native``), charged at this job's step overhead; plus the waiting for the other
+        ranks of a shared core (``machine_cpu``; without it, no CPU counted)."""
         extra = self.step_overhead()
         cost = {"native": lambda n: native_seconds(n, self.nodes, self.link),
                 "ring": lambda n: ring_seconds(n, self.nodes, self.link, **extra),
                 "halving_doubling":
-                    lambda n: halving_doubling_seconds(n, self.nodes, self.link, **extra)}
+                    lambda n: halving_doubling_seconds(n, self.nodes, self.link, **extra),
+                "recursive_doubling":
+                    lambda n: recursive_doubling_seconds(n, self.nodes, self.link, **extra)}
         chosen = self.chosen(buffers, algorithm)
-        seconds = self.engine_cycle_s + native_seconds(NEGOTIATION_BYTES, self.nodes, self.link)
+        negotiation = cost["recursive_doubling" if self.over_sockets else "native"]
+        seconds = self.engine_cycle_s + negotiation(NEGOTIATION_BYTES)
         seconds += sum(cost[name](nbytes) for name, nbytes in chosen)
         if self.machine_cpu is None:
             return seconds, 0.0
         cpu = self.machine_cpu.cycle_cpu_s(chosen)
-        return max(seconds, self.machine_cpu.share * cpu), cpu
+        return seconds + self.machine_cpu.waiting_s(cpu), cpu
 
     def chosen(self, buffers: list[int], algorithm: str) -> list[tuple[str, int]]:
         """(algorithm name, bytes) of each buffer, as the engine's ``AlgorithmChoice`` picks."""
         choice = AlgorithmChoice(algorithm, None, "0",
                                  Topology(0, self.nodes, 0, 1, 0, self.nodes, True), self.link,
-                                 **self.step_overhead())
+                                 over_sockets=self.over_sockets, **self.step_overhead())
         return [(choice.choose(nbytes).name, nbytes) for nbytes in buffers]
 
     def step_overhead(self) -> dict:
@@ -295,19 +317,22 @@ def allreduce_rows(directory: str, setting: str, nodes: int) -> list | None:
 
 
 def measured_latency_s(rows: list | None, setting: str, nodes: int,
-                       default_us: float | None) -> float:
-    """The links' latency at this N as the emulation presents it (with many ranks on few
-    cores the scheduler's delays are part of it): ``default_us`` if given, else the latency
-    at which the model's ``MPI_Allreduce`` takes the time the all-reduce benchmark measured
-    (``rows``) for its smallest size (the model is linear in it), else 100 us."""
+                       default_us: float | None, share: float = 1.0) -> float:
+    """The links' latency at this N as the emulation presents it: ``default_us`` if given,
+    else the latency at which the model's ``MPI_Allreduce`` takes the time the all-reduce
+    benchmark measured (``rows``) for its smallest size (the model is linear in it), else
+    100 us. With ``share`` ranks per core, the time is first cut by the waiting for the other
+    ranks of a core (``MachineCpu.waiting_s`` of the call's measured CPU), which the model
+    with the cores adds back; with ``share`` 1 the scheduler's delays stay in the latency."""
     if default_us is not None or rows is None:
         return (100.0 if default_us is None else default_us) * 1e-6
     smallest = min((row for row in rows if row["method"] == "MPI_Allreduce"),
                    key=lambda row: row["bytes"])
+    waiting = (share - 1) * smallest["cpu_s_per_gb"] * smallest["bytes"] / 1e9
     rate = SETTINGS[setting]
     at_zero = native_seconds(smallest["bytes"], nodes, LinkCosts.from_rate(rate, 0.0))
     per_second = native_seconds(smallest["bytes"], nodes, LinkCosts.from_rate(rate, 1e6)) - at_zero
-    return max(0.0, (smallest["seconds"] - at_zero) / per_second)
+    return max(0.0, (smallest["seconds"] - waiting - at_zero) / per_second)
 
 
 def print_summary(label: str, errors: list[float]) -> None:
@@ -318,7 +343,7 @@ def print_summary(label: str, errors: list[float]) -> None:
 
 
 def validate(directory: str, latency_us: float | None, step_overhead_us: float,
-             cores: int) -> None:
+             cores: int, over_sockets: bool = True) -> None:
     rows, errors = [], []
     for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
         match = RESULT.search(os.path.basename(path))
@@ -334,11 +359,15 @@ def validate(directory: str, latency_us: float | None, step_overhead_us: float,
                              benchmark, setting, nodes, latency_us)),
                          bucket_bytes=int(result.get("bucket_cap_mb", 4.0) * 2 ** 20),
                          step_overhead_s=step_overhead_us * 1e-6,
-                         optimizer_s=result["simulation"]["optimizer_s"])
+                         optimizer_s=result["simulation"]["optimizer_s"],
+                         over_sockets=over_sockets)
         single = result["variants"].get("single") or {}
+        share = ranks_per_core(nodes, cores)
         with_cores = None if benchmark is None else replace(
             links_only, machine_cpu=MachineCpu.from_benchmark(
-                benchmark, nodes, cores, single.get("cpu_ms_per_step", 0.0) / 1e3))
+                benchmark, nodes, cores, single.get("cpu_ms_per_step", 0.0) / 1e3),
+            link=LinkCosts.from_rate(SETTINGS[setting], 1e6 * measured_latency_s(
+                benchmark, setting, nodes, latency_us, share)))
         for variant, overlap, algorithm in (("mpiddp", False, "auto"), ("overlap", True, "auto"),
                                             ("native", False, "native")):
             measured = result["variants"].get(variant)
@@ -369,23 +398,24 @@ ALLREDUCE_RESULT = re.compile(r"allreduce-(?P<setting>light|heavy)-(?P<nodes>\d+
 
 
 def allreduce_model_s(method: str, nbytes: int, nodes: int, link: LinkCosts,
-                      step_overhead_s: float) -> float:
+                      step_overhead_s: float, over_sockets: bool = True) -> float:
     """One all-reduce as ``scripts/benchmark_allreduce.py`` times it: through the engine (a
     cycle of its own per call: the negotiation; the engine's own work for one tensor and the
     hand-offs between threads left out) by one algorithm, or ``MPI_Allreduce`` called
     directly."""
     if method == "MPI_Allreduce":
         return native_seconds(nbytes, nodes, link)
-    algorithm = {row: name for name, row in BENCHMARK_ROWS.items()}[method]
-    job = Job([], 1.0, 0.0, nodes, link, step_overhead_s=step_overhead_s, engine_cycle_s=0.0)
+    algorithm = MODELLED_ROWS[method]
+    job = Job([], 1.0, 0.0, nodes, link, step_overhead_s=step_overhead_s, engine_cycle_s=0.0,
+              over_sockets=over_sockets)
     return job.cycle_s([nbytes], algorithm)
 
 
 def validate_allreduce(directory: str, latency_us: float | None, step_overhead_us: float,
-                       cores: int) -> None:
+                       cores: int, over_sockets: bool = True) -> None:
     """The alpha-beta model of each algorithm against the all-reduce benchmark at each N: on
-    the links alone, and no shorter than the shared cores allow given the CPU the call was
-    measured to cost (a consistency check, that CPU being the same run's)."""
+    the links alone, and with the waiting for the other ranks of a shared core given the CPU
+    the call was measured to cost (a consistency check, that CPU being the same run's)."""
     table, errors, sizes = {}, [], set()
     for path in sorted(glob.glob(os.path.join(directory, "allreduce-*.json"))):
         match = ALLREDUCE_RESULT.search(os.path.basename(path))
@@ -394,17 +424,18 @@ def validate_allreduce(directory: str, latency_us: float | None, step_overhead_u
         with open(path) as f:
             rows = json.load(f)["rows"]
         nodes, setting = int(match["nodes"]), match["setting"]
-        link = LinkCosts.from_rate(SETTINGS[setting],
-                                   1e6 * measured_latency_s(rows, setting, nodes, latency_us))
         share = ranks_per_core(nodes, cores)
+        link, shared_link = (LinkCosts.from_rate(SETTINGS[setting], 1e6 * measured_latency_s(
+            rows, setting, nodes, latency_us, s)) for s in (1.0, share))
         for row in rows:
             method = row["method"]
-            if method not in BENCHMARK_ROWS.values() or (
-                    method == BENCHMARK_ROWS["halving_doubling"] and nodes < 4):
+            if method not in MODELLED_ROWS or (
+                    MODELLED_ROWS[method] == "halving_doubling" and nodes < 4):
                 continue
-            links = allreduce_model_s(method, row["bytes"], nodes, link,
-                                      step_overhead_us * 1e-6)
-            with_cores = max(links, share * row["cpu_s_per_gb"] * row["bytes"] / 1e9)
+            links, with_cores = (allreduce_model_s(method, row["bytes"], nodes, costs,
+                                                   step_overhead_us * 1e-6, over_sockets)
+                                 for costs in (link, shared_link))
+            with_cores += (share - 1) * row["cpu_s_per_gb"] * row["bytes"] / 1e9
             cell = []
             for kind, predicted in (("links", links), ("cores", with_cores)):
                 error = predicted / row["seconds"] - 1
@@ -415,7 +446,7 @@ def validate_allreduce(directory: str, latency_us: float | None, step_overhead_u
     if not table:
         return
     sizes = sorted(sizes)
-    print("\nAll-reduce, model / measured - 1 (links alone / no shorter than the cores allow):\n")
+    print("\nAll-reduce, model / measured - 1 (links alone / with the shared cores):\n")
     print("| setting | nodes | method | " + " | ".join(human_bytes(n) for n in sizes) + " |")
     print("|---|---:|---|" + "---:|" * len(sizes))
     for (setting, nodes, method), cells in sorted(table.items()):
@@ -485,6 +516,10 @@ def main(argv=None) -> None:
                         "at each N where it ran, else 100)")
     v.add_argument("--step-overhead-us", type=float, default=50.0,
                    help="the ring's cost per step in Python and MPI")
+    v.add_argument("--control-over-mpi", action="store_true",
+                   help="the runs' engine negotiated over MPI and had no recursive doubling "
+                        "(code before 2026-11-26's seventh run; since, over the engine's "
+                        "TCP connections where it keeps them, as on the emulated cluster)")
     v.add_argument("--cores", type=int, default=os.sysconf("SC_NPROCESSORS_ONLN"),
                    help="the cores the emulated nodes shared (default: this machine's)")
     e = sub.add_parser("extrapolate", help="64-512 nodes at 10, 25 and 100 Gbit/s")
@@ -495,8 +530,11 @@ def main(argv=None) -> None:
                         "reductions on the device")
     args = p.parse_args(argv)
     if args.command == "validate":
-        validate(args.directory, args.latency_us, args.step_overhead_us, args.cores)
-        validate_allreduce(args.directory, args.latency_us, args.step_overhead_us, args.cores)
+        over_sockets = not args.control_over_mpi
+        validate(args.directory, args.latency_us, args.step_overhead_us, args.cores,
+                 over_sockets)
+        validate_allreduce(args.directory, args.latency_us, args.step_overhead_us, args.cores,
+                           over_sockets)
     else:
         extrapolate(args.profile, args.latency_us, args.reduce_gb_per_s)
 

@@ -1,6 +1,6 @@
 """The cost model of a training step (scripts/scaling_model.py, docs/scaling.md): the engine's
-cycles as the model forms them, and the bound the shared cores of the emulated cluster put on
-a cycle and a step, from the all-reduce benchmark's CPU per call."""
+cycles as the model forms them, and what the shared cores of the emulated cluster add to a
+cycle and bound a step by, from the all-reduce benchmark's CPU per call."""
 import json
 import sys
 
@@ -11,7 +11,7 @@ from mpi_launch import ROOT
 sys.path.insert(0, str(ROOT / "scripts"))
 import scaling_model as model  # noqa: E402
 import simulated_models as sim  # noqa: E402
-from mpiddp.collectives.cost_model import LinkCosts  # noqa: E402
+from mpiddp.collectives.cost_model import RING_STEP_OVERHEAD_S, LinkCosts  # noqa: E402
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -51,20 +51,35 @@ def job(nodes=16, cpu=None, gbit=100.0, scale=0.05):
                      machine_cpu=cpu)
 
 
-def test_a_cycle_takes_no_less_than_its_ranks_cpu_on_the_shared_cores():
+def test_a_cycle_waits_for_the_other_ranks_of_its_core():
     cpu = model.MachineCpu.from_benchmark(benchmark_rows(CPU_MS), ranks=16, cores=2)
-    fast_links, bounded = job(), job(cpu=cpu)
+    fast_links, shared = job(), job(cpu=cpu)
     buffers = [MIB, MIB // 2]
     on_links = fast_links.cycle_s(buffers)
-    assert bounded.cycle_s(buffers) == pytest.approx(8 * bounded.cycle_cpu_s(buffers))
-    assert bounded.cycle_s(buffers) > on_links
     assert fast_links.cycle_cpu_s(buffers) == 0.0
-    # Slow links and cheap CPU: the links decide.
-    cheap = model.MachineCpu.from_benchmark(
-        benchmark_rows({k: {s: ms / 1000 for s, ms in v.items()} for k, v in CPU_MS.items()}),
-        ranks=16, cores=2)
-    assert job(cpu=cheap, gbit=0.1).cycle_s(buffers) == pytest.approx(
+    # In lockstep, the 7 other ranks of a core run their part of the cycle while this one
+    # waits: the links' time plus theirs (its own is in the links' step overhead).
+    assert shared.cycle_s(buffers) == pytest.approx(on_links + 7 * shared.cycle_cpu_s(buffers))
+    # With a core each, nobody waits: the links decide.
+    own = model.MachineCpu.from_benchmark(benchmark_rows(CPU_MS), ranks=16, cores=16)
+    assert job(cpu=own, gbit=0.1).cycle_s(buffers) == pytest.approx(
         job(gbit=0.1).cycle_s(buffers))
+
+
+def test_over_the_engines_sockets_the_negotiation_and_small_buffers_go_by_recursive_doubling():
+    over_mpi = model.Job([], 1.0, 0.0, 16, LinkCosts.from_rate(1.0, 30.0))
+    over_sockets = model.Job([], 1.0, 0.0, 16, LinkCosts.from_rate(1.0, 30.0),
+                             over_sockets=True)
+    assert over_mpi.chosen([4 * KIB, 4 * MIB], "auto")[0][0] == "native"
+    assert [name for name, _ in over_sockets.chosen([4 * KIB, 4 * MIB], "auto")] == \
+        ["recursive_doubling", "ring"]
+    # An empty cycle is its own work and the negotiation: the library's recursive doubling,
+    # or ours with its Python cost per step (log2 16 = 4 steps).
+    link = over_mpi.link
+    assert over_mpi.cycle_s([]) == pytest.approx(
+        model.ENGINE_CYCLE_S + model.native_seconds(model.NEGOTIATION_BYTES, 16, link))
+    assert over_sockets.cycle_s([]) - over_mpi.cycle_s([]) == pytest.approx(
+        4 * RING_STEP_OVERHEAD_S)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -131,3 +146,9 @@ def test_the_latency_is_the_one_at_which_the_model_takes_the_measured_small_all_
         == pytest.approx(2.3e-3)
     assert latency(8, None) == pytest.approx(100e-6)       # no benchmark at 8 nodes
     assert latency(16, 30.0) == pytest.approx(30e-6)
+    # With 8 ranks per core, what the other 7 spent on the call (0.2 ms each) is taken out
+    # of the time first: the model with the cores adds it back.
+    shared = model.measured_latency_s(model.allreduce_rows(str(tmp_path), "heavy", 16),
+                                      "heavy", 16, None, share=8)
+    assert model.native_seconds(4 * KIB, 16, LinkCosts.from_rate(1.0, shared * 1e6)) \
+        == pytest.approx(2.3e-3 - 7 * 0.2e-3)
