@@ -48,8 +48,10 @@ def test_topology_and_hierarchical_allreduce_across_nodes(cluster, nodes, per_no
 
 
 @pytest.mark.parametrize("layout,sockets,algorithm", [
-    ("2x2", "0", "auto"), ("2x2", "1", "auto"), ("4x1", "1", "recursive_doubling")],
-    ids=["over-mpi", "over-sockets", "recursive-doubling-over-sockets"])
+    ("2x2", "0", "auto"), ("2x2", "1", "auto"), ("4x1", "1", "recursive_doubling"),
+    ("4x1", "1", "links")],
+    ids=["over-mpi", "over-sockets", "recursive-doubling-over-sockets",
+         "links-choose-over-sockets"])
 def test_every_collective_across_nodes(cluster, layout, sockets, algorithm):
     # Transfers over MPI block here (MPIDDP_TRANSFER_SLEEP_US=0, as on links too fast for
     # sleeps); the other tests on the cluster sleep between tests, as 1 Gbit/s links ask.
@@ -57,23 +59,30 @@ def test_every_collective_across_nodes(cluster, layout, sockets, algorithm):
     # all-reduce's cross-node rings take TCP connections, those within a node MPI, and the
     # cycle's bit vector goes by recursive doubling over connections of its own (within a
     # node too); on the nodes' link only (eth0: the loopback address would not reach another
-    # node anyway). At 4x1, every fused buffer by recursive doubling over the sockets.
+    # node anyway). At 4x1, every fused buffer by recursive doubling over the sockets; or, as
+    # the measured links choose (no ring threshold set), the small ones by recursive doubling
+    # and the larger (the 40k-element float64 tensors, alone above the fusion threshold) by
+    # halving-doubling: over the sockets the library's all-reduce takes no host buffer.
+    env = {"MPIDDP_FUSION_THRESHOLD": "65536", "MPIDDP_RING_THRESHOLD": "16384",
+           "MPIDDP_TRANSFER_SLEEP_US": "0", "MPIDDP_SOCKET_TRANSPORT": sockets,
+           "MPIDDP_SOCKET_IFNAME": "eth0", "MPIDDP_ALLREDUCE_ALGORITHM": algorithm}
+    if algorithm == "links":
+        env["MPIDDP_ALLREDUCE_ALGORITHM"] = "auto"
+        del env["MPIDDP_RING_THRESHOLD"]
     result = run_on_cluster(layout, "collectives_worker.py", "check_allreduce",
                             "check_speculated_allreduce", "check_allgather", "check_broadcast", "check_reducescatter",
-                            "check_alltoall", "check_process_sets",
-                            env={"MPIDDP_FUSION_THRESHOLD": "65536",
-                                 "MPIDDP_RING_THRESHOLD": "16384",
-                                 "MPIDDP_TRANSFER_SLEEP_US": "0",
-                                 "MPIDDP_SOCKET_TRANSPORT": sockets,
-                                 "MPIDDP_SOCKET_IFNAME": "eth0",
-                                 "MPIDDP_ALLREDUCE_ALGORITHM": algorithm})
+                            "check_alltoall", "check_process_sets", env=env)
     assert_ok(result, expect_lines=8)
     # Small all-reduces ride in the negotiation where it goes over the sockets (by default).
     spec, = reported(result, "finished in the negotiation")
     assert (spec["speculated"] > 0) == (sockets == "1"), spec
+    counts, = reported(result, "allreduce every op x dtype x size")
     if algorithm == "recursive_doubling":
-        counts, = reported(result, "allreduce every op x dtype x size")
         assert counts["recursive_doubling_batches"] > 0, counts
+    if algorithm == "links":
+        assert counts["recursive_doubling_batches"] > 0, counts
+        assert counts["halving_doubling_batches"] > 0, counts
+        assert counts["native_batches"] == 0, counts
 
 
 def test_training_equivalence_across_nodes(cluster):

@@ -492,6 +492,38 @@ def test_automatic_choice_across_nodes_follows_the_measured_links():
     assert local.ring_threshold == LOCAL_RING_THRESHOLD
 
 
+def test_over_the_sockets_host_buffers_skip_the_librarys_all_reduce_where_halving_doubling_fits():
+    from mpiddp.collectives.algorithms import AlgorithmChoice
+    from mpiddp.collectives.cost_model import LinkCosts
+    from mpiddp.collectives.topology import Topology
+
+    link = LinkCosts.from_rate(1, 30)
+    for nodes in (4, 8, 16, 64):
+        topology = Topology(0, nodes, 0, 1, 0, nodes, True)
+        over_mpi = AlgorithmChoice("auto", None, "auto", topology, link)
+        sockets = AlgorithmChoice("auto", None, "auto", topology, link, over_sockets=True)
+        assert sockets.ring_threshold == over_mpi.ring_threshold      # device buffers' rule
+        assert 0 < sockets.sockets_native_limit == sockets.recursive_doubling_limit \
+            < over_mpi.ring_threshold
+        # Between the two: the library's all-reduce over MPI, halving-doubling over the
+        # sockets; above the ring's threshold the ring either way.
+        middle = (sockets.recursive_doubling_limit + over_mpi.ring_threshold) // 2
+        assert over_mpi.choose(middle).name == "native"
+        assert sockets.choose(middle).name == "halving_doubling"
+        assert sockets.choose(middle, host=False).name == "native"
+        big = sockets.halving_doubling_limit + 1
+        assert sockets.choose(big).name == over_mpi.choose(big).name == "ring"
+    # Where halving-doubling does not fit (12 nodes: not a power of two) the library keeps
+    # the sizes between recursive doubling and the ring.
+    twelve = AlgorithmChoice("auto", None, "auto", Topology(0, 12, 0, 1, 0, 12, True), link,
+                             over_sockets=True)
+    assert twelve.sockets_native_limit == twelve.ring_threshold
+    # A threshold the user set is kept.
+    pinned = AlgorithmChoice("auto", 1 << 20, "auto", Topology(0, 16, 0, 1, 0, 16, True), link,
+                             over_sockets=True)
+    assert pinned.sockets_native_limit == 1 << 20
+
+
 def test_recursive_doubling_over_the_sockets_takes_the_smallest_buffers():
     from mpiddp.collectives.algorithms import AlgorithmChoice
     from mpiddp.collectives.cost_model import (HOST_REDUCE_SECONDS_PER_BYTE, LinkCosts,
@@ -521,8 +553,11 @@ def test_recursive_doubling_over_the_sockets_takes_the_smallest_buffers():
     choice = AlgorithmChoice("auto", None, "auto", one_per_node, link, over_sockets=True)
     limit = choice.recursive_doubling_limit
     assert 0 < limit < choice.ring_threshold
+    # Host buffers: halving-doubling after it (16 ranks, one per node: it fits); device
+    # buffers, which the sockets do not carry, the library's all-reduce.
     assert [choice.choose(n).name for n in (4096, limit, limit + 1)] == \
-        ["recursive_doubling", "recursive_doubling", "native"]
+        ["recursive_doubling", "recursive_doubling", "halving_doubling"]
+    assert choice.choose(limit + 1, host=False).name == "native"
     # Only over the sockets, with one rank per node and the links measured; a forced ring
     # threshold (autotune, the user) moves the limit with it.
     assert AlgorithmChoice("auto", None, "auto", one_per_node, link).choose(4096).name == \
@@ -538,6 +573,7 @@ def test_recursive_doubling_over_the_sockets_takes_the_smallest_buffers():
     choice.configure("auto", ring_threshold=1000)
     assert choice.recursive_doubling_limit <= 1000
     assert choice.choose(2000).name != "recursive_doubling"
+    assert choice.sockets_native_limit == 1000    # the caller's threshold, host buffers too
     # Forced: it applies across nodes (without the sockets its run is MPI_Allreduce's).
     forced = AlgorithmChoice("recursive_doubling", None, "auto", one_per_node, link)
     assert forced.choose(64 << 20).name == "recursive_doubling"

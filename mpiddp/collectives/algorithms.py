@@ -189,8 +189,10 @@ class AlgorithmChoice:
 
     ``auto``: native ``MPI_Allreduce`` up to the ring threshold, above it the ring or
     recursive halving-doubling (``own_algorithm``); where the engine's TCP connections carry
-    the transfers (``over_sockets``, one rank per node), recursive doubling over them
-    instead of native up to ``recursive_doubling_limit``; where the
+    the transfers of host buffers (``over_sockets``, one rank per node), recursive doubling
+    over them instead of native up to ``recursive_doubling_limit``, and, where
+    halving-doubling fits, halving-doubling above it (``sockets_native_limit``: native
+    takes no host buffer there); where the
     hierarchical all-reduce applies, it replaces the ring (``hierarchical=auto``) or every
     algorithm (``hierarchical=1``). A forced algorithm wins, except one that cannot apply
     (hierarchical on one node): the ring then, never a wrong result."""
@@ -218,6 +220,7 @@ class AlgorithmChoice:
         self._step_overhead_s = step_overhead_s
         self.over_sockets = over_sockets
         self.recursive_doubling_limit = self._recursive_doubling_limit()
+        self.sockets_native_limit = self._sockets_native_limit(ring_threshold is None)
         self.ring = RingAllreduce()
         self.halving_doubling = HalvingDoublingAllreduce()
         self.recursive_doubling = RecursiveDoublingAllreduce()
@@ -244,6 +247,22 @@ class AlgorithmChoice:
         return cost_model.recursive_doubling_limit(topology.size, self.link,
                                                    self.ring_threshold,
                                                    step_overhead_s=self._step_overhead_s)
+
+    def _sockets_native_limit(self, from_links: bool) -> int:
+        """Up to where native ``MPI_Allreduce`` takes host buffers whose transfers go over
+        the engine's sockets: nowhere above recursive doubling's limit where halving-doubling
+        fits and the links (not the user) set the thresholds. The alpha-beta terms give the
+        library's recursive halving-doubling the same steps as ours and none of our Python,
+        so our threshold against it is where that Python is 5% of the transfer; but over TCP
+        the library moves a message only while called, and in the engine each of its calls
+        follows the cycle's negotiation over the sockets: synchronous 128 KiB all-reduces
+        through the engine took 2.5-2.8 ms by native against 1.8-2.0 by halving-doubling over
+        the sockets at 4 emulated nodes, 3.3-3.4 against 2.8-2.9 at 8, 8.2-9.1 against 6.9
+        at 16 (docs/benchmarks.md)."""
+        if from_links and self.recursive_doubling_limit and \
+                self.halving_doubling_fits(self.topology):
+            return min(self.ring_threshold, self.recursive_doubling_limit)
+        return self.ring_threshold
 
     @staticmethod
     def default_thresholds(topology: Topology, link: Optional[LinkCosts],
@@ -280,9 +299,12 @@ class AlgorithmChoice:
         if ring_threshold is not None:
             self.ring_threshold = self.hierarchical.cross_ring_threshold = int(ring_threshold)
             self.recursive_doubling_limit = self._recursive_doubling_limit()
+            self.sockets_native_limit = self.ring_threshold    # the caller's threshold
 
-    def choose(self, nbytes: int):
-        """The algorithm for one fused buffer of ``nbytes``."""
+    def choose(self, nbytes: int, host: bool = True):
+        """The algorithm for one fused buffer of ``nbytes`` (``host``: in host memory, which
+        the engine's sockets can carry; device buffers keep the library's all-reduce below
+        the ring threshold)."""
         if self.setting != AUTO:
             chosen = self._by_name[self.setting]
             if chosen is self.hierarchical and self.hierarchical_setting == "0":
@@ -290,7 +312,8 @@ class AlgorithmChoice:
             return chosen if chosen.applies(self.topology) else self.ring
         if 0 < nbytes <= self.recursive_doubling_limit:
             return self.recursive_doubling     # one rank per node: nothing hierarchical
-        by_size = self.native if nbytes <= self.ring_threshold else self.own_algorithm(nbytes)
+        native_limit = self.sockets_native_limit if host else self.ring_threshold
+        by_size = self.native if nbytes <= native_limit else self.own_algorithm(nbytes)
         if self.hierarchical_setting != "0" and self.hierarchical.applies(self.topology) and \
                 (self.hierarchical_setting == "1" or by_size is not self.native):
             return self.hierarchical

@@ -117,7 +117,8 @@ class Allreduce(Operation):
                     backend.copy(part, entry.input)
                 offset += count
         backend.scale_(job.buf, request.prescale, dtype)
-        job.algorithm = ex.algorithms.choose(total * dtype.itemsize)
+        job.algorithm = ex.algorithms.choose(total * dtype.itemsize,
+                                             host=backend.device_type == "cpu")
         scratch = job.algorithm.scratch_elements(total, dtype.itemsize, ex.links(backend))
         job.scratch = ex.pool.get(backend, request.device, dtype, "scratch", scratch) \
             if scratch else None
@@ -290,6 +291,10 @@ class Executor:
         if choice.recursive_doubling_limit:
             small = (f"recursive doubling over the TCP connections up to "
                      f"{describe_threshold(choice.recursive_doubling_limit)}, then MPI_Allreduce")
+        if choice.sockets_native_limit < choice.ring_threshold:
+            small = (f"recursive doubling over the TCP connections up to "
+                     f"{describe_threshold(choice.sockets_native_limit)}, then halving-doubling "
+                     f"for host buffers and MPI_Allreduce for device ones")
         log.info("mpiddp: automatic all-reduce takes %s, %s from %s (whole communicator) and "
                  "the ring from %s (across nodes)", small, own,
                  describe_threshold(choice.ring_threshold),
