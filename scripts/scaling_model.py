@@ -61,6 +61,12 @@ MODELLED_ROWS = {"mpiddp ring": "ring", "mpiddp halving-doubling": "halving_doub
                  "mpiddp auto": "auto", "MPI_Allreduce": "native"}
 
 
+def call_waiting_s(row: dict, share: float) -> float:
+    """How long one call of the all-reduce benchmark's ``row`` waits for the other ranks of
+    a core shared by ``share`` (``MachineCpu.waiting_s`` of the call's measured CPU)."""
+    return (share - 1) * row["cpu_s_per_gb"] * row["bytes"] / 1e9
+
+
 def ranks_per_core(ranks: int, cores: int) -> float:
     """How many ranks share each core (at least 1: a rank never has more than one)."""
     return max(1.0, ranks / cores)
@@ -328,7 +334,7 @@ def measured_latency_s(rows: list | None, setting: str, nodes: int,
         return (100.0 if default_us is None else default_us) * 1e-6
     smallest = min((row for row in rows if row["method"] == "MPI_Allreduce"),
                    key=lambda row: row["bytes"])
-    waiting = (share - 1) * smallest["cpu_s_per_gb"] * smallest["bytes"] / 1e9
+    waiting = call_waiting_s(smallest, share)
     rate = SETTINGS[setting]
     at_zero = native_seconds(smallest["bytes"], nodes, LinkCosts.from_rate(rate, 0.0))
     per_second = native_seconds(smallest["bytes"], nodes, LinkCosts.from_rate(rate, 1e6)) - at_zero
@@ -435,7 +441,7 @@ def validate_allreduce(directory: str, latency_us: float | None, step_overhead_u
             links, with_cores = (allreduce_model_s(method, row["bytes"], nodes, costs,
                                                    step_overhead_us * 1e-6, over_sockets)
                                  for costs in (link, shared_link))
-            with_cores += (share - 1) * row["cpu_s_per_gb"] * row["bytes"] / 1e9
+            with_cores += call_waiting_s(row, share)
             cell = []
             for kind, predicted in (("links", links), ("cores", with_cores)):
                 error = predicted / row["seconds"] - 1
