@@ -61,7 +61,7 @@ def test_every_collective_across_nodes(cluster, layout, sockets, algorithm):
     # node too); on the nodes' link only (eth0: the loopback address would not reach another
     # node anyway). At 4x1, every fused buffer by recursive doubling over the sockets; or, as
     # the measured links choose (no ring threshold set), the small ones by recursive doubling
-    # and the larger (the 40k-element float64 tensors, alone above the fusion threshold) by
+    # and the larger (the 40k-element tensors, alone above the fusion threshold) by
     # halving-doubling: over the sockets the library's all-reduce takes no host buffer.
     env = {"MPIDDP_FUSION_THRESHOLD": "65536", "MPIDDP_RING_THRESHOLD": "16384",
            "MPIDDP_TRANSFER_SLEEP_US": "0", "MPIDDP_SOCKET_TRANSPORT": sockets,
@@ -80,9 +80,13 @@ def test_every_collective_across_nodes(cluster, layout, sockets, algorithm):
     if algorithm == "recursive_doubling":
         assert counts["recursive_doubling_batches"] > 0, counts
     if algorithm == "links":
+        # The 40k-element tensors of 4 and 8 bytes (160 and 320 kB, each alone: above
+        # recursive doubling's limit, about at or below halving-doubling's own threshold
+        # against the library, 0.32-0.37 MB here) for each of the 5 ops: 20 that went to
+        # MPI_Allreduce before. (An empty tensor alone in its cycle still goes native:
+        # nothing to move.)
         assert counts["recursive_doubling_batches"] > 0, counts
-        assert counts["halving_doubling_batches"] > 0, counts
-        assert counts["native_batches"] == 0, counts
+        assert counts["halving_doubling_batches"] >= 20, counts
 
 
 def test_training_equivalence_across_nodes(cluster):
