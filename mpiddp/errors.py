@@ -65,6 +65,13 @@ class LaunchError(MpiddpError):
     """
 
 
+class PeerLostError(MpiddpError):
+    """A partner process of this rank died, or its node: a transport saw its connection close
+    (``transport/sockets.py``). Raised on the engine's coordinator thread, which then gives the
+    launcher a few seconds to report how that rank ended before it ends the job itself
+    (``engine/coordinator.py``); the user's handles fail with ``EngineShutdownError``."""
+
+
 class InvalidInputError(MpiddpError, ValueError):
     """Some rank rejected its own input to a collective (a dtype the op does not support, a
     bad root rank, splits that do not add up...).

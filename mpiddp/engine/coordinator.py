@@ -20,8 +20,7 @@ from mpi4py import MPI
 
 from ..buffers import use_default_device
 from ..config import Settings
-from ..errors import DuplicateNameError, EngineShutdownError, MpiddpError
-from ..transport.sockets import PeerConnectionLost
+from ..errors import DuplicateNameError, EngineShutdownError, MpiddpError, PeerLostError
 from .autotune import Autotuner, Retune
 from .channel import ControlChannel, MPIChannel
 from .executor import Executor
@@ -187,7 +186,7 @@ class Engine:
         except BaseException as exc:  # a bug or an MPI failure: other ranks would hang
             detail = traceback.format_exc()
             log.critical("mpiddp coordinator on rank %d failed:\n%s", self.rank, detail)
-            if isinstance(exc, PeerConnectionLost):
+            if isinstance(exc, PeerLostError):
                 # A partner's process died (the kernel closed its sockets at once). Its
                 # launcher reports how (mpiexec: "KILLED BY SIGNAL: 9 ... RUNNING AT host";
                 # srun: "Killed"), which the elastic launcher (mpiddp.run) reads to leave

@@ -49,7 +49,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from ..errors import MpiddpError
+from ..errors import MpiddpError, PeerLostError
 
 log = logging.getLogger("mpiddp")
 
@@ -64,7 +64,7 @@ SPIN_SECONDS = 200e-6           # ``finish``: how long to poll before blocking
 SHORT_WAITS_BEFORE_SPIN = 4
 
 
-class PeerConnectionLost(MpiddpError):
+class PeerConnectionLost(PeerLostError):
     """A partner's connection broke during an exchange (it died, or its node)."""
 
 
