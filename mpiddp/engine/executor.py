@@ -289,12 +289,10 @@ class Executor:
                    f"{describe_threshold(choice.halving_doubling_limit)})")
         small = "MPI_Allreduce"
         if choice.recursive_doubling_limit:
+            then = "halving-doubling for host buffers and MPI_Allreduce for device ones" \
+                if choice.sockets_native_limit < choice.ring_threshold else "MPI_Allreduce"
             small = (f"recursive doubling over the TCP connections up to "
-                     f"{describe_threshold(choice.recursive_doubling_limit)}, then MPI_Allreduce")
-        if choice.sockets_native_limit < choice.ring_threshold:
-            small = (f"recursive doubling over the TCP connections up to "
-                     f"{describe_threshold(choice.sockets_native_limit)}, then halving-doubling "
-                     f"for host buffers and MPI_Allreduce for device ones")
+                     f"{describe_threshold(choice.recursive_doubling_limit)}, then {then}")
         log.info("mpiddp: automatic all-reduce takes %s, %s from %s (whole communicator) and "
                  "the ring from %s (across nodes)", small, own,
                  describe_threshold(choice.ring_threshold),

@@ -67,7 +67,6 @@ for name, algorithm, scratch_for in (
     say(f"{name} over sockets matches the float64 reference on every rank")
 
 
-
 for count in (0, 1, 1000, 300_001):
     rng = np.random.default_rng(count + RANK)
     mine = rng.standard_normal(count).astype(np.float32)
