@@ -49,9 +49,9 @@ def test_topology_and_hierarchical_allreduce_across_nodes(cluster, nodes, per_no
 
 @pytest.mark.parametrize("layout,sockets,algorithm", [
     ("2x2", "0", "auto"), ("2x2", "1", "auto"), ("4x1", "1", "recursive_doubling"),
-    ("4x1", "1", "links")],
+    ("4x1", "1", "links"), ("2x1", "1", "links")],
     ids=["over-mpi", "over-sockets", "recursive-doubling-over-sockets",
-         "links-choose-over-sockets"])
+         "links-choose-over-sockets", "links-choose-at-two-nodes"])
 def test_every_collective_across_nodes(cluster, layout, sockets, algorithm):
     # Transfers over MPI block here (MPIDDP_TRANSFER_SLEEP_US=0, as on links too fast for
     # sleeps); the other tests on the cluster sleep between tests, as 1 Gbit/s links ask.
@@ -79,14 +79,21 @@ def test_every_collective_across_nodes(cluster, layout, sockets, algorithm):
     counts, = reported(result, "allreduce every op x dtype x size")
     if algorithm == "recursive_doubling":
         assert counts["recursive_doubling_batches"] > 0, counts
-    if algorithm == "links":
+    if algorithm == "links" and layout == "2x1":
+        # At 2 nodes recursive doubling (one exchange, as the library's) takes every buffer
+        # up to the ring's threshold (0 on the code before), the ring the rest: none goes to
+        # the library's all-reduce, which polls a core for the whole transfer.
+        assert counts["recursive_doubling_batches"] > 0 and counts["ring_batches"] > 0, counts
+        assert counts["native_batches"] == 0, counts
+    elif algorithm == "links":
         # The 40k-element tensors of 4 and 8 bytes (160 and 320 kB, each alone: above
         # recursive doubling's limit, about at or below halving-doubling's own threshold
         # against the library, 0.32-0.37 MB here) for each of the 5 ops: 20 that went to
-        # MPI_Allreduce before. (An empty tensor alone in its cycle still goes native:
-        # nothing to move.)
+        # MPI_Allreduce before; none goes native now (an empty tensor alone in its cycle
+        # takes recursive doubling too: nothing moves).
         assert counts["recursive_doubling_batches"] > 0, counts
         assert counts["halving_doubling_batches"] >= 20, counts
+        assert counts["native_batches"] == 0, counts
 
 
 def test_training_equivalence_across_nodes(cluster):

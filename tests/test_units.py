@@ -560,16 +560,21 @@ def test_recursive_doubling_over_the_sockets_takes_the_smallest_buffers():
     assert choice.choose(limit + 1, host=False).name == "native"
     # Only over the sockets, with one rank per node and the links measured; a forced ring
     # threshold (autotune, the user) moves the limit with it.
-    assert AlgorithmChoice("auto", None, "auto", one_per_node, link).choose(4096).name == \
-        "native"
+    over_mpi = AlgorithmChoice("auto", None, "auto", one_per_node, link)
+    assert over_mpi.choose(4096).name == over_mpi.choose(0).name == "native"
     two_per_node = Topology(0, 16, 0, 2, 0, 8, True)
     assert AlgorithmChoice("auto", None, "auto", two_per_node, link,
                            over_sockets=True).recursive_doubling_limit == 0
     assert AlgorithmChoice("auto", None, "auto", one_per_node, None,
                            over_sockets=True).recursive_doubling_limit == 0
-    two_nodes = Topology(0, 2, 0, 1, 0, 2, True)    # MPI's own single exchange
-    assert AlgorithmChoice("auto", None, "auto", two_nodes, link,
-                           over_sockets=True).recursive_doubling_limit == 0
+    # At 2 nodes it is the library's own single exchange, without its polling: every buffer
+    # up to the ring's threshold (native none but empty ones).
+    two_nodes = AlgorithmChoice("auto", None, "auto", Topology(0, 2, 0, 1, 0, 2, True), link,
+                                over_sockets=True)
+    assert two_nodes.recursive_doubling_limit == two_nodes.ring_threshold > 0
+    assert [two_nodes.choose(n).name for n in (0, 4096, two_nodes.ring_threshold,
+                                               two_nodes.ring_threshold + 1)] == \
+        ["recursive_doubling", "recursive_doubling", "recursive_doubling", "ring"]
     choice.configure("auto", ring_threshold=1000)
     assert choice.recursive_doubling_limit <= 1000
     assert choice.choose(2000).name != "recursive_doubling"
