@@ -184,3 +184,50 @@ def test_exchange_patterns_benchmark_runs_on_two_ranks():
     for pattern in ("ring", "halving-doubling", "halving-doubling, a barrier per step"):
         line = next(l for l in result.output.splitlines() if l.strip().startswith(pattern + ":"))
         assert len([float(s) for s in line.split(":")[1].replace(" s", "").split(",")]) == 2
+
+
+class _Comm:
+    """What ``MPIChannel`` asks of a communicator before any MPI call: its rank and size."""
+
+    def __init__(self, rank, size):
+        self.rank, self.size = rank, size
+
+    def Get_rank(self):
+        return self.rank
+
+    def Get_size(self):
+        return self.size
+
+
+def test_the_cycle_message_over_sockets_ands_the_bits_and_sums_the_arrays(pair):
+    # The channel keeps its buffers while the layout stays and makes new ones when it changes
+    # (the sums' sizes or types, the bit vector's length): every cycle's result must be
+    # exact either way, with nothing left over from the cycle before.
+    from mpiddp.engine.channel import MPIChannel
+
+    channels = [MPIChannel(_Comm(rank, 2)) for rank in (0, 1)]
+    for channel, sockets in zip(channels, pair):
+        channel.use_sockets(sockets)
+    rng = np.random.default_rng(7)
+    layouts = [(24, [(5, np.float32), (3, np.float64)]), (24, [(5, np.float32), (3, np.float64)]),
+               (24, [(7, np.int32)]), (40, []), (40, [(5, np.float32), (3, np.float64)])]
+    for bits, shapes in layouts:
+        messages = [rng.integers(0, 256, bits, dtype=np.uint8).tobytes() for _ in range(2)]
+        sums = [[rng.integers(-50, 50, n).astype(dtype) for n, dtype in shapes]
+                for _ in range(2)]
+        want_bits = np.bitwise_and(*[np.frombuffer(m, np.uint8) for m in messages])
+        want_sums = [a + b for a, b in zip(*sums)]
+        results = [None, None]
+
+        def run(rank):
+            results[rank] = bytes(channels[rank].and_reduce(messages[rank], None, True,
+                                                            sums[rank]))
+        threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=10)
+        for rank in (0, 1):
+            assert results[rank] == want_bits.tobytes()
+            for got, want in zip(sums[rank], want_sums):
+                assert got.dtype == want.dtype and np.array_equal(got, want)

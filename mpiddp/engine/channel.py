@@ -58,6 +58,46 @@ class ControlChannel(Protocol):
         """Release the channel (after the ranks agreed to stop)."""
 
 
+class _SocketMessage:
+    """One layout of the cycle's message over the sockets (the bit vector's length, the sums'
+    sizes and types): its buffer, the scratch recursive doubling receives into, and their
+    views, made once and reused while the layout stays (every cycle takes this path)."""
+
+    def __init__(self, bits: int, sums: Sequence):
+        self.bits, places, end = bits, [], _aligned(bits)
+        for array in sums:
+            places.append((end, end + array.nbytes, array.dtype))
+            end = _aligned(end + array.nbytes)
+        self.buffer = np.zeros(end, np.uint8)      # the padding stays zero
+        self.scratch = np.empty_like(self.buffer)
+        self.places = [(start, stop) for start, stop, _ in places]
+        self._pairs = [(self.buffer[start:stop].view(dtype), self.scratch[start:stop].view(dtype))
+                       for start, stop, dtype in places]
+        self._bits_pair = (self.buffer[:bits], self.scratch[:bits])
+
+    def fill(self, message: bytes, sums: Sequence) -> np.ndarray:
+        buffer = self.buffer
+        buffer[:self.bits] = np.frombuffer(message, np.uint8)
+        for array, (start, stop) in zip(sums, self.places):
+            buffer[start:stop] = array.view(np.uint8)
+        return buffer
+
+    def combine(self, mine: np.ndarray, theirs: np.ndarray) -> None:
+        """``recursive_doubling``'s fold, always of the scratch into the buffer."""
+        assert mine is self.buffer and theirs is self.scratch
+        own, other = self._bits_pair
+        np.bitwise_and(own, other, out=own)
+        for into, addend in self._pairs:
+            np.add(into, addend, out=into)
+
+    def result(self, sums: Sequence) -> np.ndarray:
+        """Copy the sums out; return the AND of the bit vectors (valid until the next
+        cycle)."""
+        for array, (start, stop) in zip(sums, self.places):
+            array.view(np.uint8)[:] = self.buffer[start:stop]
+        return self._bits_pair[0]
+
+
 class MPIChannel:
     """``ControlChannel`` on an MPI communicator (the engine's private duplicate)."""
 
@@ -66,6 +106,8 @@ class MPIChannel:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._recv = bytearray()
         self._sockets = None
+        self._shape = None              # the cycle message's layout over the sockets
+        self._message: Optional[_SocketMessage] = None
 
     def use_sockets(self, sockets) -> None:
         """Reduce the bit vector over ``sockets`` (``PeerSockets`` connected to every rank's
@@ -92,29 +134,13 @@ class MPIChannel:
     def _and_reduce_over_sockets(self, message: bytes, spin: bool, sums) -> np.ndarray:
         """The bit vector and ``sums`` in one message, AND on the first, sums on the others,
         each step of recursive doubling (every array placed at a multiple of 8 bytes)."""
-        sockets = self._sockets
-        places, end = [], _aligned(len(message))
-        for array in sums:
-            places.append((end, end + array.nbytes, array.dtype))
-            end = _aligned(end + array.nbytes)
-        combined = np.zeros(end, np.uint8)
-        combined[:len(message)] = np.frombuffer(message, np.uint8)
-        for array, (start, stop, _) in zip(sums, places):
-            combined[start:stop] = array.view(np.uint8)
-        scratch = np.empty_like(combined)
-        bits = len(message)
-
-        def combine(mine, theirs):
-            np.bitwise_and(mine[:bits], theirs[:bits], out=mine[:bits])
-            for start, stop, dtype in places:
-                into = mine[start:stop].view(dtype)
-                np.add(into, theirs[start:stop].view(dtype), out=into)
-
-        recursive_doubling(partial(sockets.exchange, spin=spin), self.rank, self.size,
-                           combined, scratch, combine)
-        for array, (start, stop, _) in zip(sums, places):
-            array.view(np.uint8)[:] = combined[start:stop]
-        return combined[:bits]
+        shape = (len(message),) + tuple((array.nbytes, array.dtype) for array in sums)
+        if shape != self._shape:        # the buffers and views of a cycle's message, kept
+            self._shape, self._message = shape, _SocketMessage(len(message), sums)
+        combined = self._message.fill(message, sums)
+        recursive_doubling(partial(self._sockets.exchange, spin=spin), self.rank, self.size,
+                           combined, self._message.scratch, self._message.combine)
+        return self._message.result(sums)
 
     def gather_to_root(self, obj):
         return self.comm.gather(obj, root=0)
