@@ -289,10 +289,13 @@ class Executor:
                    f"{describe_threshold(choice.halving_doubling_limit)})")
         small = "MPI_Allreduce"
         if choice.recursive_doubling_limit:
-            then = "halving-doubling for host buffers and MPI_Allreduce for device ones" \
-                if choice.sockets_native_limit < choice.ring_threshold else "MPI_Allreduce"
             small = (f"recursive doubling over the TCP connections up to "
-                     f"{describe_threshold(choice.recursive_doubling_limit)}, then {then}")
+                     f"{describe_threshold(choice.recursive_doubling_limit)}")
+            # At 2 nodes recursive doubling reaches the ring's threshold: nothing between.
+            if choice.recursive_doubling_limit < choice.ring_threshold:
+                small += ", then " + (
+                    "halving-doubling for host buffers and MPI_Allreduce for device ones"
+                    if choice.sockets_native_limit < choice.ring_threshold else "MPI_Allreduce")
         log.info("mpiddp: automatic all-reduce takes %s, %s from %s (whole communicator) and "
                  "the ring from %s (across nodes)", small, own,
                  describe_threshold(choice.ring_threshold),

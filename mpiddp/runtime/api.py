@@ -230,8 +230,10 @@ def set_allreduce_algorithm(algorithm: str, ring_threshold: int | None = None) -
         algorithm: ``'auto'`` (native ``MPI_Allreduce`` up to ``ring_threshold`` bytes, the
             ring or recursive halving-doubling above; where mpiddp's TCP connections carry
             the transfers across nodes, recursive doubling over them for the smallest host
-            buffers and, where halving-doubling fits, halving-doubling above them), ``'ring'``, ``'halving_doubling'``, ``'recursive_doubling'``,
-            ``'native'`` or ``'hierarchical'``. Case-sensitive.
+            buffers (at 2 nodes every one up to the ring threshold) and, where
+            halving-doubling fits, halving-doubling above them), ``'ring'``,
+            ``'halving_doubling'``, ``'recursive_doubling'``, ``'native'`` or
+            ``'hierarchical'``. Case-sensitive.
         ring_threshold: the new threshold in bytes for ``'auto'``. Default None: keep the
             current one.
 
