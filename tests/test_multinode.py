@@ -7,6 +7,7 @@ killed as a process group; the cluster is torn down at the end."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -96,6 +97,13 @@ def test_every_collective_across_nodes(cluster, layout, sockets, algorithm):
         assert counts["native_batches"] == 0, counts
 
 
+@pytest.mark.parametrize("layout", ["2x2", "4x1"])
+def test_roll_calls_across_nodes_find_no_healthy_rank_missing(cluster, layout):
+    # Every rank's watchdog holds roll calls at once, as in a stall: with MPI_ANY_SOURCE
+    # receives this MPICH over TCP lost answers, and healthy ranks were reported lost.
+    assert_ok(run_on_cluster(layout, "watchdog_worker.py", timeout=120), expect_lines=1)
+
+
 def test_training_equivalence_across_nodes(cluster):
     result = run_on_cluster("2x2", "optimizer_worker.py", "equivalence", timeout=300)
     assert_ok(result)
@@ -175,7 +183,10 @@ def test_a_node_losing_its_link_ends_the_job_naming_its_ranks(cluster, tmp_path)
             tmp_path, lambda: subprocess.run(["ip", "link", "set", link, "down"], check=True))
     finally:
         subprocess.run(["ip", "link", "set", link, "up"], check=True)
-    assert "ranks 2, 3 on mpiddp-n1 did not answer" in result.output, result.output
+    # The survivors name exactly the cut-off node's ranks (no healthy rank among them).
+    named = re.findall(r"mpiddp: rank [01] \(on mpiddp-n0\) has made no progress for \d+ s, "
+                       r"and (.*?) did not answer", result.output)
+    assert named and set(named) == {"ranks 2, 3 on mpiddp-n1"}, result.output
     assert_ended_cleanly(result, elapsed, step_before, tmp_path)
 
 

@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from dataclasses import replace
-from typing import Callable
+from typing import Callable, Optional
 
 from mpi4py import MPI
 
@@ -70,7 +70,7 @@ def start_engine(comm: MPI.Comm, settings: Settings) -> "Engine":
 
     engine = Engine(channel, settings, make_executor)
     if watchdog_comm is not None:
-        watchdog = Watchdog(watchdog_comm, [n for n, _ in names], lambda: engine.stats.cycles,
+        engine.watchdog = watchdog = Watchdog(watchdog_comm, [n for n, _ in names], lambda: engine.stats.cycles,
                             settings.peer_check_time, launch_hosts=[h for _, h in names])
         engine.on_stop.append(watchdog.stop)
     return engine
@@ -93,6 +93,7 @@ class Engine:
         self.protocol = CycleProtocol(self.rank, self.size, settings)
         self.policy = WaitPolicy(settings.cycle_time / 1000)
         self.on_stop: list[Callable[[], None]] = []   # run on the coordinator when it stops
+        self.watchdog: Optional[Watchdog] = None      # start_engine's, where MPI allows it
         # Autotune: rank 0 searches; every rank records what it applied at which cycle.
         self.tuner = Autotuner(settings, self.executor.knobs()) \
             if settings.autotune and self.rank == 0 and self.size > 1 else None

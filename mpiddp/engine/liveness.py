@@ -64,8 +64,12 @@ class Watchdog:
         self.stalled_after = stalled_after
         self.on_lost = on_lost or end_job
         self._serial = 0
-        self._ping = np.zeros(1, np.int64)
-        self._ping_request = comm.Irecv([self._ping, MPI.INT64_T], MPI.ANY_SOURCE, PING)
+        # One receive posted per peer, never MPI_ANY_SOURCE: over TCP this MPICH's UCX
+        # netmod lost wildcard matches (roll calls across 4 emulated nodes, every rank
+        # healthy, missed half their answers; one per peer heard them all).
+        self._peers = [peer for peer in range(self.size) if peer != self.rank]
+        self._pings = np.zeros(self.size, np.int64)
+        self._ping_requests = [self._receive(self._pings, peer, PING) for peer in self._peers]
         # Answers and pings in flight: referenced until complete, never waited for (a send
         # to a lost rank never completes).
         self._sends: list[MPI.Request] = []
@@ -78,8 +82,7 @@ class Watchdog:
         self._stop.set()
         if threading.current_thread() is not self._thread:
             self._thread.join()
-        self._ping_request.Cancel()
-        self._ping_request.Wait()
+        self._cancel(self._ping_requests)
         self.comm.Free()     # answers still in flight complete first (MPI_Comm_free)
 
     # ---- the thread ----------------------------------------------------------------------
@@ -100,39 +103,46 @@ class Watchdog:
                     return
                 since = time.monotonic()        # everyone is there: a slow operation
 
+    def _receive(self, into: np.ndarray, peer: int, tag: int) -> MPI.Request:
+        return self.comm.Irecv([into[peer:peer + 1], MPI.INT64_T], peer, tag)
+
+    @staticmethod
+    def _cancel(requests: list) -> None:
+        for request in requests:
+            if request != MPI.REQUEST_NULL:     # complete ones are null
+                request.Cancel()
+        MPI.Request.Waitall(requests)
+
     def _answer_pings(self) -> None:
         """Answer every ping received so far with a pong carrying the ping's serial."""
-        status = MPI.Status()
-        while self._ping_request.Test(status):
-            answer = self._ping.copy()
-            self._sends.append(self.comm.Isend([answer, MPI.INT64_T], status.Get_source(),
-                                               PONG))
-            self._ping_request = self.comm.Irecv([self._ping, MPI.INT64_T], MPI.ANY_SOURCE,
-                                                 PING)
+        for index in MPI.Request.Testsome(self._ping_requests) or ():
+            peer = self._peers[index]
+            answer = self._pings[peer:peer + 1].copy()
+            self._sends.append(self.comm.Isend([answer, MPI.INT64_T], peer, PONG))
+            self._ping_requests[index] = self._receive(self._pings, peer, PING)
         self._sends = [r for r in self._sends if not r.Test()]
 
     def roll_call(self, answer_within: float = ANSWER_SECONDS) -> list[int]:
         """Ping every other rank; return the ranks that did not answer in time."""
         self._serial += 1
         ping = np.array([self._serial], np.int64)
-        for peer in range(self.size):
-            if peer != self.rank:
-                self._sends.append(self.comm.Isend([ping, MPI.INT64_T], peer, PING))
-        waiting = set(range(self.size)) - {self.rank}
-        pong = np.zeros(1, np.int64)
-        status = MPI.Status()
-        request = self.comm.Irecv([pong, MPI.INT64_T], MPI.ANY_SOURCE, PONG)
+        for peer in self._peers:
+            self._sends.append(self.comm.Isend([ping, MPI.INT64_T], peer, PING))
+        pongs = np.zeros(self.size, np.int64)
+        requests = [self._receive(pongs, peer, PONG) for peer in self._peers]
+        waiting = set(self._peers)
         deadline = time.monotonic() + answer_within
         while waiting and time.monotonic() < deadline:
-            if request.Test(status):
-                if int(pong[0]) == self._serial:      # not a late answer to an earlier call
-                    waiting.discard(status.Get_source())
-                request = self.comm.Irecv([pong, MPI.INT64_T], MPI.ANY_SOURCE, PONG)
-                continue
+            for index in MPI.Request.Testsome(requests) or ():
+                peer = self._peers[index]
+                if int(pongs[peer]) == self._serial:
+                    waiting.discard(peer)       # its request stays complete (null)
+                else:                           # a late answer to an earlier call
+                    requests[index] = self._receive(pongs, peer, PONG)
             self._answer_pings()            # peers may be holding roll calls of their own
-            time.sleep(0.01)
-        request.Cancel()
-        request.Wait()
+            if waiting:
+                time.sleep(0.01)
+        self._cancel(requests)
         return sorted(waiting)
 
     def report(self, missing: list[int], stuck_for: float) -> str:

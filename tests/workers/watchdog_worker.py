@@ -1,0 +1,59 @@
+"""The lost-peer watchdog's roll call among healthy ranks: every rank must hear every other.
+
+The watchdog (mpiddp/engine/liveness.py) holds a roll call when its rank's coordinator makes
+no progress. Here each rank's watchdog is told that nothing progresses, so all of them hold
+roll calls at once from their own threads, as in a real stall; none may find a rank missing
+(over TCP this MPICH lost wildcard receives: healthy ranks were reported lost and the job
+ended). Prints 'OK ...' on rank 0.
+"""
+import time
+
+import torch
+
+import mpiddp
+from mpiddp.runtime import current
+
+ANSWER_WITHIN = 3.0
+STALL_SECONDS = 6.0
+
+torch.set_num_threads(1)
+mpiddp.init()
+rank, size = mpiddp.rank(), mpiddp.size()
+tensor = torch.ones(256)
+for _ in range(5):                      # the engine's connections in use, as in training
+    mpiddp.allreduce_(tensor, name="warm-up", op=mpiddp.Sum)
+
+watchdog = current.require("watchdog test").engine.watchdog
+assert watchdog is not None, "no watchdog: MPI without MPI_THREAD_MULTIPLE?"
+calls, lost = [], []
+roll_call = watchdog.roll_call
+
+
+def timed_roll_call():
+    start = time.monotonic()
+    missing = roll_call(ANSWER_WITHIN)
+    calls.append((missing, time.monotonic() - start))
+    return missing
+
+
+watchdog.roll_call = timed_roll_call
+watchdog.on_lost = lost.append          # record instead of ending the job
+progress, stalled_after = watchdog.progress, watchdog.stalled_after
+mpiddp.barrier()
+watchdog.stalled_after = 0.5
+watchdog.progress = lambda: 0           # from now on its thread sees a stalled coordinator
+time.sleep(STALL_SECONDS)
+watchdog.progress, watchdog.stalled_after = progress, stalled_after
+
+everyone = mpiddp.allgather_object((calls, lost))
+if rank == 0:
+    for who, (made, reports) in enumerate(everyone):
+        assert not reports, f"rank {who}'s watchdog ended the job: {reports}"
+        assert made, f"rank {who}'s watchdog held no roll call"
+        missed = [missing for missing, _ in made if missing]
+        assert not missed, f"rank {who}'s roll calls missed healthy ranks: {missed}"
+    slowest = max(seconds for made, _ in everyone for _, seconds in made)
+    count = sum(len(made) for made, _ in everyone)
+    print(f"OK {count} roll calls on {size} ranks heard every rank (slowest {slowest:.2f} s)",
+          flush=True)
+mpiddp.shutdown()
