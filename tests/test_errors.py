@@ -140,7 +140,7 @@ def test_a_frozen_rank_ends_the_job_naming_it(tmp_path):
 def test_roll_calls_among_healthy_ranks_find_no_rank_missing():
     # The watchdog's roll calls, held by every rank at once as in a real stall, must hear
     # every healthy rank (across nodes: tests/test_multinode.py).
-    assert_ok(run_mpi("watchdog_worker.py", 3, timeout=90), expect_lines=1)
+    assert_ok(run_mpi("watchdog_worker.py", 3, "roll-calls", timeout=90), expect_lines=1)
 
 
 def test_a_hung_test_job_prints_where_every_rank_was(tmp_path):

@@ -101,7 +101,16 @@ def test_every_collective_across_nodes(cluster, layout, sockets, algorithm):
 def test_roll_calls_across_nodes_find_no_healthy_rank_missing(cluster, layout):
     # Every rank's watchdog holds roll calls at once, as in a stall: with MPI_ANY_SOURCE
     # receives this MPICH over TCP lost answers, and healthy ranks were reported lost.
-    assert_ok(run_on_cluster(layout, "watchdog_worker.py", timeout=120), expect_lines=1)
+    assert_ok(run_on_cluster(layout, "watchdog_worker.py", "roll-calls", timeout=120),
+              expect_lines=1)
+
+
+def test_an_all_reduce_longer_than_the_peer_check_completes(cluster):
+    # ~6 s of transfer with a 2 s check time: the watchdogs' roll calls during it must hear
+    # every rank and let it finish (they ended the job before the fix).
+    result = run_on_cluster("4x1", "watchdog_worker.py", "long-transfer",
+                            env={"MPIDDP_PEER_CHECK_TIME": "2"}, timeout=120)
+    assert_ok(result, expect_lines=1)
 
 
 def test_training_equivalence_across_nodes(cluster):

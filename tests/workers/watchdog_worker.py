@@ -1,11 +1,16 @@
-"""The lost-peer watchdog's roll call among healthy ranks: every rank must hear every other.
+"""The lost-peer watchdog among healthy ranks: it must never report one of them lost.
+
+Usage: watchdog_worker.py roll-calls | long-transfer. Prints 'OK ...' on rank 0.
 
 The watchdog (mpiddp/engine/liveness.py) holds a roll call when its rank's coordinator makes
-no progress. Here each rank's watchdog is told that nothing progresses, so all of them hold
-roll calls at once from their own threads, as in a real stall; none may find a rank missing
-(over TCP this MPICH lost wildcard receives: healthy ranks were reported lost and the job
-ended). Prints 'OK ...' on rank 0.
+no progress. ``roll-calls``: each rank's watchdog is told that nothing progresses, so all of
+them hold roll calls at once from their own threads, as in a real stall; none may find a
+rank missing. ``long-transfer`` (with a short ``MPIDDP_PEER_CHECK_TIME``): an all-reduce that
+outlasts the check time, during which the watchdogs hold their roll calls; it must complete.
+Over TCP this MPICH lost the answers to wildcard receives: healthy ranks were reported lost
+and the job was ended.
 """
+import sys
 import time
 
 import torch
@@ -15,6 +20,7 @@ from mpiddp.runtime import current
 
 ANSWER_WITHIN = 3.0
 STALL_SECONDS = 6.0
+LONG_TRANSFER_FLOATS = 100 * 2**20    # 400 MB: ~6 s at 4 nodes on 1 Gbit/s links
 
 torch.set_num_threads(1)
 mpiddp.init()
@@ -29,21 +35,30 @@ calls, lost = [], []
 roll_call = watchdog.roll_call
 
 
-def timed_roll_call():
+def timed_roll_call(answer_within=ANSWER_WITHIN):
     start = time.monotonic()
-    missing = roll_call(ANSWER_WITHIN)
+    missing = roll_call(answer_within)
     calls.append((missing, time.monotonic() - start))
     return missing
 
 
 watchdog.roll_call = timed_roll_call
 watchdog.on_lost = lost.append          # record instead of ending the job
-progress, stalled_after = watchdog.progress, watchdog.stalled_after
 mpiddp.barrier()
-watchdog.stalled_after = 0.5
-watchdog.progress = lambda: 0           # from now on its thread sees a stalled coordinator
-time.sleep(STALL_SECONDS)
-watchdog.progress, watchdog.stalled_after = progress, stalled_after
+if sys.argv[1] == "roll-calls":
+    progress, stalled_after = watchdog.progress, watchdog.stalled_after
+    watchdog.stalled_after = 0.5
+    watchdog.progress = lambda: 0       # from now on its thread sees a stalled coordinator
+    time.sleep(STALL_SECONDS)
+    watchdog.progress, watchdog.stalled_after = progress, stalled_after
+    done = "held at once"
+else:
+    big = torch.ones(LONG_TRANSFER_FLOATS)
+    start = time.monotonic()
+    mpiddp.allreduce_(big, name="long", op=mpiddp.Sum)
+    seconds = time.monotonic() - start
+    assert float(big[0]) == float(big[-1]) == size, (big[0], big[-1])
+    done = f"during a {seconds:.1f} s all-reduce"
 
 everyone = mpiddp.allgather_object((calls, lost))
 if rank == 0:
@@ -54,6 +69,6 @@ if rank == 0:
         assert not missed, f"rank {who}'s roll calls missed healthy ranks: {missed}"
     slowest = max(seconds for made, _ in everyone for _, seconds in made)
     count = sum(len(made) for made, _ in everyone)
-    print(f"OK {count} roll calls on {size} ranks heard every rank (slowest {slowest:.2f} s)",
-          flush=True)
+    print(f"OK {count} roll calls on {size} ranks {done} heard every rank "
+          f"(slowest {slowest:.2f} s)", flush=True)
 mpiddp.shutdown()
