@@ -5,13 +5,18 @@ died or became unreachable, run it again on the nodes still alive (docs/elastic.
     python -m mpiddp.run --min-nodes 2 -- python train.py        # inside sbatch: srun
 
 The job itself goes on from its last ``mpiddp.elastic`` snapshot. Lost nodes are named by the
-ranks' lost-peer watchdog (files in ``MPIDDP_LOST_NODES_DIR``), by mpiexec (a rank "KILLED BY
-SIGNAL: 9" "RUNNING AT host"), by srun ("srun: error: host: task N: Killed") or, before
+ranks' lost-peer watchdog (files in ``MPIDDP_LOST_NODES_DIR``), by mpiexec (hydra: a rank
+"KILLED BY SIGNAL: 9" "RUNNING AT host"; Open MPI: "process rank N ... exited on signal 9"), by
+srun ("srun: error: host: task N: Killed") or, before
 every relaunch through mpiexec, by a probe that cannot start a process there in time; they
 are left out of the next launch, and may rejoin a later one when the host discovery command
 lists them again. A rank that crashed (a segmentation fault or an abort: MPICH's survivors
 can crash when a peer's link goes) does not make its node lost. A job that fails with no node
 lost and no rank killed or crashed (a bug in the script) is not run again.
+
+Both families of ``mpiexec`` are driven: hydra's (MPICH, Intel MPI, MVAPICH: ``-hosts``) and
+Open MPI's (``--host``, ``--map-by slot``, every ``MPIDDP_*`` variable forwarded with ``-x``,
+which hydra does by itself), told apart by ``mpiexec --version``.
 
 No torch and no MPI here: this process only starts and watches the launcher.
 """
@@ -35,6 +40,13 @@ EXIT_PREEMPTED = 75          # the job asked to be requeued (scripts/train_suppo
 HYDRA_ENDED = re.compile(r"RUNNING AT (\S+)\s*\n[=\s]*(?:EXIT CODE|KILLED BY SIGNAL): (\d+)")
 KILLED_SIGNALS = (9, 15)       # the node went (or its processes were killed with it)
 CRASH_SIGNALS = (6, 7, 11)     # the rank crashed on a node that may well be alive
+# Open MPI's (PRRTE's) report of a rank that ended by a signal; the node is its hostname, so
+# the rank names the launch host instead (ranks fill the hosts in order: ``--map-by slot``).
+OPEN_MPI_ENDED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exited on\s+"
+                            r"signal (\d+)")
+# ... and of a node whose daemon it lost (a node or its link gone), named by hostname only.
+OPEN_MPI_LOST_DAEMON = re.compile(r"lost communication with a remote daemon")
+LAUNCH_HOSTS = "MPIDDP_LAUNCH_HOSTS"   # 'host:slots,...' as launched; see ``host_of_rank``
 PROBE_TIMEOUT_S = 10.0         # a node that cannot start 'true' in this time is lost
 SRUN_STEP_ABORTED = "srun: Job step aborted"
 SRUN_LOST = re.compile(r"srun: error: (\S+): tasks? [\d\-,]+: (?:Killed|Terminated)|"
@@ -62,6 +74,25 @@ def parse_hosts(text: str, default_slots: int) -> list[tuple[str, int]]:
                              "or 'host slots=N')")
         hosts.setdefault(match.group(1), int(match.group(2) or match.group(3) or default_slots))
     return list(hosts.items())
+
+
+def host_of_rank(hosts: list[tuple[str, int]], rank: int):
+    """The host of ``rank`` when ranks fill ``hosts`` in order, each its slots (None: beyond)."""
+    for host, slots in hosts:
+        if rank < slots:
+            return host
+        rank -= slots
+    return None
+
+
+def mpiexec_family(mpiexec: list[str]) -> str:
+    """'openmpi' for Open MPI's mpiexec, else 'hydra' (MPICH, Intel MPI, MVAPICH)."""
+    try:
+        out = subprocess.run([*mpiexec, "--version"], capture_output=True, text=True,
+                             timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return "hydra"
+    return "openmpi" if "Open MPI" in out.stdout + out.stderr else "hydra"
 
 
 def slurm_hosts() -> list[str]:
@@ -108,6 +139,23 @@ class Launcher:
             args.launcher == "auto" and not (args.hosts or args.hostfile)
             and bool(os.environ.get("SLURM_JOB_ID")))
         self.excluded: set[str] = set()
+        self._family = None
+
+    @property
+    def family(self) -> str:
+        if self._family is None:
+            self._family = mpiexec_family(self.mpiexec())
+        return self._family
+
+    def host_arguments(self, hosts: list[tuple[str, int]], env=None) -> list[str]:
+        """mpiexec's arguments for ``hosts`` (and, for Open MPI, forwarding every
+        ``MPIDDP_*`` variable of ``env`` to the other nodes, as hydra does by itself)."""
+        listed = ",".join(f"{h}:{n}" for h, n in hosts)
+        if self.family == "openmpi":
+            forward = [arg for name in sorted(env or {}) if name.startswith("MPIDDP_")
+                       for arg in ("-x", name)]
+            return ["--host", listed, "--map-by", "slot", *forward]
+        return ["-hosts", listed]
 
     def candidates(self) -> list[tuple[str, int]]:
         args = self.args
@@ -133,7 +181,7 @@ class Launcher:
             return shlex.split(self.args.mpiexec)
         return [shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"]
 
-    def command(self, hosts: list[tuple[str, int]]) -> list[str]:
+    def command(self, hosts: list[tuple[str, int]], env=None) -> list[str]:
         if self.use_srun:
             per_node = hosts[0][1]
             return ["srun", *self.args.srun_args.split(), "--no-kill", "--kill-on-bad-exit=0",
@@ -142,14 +190,15 @@ class Launcher:
                     f"--nodelist={','.join(h for h, _ in hosts)}",
                     *([f"--exclude={','.join(sorted(self.excluded))}"] if self.excluded else []),
                     *self.args.command]
-        return [*self.mpiexec(), "-hosts", ",".join(f"{h}:{n}" for h, n in hosts),
+        return [*self.mpiexec(), *self.host_arguments(hosts, env),
                 "-n", str(sum(n for _, n in hosts)), *self.args.command]
 
     def launch(self, hosts, restart: int, lost_dir: str) -> tuple[int, str]:
         """Run the job once; echo its output as it comes; (exit status, output)."""
         env = dict(os.environ, MPIDDP_LOST_NODES_DIR=lost_dir,
-                   MPIDDP_ELASTIC_RESTART=str(restart))
-        proc = subprocess.Popen(self.command(hosts), stdout=subprocess.PIPE,
+                   MPIDDP_ELASTIC_RESTART=str(restart),
+                   **{LAUNCH_HOSTS: ",".join(f"{h}:{n}" for h, n in hosts)})
+        proc = subprocess.Popen(self.command(hosts, env), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True, bufsize=1)
         forward = lambda signum, frame: os.killpg(proc.pid, signum)     # noqa: E731
@@ -171,9 +220,11 @@ class Launcher:
                 pass
         return status, "".join(lines)
 
-    def lost_nodes(self, output: str, lost_dir: str) -> tuple[set[str], set[str], dict]:
-        """What the job's end says: (nodes lost by hydra's or srun's account, nodes where a
-        rank crashed, the watchdogs' reports {reporting node: nodes it found lost})."""
+    def lost_nodes(self, output: str, lost_dir: str,
+                   hosts: list[tuple[str, int]] = ()) -> tuple[set[str], set[str], dict]:
+        """What the job's end (on ``hosts``) says: (nodes lost by mpiexec's or srun's
+        account, nodes where a rank crashed, the watchdogs' reports {reporting node: nodes it
+        found lost})."""
         lost, crashed, reports = set(), set(), {}
         for name in sorted(os.listdir(lost_dir)):
             if name.startswith("lost."):
@@ -189,6 +240,16 @@ class Launcher:
                 lost.add(host)
             elif int(code) in CRASH_SIGNALS:
                 crashed.add(host)
+        for rank, node, code in OPEN_MPI_ENDED.findall(output):
+            host = host_of_rank(list(hosts), int(rank)) or node
+            if int(code) in KILLED_SIGNALS:
+                lost.add(host)
+            elif int(code) in CRASH_SIGNALS:
+                crashed.add(host)
+        if OPEN_MPI_LOST_DAEMON.search(output):
+            # Named by hostname, which need not be how the hosts were given: let the probe
+            # before the relaunch find which node it was.
+            crashed.add("a node whose Open MPI daemon was lost")
         # Once srun aborts the step (a rank called MPI_Abort: it found a partner gone), it
         # kills the tasks still running, which it then reports "Killed" too: only the tasks
         # killed before that, and nodes that failed, are lost.
@@ -225,7 +286,8 @@ class Launcher:
         probed at once). Only through mpiexec: under srun, Slurm's node health does this."""
         if self.use_srun or not hosts:
             return set()
-        probes = {h: subprocess.Popen([*self.mpiexec(), "-hosts", f"{h}:1", "-n", "1", "true"],
+        probes = {h: subprocess.Popen([*self.mpiexec(), *self.host_arguments([(h, 1)]), "-n",
+                                       "1", "true"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                       start_new_session=True) for h in hosts}
         deadline = time.monotonic() + PROBE_TIMEOUT_S
@@ -262,7 +324,7 @@ class Launcher:
             started = time.monotonic()
             with tempfile.TemporaryDirectory(prefix="mpiddp-run-") as lost_dir:
                 status, output = self.launch(hosts, restart, lost_dir)
-                lost, crashed, reports = self.lost_nodes(output, lost_dir)
+                lost, crashed, reports = self.lost_nodes(output, lost_dir, hosts)
             ran = time.monotonic() - started
             if status == 0:
                 say(f"the job finished after {ran:.1f} s")

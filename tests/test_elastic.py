@@ -244,6 +244,60 @@ def test_lost_nodes_from_srun_and_hydra_output(tmp_path):
                                str(tmp_path / "empty")) == (set(), set(), {})
 
 
+def fake_mpiexec(tmp_path, version: str) -> str:
+    script = tmp_path / "mpiexec"
+    script.write_text(f"#!/bin/sh\necho '{version}'\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_open_mpi_and_hydra_commands(tmp_path):
+    """Open MPI's mpiexec takes --host, fills the hosts in order and forwards only the
+    variables named with -x; hydra's takes -hosts and forwards everything."""
+    from mpiddp.run import Launcher, parse_args
+    env = {"MPIDDP_LOST_NODES_DIR": "/d", "MPIDDP_LAUNCH_HOSTS": "n1:2,n2:2", "HOME": "/h"}
+    hosts = [("n1", 2), ("n2", 2)]
+    ompi = fake_mpiexec(tmp_path, "mpiexec (Open MPI) 5.0.11")
+    launcher = Launcher(parse_args(["--mpiexec", ompi, "--", "python", "t.py"]))
+    assert launcher.command(hosts, env) == [
+        ompi, "--host", "n1:2,n2:2", "--map-by", "slot", "-x", "MPIDDP_LAUNCH_HOSTS",
+        "-x", "MPIDDP_LOST_NODES_DIR", "-n", "4", "python", "t.py"]
+    (tmp_path / "hydra").mkdir()
+    hydra = fake_mpiexec(tmp_path / "hydra", "HYDRA build details:")
+    launcher = Launcher(parse_args(["--mpiexec", hydra, "--", "python", "t.py"]))
+    assert launcher.command(hosts, env) == [hydra, "-hosts", "n1:2,n2:2", "-n", "4", "python",
+                                            "t.py"]
+
+
+def test_lost_nodes_from_open_mpi_output(tmp_path):
+    """Open MPI names a node by its hostname; the rank names it as launched."""
+    from mpiddp.run import Launcher, host_of_rank, parse_args
+    assert [host_of_rank([("a", 2), ("b", 2)], r) for r in range(5)] == \
+        ["a", "a", "b", "b", None]
+    launcher = Launcher(parse_args(["--", "true"]))
+    out = ("prterun noticed that process rank 3 with PID 27617 on node vm exited on\n"
+           "signal 9 (Killed).\n"
+           "prterun noticed that process rank 1 with PID 27600 on node vm exited on signal "
+           "11 (Segmentation fault).\n")
+    assert launcher.lost_nodes(out, str(tmp_path), [("a", 2), ("b", 2)]) == \
+        ({"b"}, {"a"}, {})
+    lost, crashed, _ = launcher.lost_nodes(
+        "PRTE has lost communication with a remote daemon.\n", str(tmp_path), [("a", 1)])
+    assert not lost and crashed, crashed      # the probe before the relaunch names it
+
+
+def test_launch_host_from_the_launchers_host_list(monkeypatch):
+    """Under Open MPI (no PMI_HOSTNAME) a rank's launch host is its place in mpiddp.run's
+    host list."""
+    from mpiddp.engine.liveness import launch_host
+    for name in ("PMI_HOSTNAME", "SLURMD_NODENAME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MPIDDP_LAUNCH_HOSTS", "node-a:2,node-b:2")
+    assert launch_host() == "node-a"            # this process is rank 0 of its world
+    monkeypatch.setenv("PMI_HOSTNAME", "10.0.0.7")
+    assert launch_host() == "10.0.0.7"
+
+
 def test_the_report_of_a_node_cut_off_is_not_believed(monkeypatch):
     """n7 lost its link: to its watchdog n1 and n2 are lost, to n1's n7 is. The probe finds
     n7 unreachable, so n7's report is discarded; a frozen rank on a reachable node (n3,

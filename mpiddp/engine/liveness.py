@@ -31,6 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..buffers import use_default_device
+from ..run import LAUNCH_HOSTS, host_of_rank, parse_hosts
 
 POLL_SECONDS = 0.25         # how often the watchdog answers pings and looks at the cycle count
 ANSWER_SECONDS = 10.0       # how long a roll call waits for the answers
@@ -159,9 +160,13 @@ LOST_NODES_DIR = "MPIDDP_LOST_NODES_DIR"    # set by ``python -m mpiddp.run``
 def launch_host() -> str:
     """This rank's node as its launcher named it (mpiexec's host list entry, Slurm's node
     name), which the elastic launcher can leave out of the next launch; else the MPI
-    processor name."""
-    return (os.environ.get("PMI_HOSTNAME") or os.environ.get("SLURMD_NODENAME")
-            or MPI.Get_processor_name())
+    processor name. Hydra says it (``PMI_HOSTNAME``), Slurm too; under Open MPI, which does
+    not, ``mpiddp.run`` passes its host list and the ranks fill it in order."""
+    named = os.environ.get("PMI_HOSTNAME") or os.environ.get("SLURMD_NODENAME")
+    if not named and os.environ.get(LAUNCH_HOSTS):
+        named = host_of_rank(parse_hosts(os.environ[LAUNCH_HOSTS], 1),
+                             MPI.COMM_WORLD.Get_rank())
+    return named or MPI.Get_processor_name()
 
 
 def record_lost(hosts: list[str], rank: int, reporter: str) -> None:
