@@ -31,6 +31,14 @@ def test_every_collective_matches_reference(nprocs, algorithm):
         assert all(batches[f"{other}_batches"] == 0 for other in others), batches
 
 
+def test_local_ranks_follow_the_launchers_numbering():
+    # The launcher numbers the node's ranks backwards (as Open MPI may, in its mapping's
+    # order): local_rank() follows it, and every collective still matches the reference.
+    result = run_mpi("collectives_worker.py", 3, "check_topology", "check_allreduce",
+                     "check_reducescatter", timeout=120, env={"REVERSE_LOCAL_RANKS": "1"})
+    assert_ok(result, expect_lines=4)       # check_allreduce prints two
+
+
 @pytest.mark.parametrize("nprocs", [2, 3, 5, 6, 8])
 def test_halving_doubling_matches_reference(nprocs):
     # Powers of two and the fold of 1, 2 and 3 extra ranks, every op, dtype and odd size.

@@ -1,8 +1,11 @@
 """Where the ranks of a communicator sit: one ``Topology`` value per communicator.
 
 A node is the set of ranks that share memory (``MPI_COMM_TYPE_SHARED``). The node-local
-communicator holds them, ordered by rank; the cross-node communicator holds the ranks with the
-same local rank on every node. Everything that depends on the layout (the public
+communicator holds them in the order of the launcher's local ranks where it gives them
+(``local_device.launcher_local_rank``), else by rank: the device was chosen at import from the
+launcher's local rank, and ``local_rank()`` must say the same (Open MPI numbers the ranks of a
+node in its mapping's order, which need not be theirs: 3 ranks on a 2-core node got 0, 2, 1).
+The cross-node communicator holds the ranks with the same local rank on every node. Everything that depends on the layout (the public
 ``local_rank()`` & co., the algorithm choice, the hierarchical all-reduce) reads it from here.
 """
 from __future__ import annotations
@@ -11,6 +14,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from mpi4py import MPI
+
+from ..local_device import launcher_local_rank
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,9 @@ def node_layout(comm: MPI.Comm) -> NodeLayout:
     """Split ``comm`` into node-local and cross-node communicators (a collective of ``comm``);
     the caller owns both (``Free`` them when done)."""
     rank = comm.Get_rank()
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    launcher = launcher_local_rank()
+    # Ties (ranks without the variable) fall back to the rank order within the split.
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=launcher[0] if launcher else rank)
     cross = comm.Split(color=local.Get_rank(), key=rank)
     uniform = len(set(comm.allgather(local.Get_size()))) == 1
     topology = Topology(rank, comm.Get_size(), local.Get_rank(), local.Get_size(),

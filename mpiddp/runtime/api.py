@@ -122,7 +122,9 @@ def size() -> int:
 @shared_doc()
 def local_rank() -> int:
     """This process's rank among the ranks on its node (those sharing memory with it:
-    ``MPI_COMM_TYPE_SHARED``), ordered by global rank. Selects the GPU: see docs/gpu.md.
+    ``MPI_COMM_TYPE_SHARED``), in the launcher's order of them where it gives one (its
+    local rank variable, which chose the GPU at import), else by global rank. Selects the
+    GPU: see docs/gpu.md.
 
     Returns:
         The node-local rank, ``0 <= local_rank() < local_size()``.

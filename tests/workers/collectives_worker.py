@@ -5,6 +5,7 @@ reference for all ranks locally. Prints one 'OK <check>' line per passed group o
 exits non-zero (aborting the job) on the first failure.
 """
 import functools
+import os
 import sys
 
 import numpy as np
@@ -12,10 +13,15 @@ import torch
 
 import checks
 import mpiddp
+from mpiddp.local_device import launcher_local_rank
 from mpiddp.runtime import current
 from reference_data import as64, data
 
 torch.set_num_threads(1)
+if "REVERSE_LOCAL_RANKS" in os.environ:   # a launcher that numbers the node's ranks backwards
+    world = [int(os.environ.get(f"PMI_{what}", os.environ.get(f"OMPI_COMM_WORLD_{what}", -1)))
+             for what in ("SIZE", "RANK")]
+    os.environ["OMPI_COMM_WORLD_LOCAL_RANK"] = str(world[0] - 1 - world[1])
 mpiddp.init()
 RANK, SIZE = mpiddp.rank(), mpiddp.size()
 SIZES = [0, 1, 2, 3, 7, 13, 97, 1000, 4099, 40_000]   # 40k floats > the 64 KiB test threshold
@@ -466,7 +472,11 @@ def check_sync_batch_norm():
 
 def check_topology():
     # One node: every rank is local; the cross-node communicator has one member per node.
-    assert (mpiddp.local_rank(), mpiddp.local_size()) == (RANK, SIZE)
+    # The local ranks follow the launcher's where it numbers them (Open MPI's need not be in
+    # rank order; test_collectives also reverses them), else the ranks.
+    launcher = launcher_local_rank()
+    assert (mpiddp.local_rank(), mpiddp.local_size()) == \
+        (launcher[0] if launcher else RANK, SIZE)
     assert (mpiddp.cross_rank(), mpiddp.cross_size()) == (0, 1)
     assert mpiddp.is_initialized() and mpiddp.mpi_threads_supported()
     ok("topology (local and cross ranks on one node)")

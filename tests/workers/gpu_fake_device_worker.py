@@ -16,8 +16,10 @@ import numpy as np
 
 import fake_cuda
 
-LOCAL = int(os.environ.get("MPI_LOCALRANKID", os.environ.get("PMI_RANK", "0")))
-SIZE = int(os.environ.get("PMI_SIZE", "1"))
+# Hydra's variables, or Open MPI's.
+LOCAL = int(os.environ.get("MPI_LOCALRANKID", os.environ.get(
+    "OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("PMI_RANK", "0"))))
+SIZE = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
 GPU = fake_cuda.FakeGPU(SIZE, allowed=LOCAL)
 cupy = fake_cuda.install(GPU)           # before mpiddp: it picks the device at import
 
