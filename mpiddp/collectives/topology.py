@@ -5,8 +5,9 @@ communicator holds them in the order of the launcher's local ranks where it give
 (``local_device.launcher_local_rank``), else by rank: the device was chosen at import from the
 launcher's local rank, and ``local_rank()`` must say the same (Open MPI numbers the ranks of a
 node in its mapping's order, which need not be theirs: 3 ranks on a 2-core node got 0, 2, 1).
-The cross-node communicator holds the ranks with the same local rank on every node. Everything that depends on the layout (the public
-``local_rank()`` & co., the algorithm choice, the hierarchical all-reduce) reads it from here.
+The cross-node communicator holds the ranks with the same local rank on every node.
+Everything that depends on the layout (the public ``local_rank()`` & co., the algorithm
+choice, the hierarchical all-reduce) reads it from here.
 """
 from __future__ import annotations
 

@@ -70,8 +70,9 @@ def start_engine(comm: MPI.Comm, settings: Settings) -> "Engine":
 
     engine = Engine(channel, settings, make_executor)
     if watchdog_comm is not None:
-        engine.watchdog = watchdog = Watchdog(watchdog_comm, [n for n, _ in names], lambda: engine.stats.cycles,
-                            settings.peer_check_time, launch_hosts=[h for _, h in names])
+        engine.watchdog = watchdog = Watchdog(
+            watchdog_comm, [n for n, _ in names], lambda: engine.stats.cycles,
+            settings.peer_check_time, launch_hosts=[h for _, h in names])
         engine.on_stop.append(watchdog.stop)
     return engine
 
