@@ -5,10 +5,7 @@ moment (UCX, for one, binds its CUDA transports to the current context). The fir
 ``mpi4py.MPI`` initialises MPI, and mpiddp imports it, so ``init()`` is too late: here the
 device is chosen from the launcher's local rank, by the rule ``init()`` applies
 (``local_rank % device_count``, ``mpiddp.gpu``), which then confirms it against MPI's own
-node layout. The launchers' variables, innermost first (an ``mpirun`` inside an ``srun`` step
-sees both): ``OMPI_COMM_WORLD_LOCAL_RANK`` (Open MPI), ``MPI_LOCALRANKID`` (MPICH and Intel
-MPI's hydra), ``MV2_COMM_WORLD_LOCAL_RANK`` (MVAPICH2), ``PMI_LOCAL_RANK`` (PMIx, Cray PALS),
-``SLURM_LOCALID`` (srun).
+node layout. The launchers' variables: ``launcher_env.py``.
 
 Nothing is chosen when torch has no CUDA device, when CUDA is already initialised (the
 program chose its device: kept), when no launcher variable is set, or when ``mpi4py.MPI`` was
@@ -20,19 +17,9 @@ import os
 import sys
 from typing import Optional
 
-LOCAL_RANK_VARIABLES = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
-                        "MV2_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK", "SLURM_LOCALID")
+from .launcher_env import launcher_local_rank
 
 _chosen: Optional[tuple[int, str]] = None     # (device, the variable it came from)
-
-
-def launcher_local_rank(environ=os.environ) -> Optional[tuple[int, str]]:
-    """(local rank, variable) from the first launcher variable set to a number."""
-    for name in LOCAL_RANK_VARIABLES:
-        value = environ.get(name, "").strip()
-        if value.isdigit():
-            return int(value), name
-    return None
 
 
 def select_before_mpi(environ=os.environ, cuda=None, modules=sys.modules) -> Optional[int]:

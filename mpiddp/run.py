@@ -46,7 +46,9 @@ OPEN_MPI_ENDED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exit
                             r"signal (\d+)")
 # ... and of a node whose daemon it lost (a node or its link gone), named by hostname only.
 OPEN_MPI_LOST_DAEMON = re.compile(r"lost communication with a remote daemon")
-LAUNCH_HOSTS = "MPIDDP_LAUNCH_HOSTS"   # 'host:slots,...' as launched; see ``host_of_rank``
+# Each rank's host as launched, in rank order ('a,a,b,b'): the watchdog's name for its node
+# (engine/liveness.py ``launch_host``) where the launcher does not say it (Open MPI).
+LAUNCH_HOSTS = "MPIDDP_LAUNCH_HOSTS"
 PROBE_TIMEOUT_S = 10.0         # a node that cannot start 'true' in this time is lost
 SRUN_STEP_ABORTED = "srun: Job step aborted"
 SRUN_LOST = re.compile(r"srun: error: (\S+): tasks? [\d\-,]+: (?:Killed|Terminated)|"
@@ -197,7 +199,7 @@ class Launcher:
         """Run the job once; echo its output as it comes; (exit status, output)."""
         env = dict(os.environ, MPIDDP_LOST_NODES_DIR=lost_dir,
                    MPIDDP_ELASTIC_RESTART=str(restart),
-                   **{LAUNCH_HOSTS: ",".join(f"{h}:{n}" for h, n in hosts)})
+                   **{LAUNCH_HOSTS: ",".join(h for h, n in hosts for _ in range(n))})
         proc = subprocess.Popen(self.command(hosts, env), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True, bufsize=1)

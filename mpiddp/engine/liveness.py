@@ -31,7 +31,6 @@ import numpy as np
 from mpi4py import MPI
 
 from ..buffers import use_default_device
-from ..run import LAUNCH_HOSTS, host_of_rank, parse_hosts
 
 POLL_SECONDS = 0.25         # how often the watchdog answers pings and looks at the cycle count
 ANSWER_SECONDS = 10.0       # how long a roll call waits for the answers
@@ -155,6 +154,7 @@ class Watchdog:
 
 
 LOST_NODES_DIR = "MPIDDP_LOST_NODES_DIR"    # set by ``python -m mpiddp.run``
+LAUNCH_HOSTS = "MPIDDP_LAUNCH_HOSTS"        # too: each rank's host as launched, 'a,a,b,b'
 
 
 def launch_host() -> str:
@@ -164,8 +164,9 @@ def launch_host() -> str:
     not, ``mpiddp.run`` passes its host list and the ranks fill it in order."""
     named = os.environ.get("PMI_HOSTNAME") or os.environ.get("SLURMD_NODENAME")
     if not named and os.environ.get(LAUNCH_HOSTS):
-        named = host_of_rank(parse_hosts(os.environ[LAUNCH_HOSTS], 1),
-                             MPI.COMM_WORLD.Get_rank())
+        per_rank = os.environ[LAUNCH_HOSTS].split(",")     # mpiddp.run: rank r on entry r
+        rank = MPI.COMM_WORLD.Get_rank()
+        named = per_rank[rank] if rank < len(per_rank) else None
     return named or MPI.Get_processor_name()
 
 

@@ -13,7 +13,7 @@ import torch
 
 import checks
 import mpiddp
-from mpiddp.local_device import launcher_local_rank
+from mpiddp.launcher_env import launcher_local_rank
 from mpiddp.runtime import current
 from reference_data import as64, data
 
