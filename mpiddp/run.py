@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 EXIT_TOO_FEW_NODES = 3
@@ -49,6 +50,10 @@ OPEN_MPI_LOST_DAEMON = re.compile(r"lost communication with a remote daemon")
 # Each rank's host as launched, in rank order ('a,a,b,b'): the watchdog's name for its node
 # (engine/liveness.py ``launch_host``) where the launcher does not say it (Open MPI).
 LAUNCH_HOSTS = "MPIDDP_LAUNCH_HOSTS"
+# A watchdog that reports lost nodes ends its job; its ranks exit by themselves 10 s later at
+# the latest. Open MPI's mpiexec then still waits for the daemon of a node that is gone (an
+# emulated cut link: until the link came back), so after this long it is ended.
+REPORTED_MPIEXEC_GRACE_S = 30.0
 PROBE_TIMEOUT_S = 10.0         # a node that cannot start 'true' in this time is lost
 SRUN_STEP_ABORTED = "srun: Job step aborted"
 SRUN_LOST = re.compile(r"srun: error: (\S+): tasks? [\d\-,]+: (?:Killed|Terminated)|"
@@ -206,13 +211,12 @@ class Launcher:
         forward = lambda signum, frame: os.killpg(proc.pid, signum)     # noqa: E731
         previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT,
                                                            signal.SIGUSR1)}
-        lines = []
+        lines: list[str] = []
+        echo = threading.Thread(target=self._echo, args=(proc.stdout, lines), daemon=True)
+        echo.start()
         try:
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-                lines.append(line)
-            status = proc.wait()
+            status = self._wait(proc, lost_dir)
+            echo.join(timeout=5)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
@@ -221,6 +225,33 @@ class Launcher:
             except ProcessLookupError:
                 pass
         return status, "".join(lines)
+
+    @staticmethod
+    def _echo(stream, lines: list) -> None:
+        for line in stream:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            lines.append(line)
+
+    @staticmethod
+    def _wait(proc: subprocess.Popen, lost_dir: str) -> int:
+        """The job's exit status; mpiexec is ended where it outlives a watchdog's report of
+        lost nodes by ``REPORTED_MPIEXEC_GRACE_S``."""
+        reported = None
+        while True:
+            try:
+                return proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+            if reported is None:
+                if any(name.startswith("lost.") for name in os.listdir(lost_dir)):
+                    reported = time.monotonic()
+            elif time.monotonic() - reported > REPORTED_MPIEXEC_GRACE_S:
+                say(f"mpiexec has not ended {REPORTED_MPIEXEC_GRACE_S:g} s after a watchdog "
+                    "reported lost nodes (it may be waiting for a node that is gone): "
+                    "ending it")
+                os.killpg(proc.pid, signal.SIGKILL)
+                return proc.wait()
 
     def lost_nodes(self, output: str, lost_dir: str,
                    hosts: list[tuple[str, int]] = ()) -> tuple[set[str], set[str], dict]:

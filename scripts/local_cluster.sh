@@ -127,12 +127,16 @@ open_mpi_run() {
   local mpiexec="$1" hosts="$2" count="$3"; shift 3
   local forward=()
   while [ "${1:-}" = "-genv" ]; do forward+=(-x "$2=$3"); shift 3; done
-  in_node 0 "$mpiexec" --prtemca plm_ssh_agent "$ME" --prtemca oob_tcp_if_include eth0 \
-    --mca btl tcp,self --mca btl_tcp_if_include eth0 --mca pml ob1 \
-    --host "$hosts" -n "$count" --map-by slot \
-    -x UCX_TLS=tcp,self -x MASTER_ADDR="$(address 0)" -x GLOO_SOCKET_IFNAME=eth0 \
-    -x PATH="$PATH" -x PYTHONPATH="${PYTHONPATH:-}" -x OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" \
-    -x OMPI_ALLOW_RUN_AS_ROOT=1 -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 "${forward[@]}" "$@"
+  in_node 0 "$mpiexec" $(open_mpi_options) --host "$hosts" -n "$count" --map-by slot \
+    -x MASTER_ADDR="$(address 0)" "${forward[@]}" "$@"
+}
+
+open_mpi_options() {  # printed for word splitting: no value holds a space but PATH's parts
+  echo "--prtemca plm_ssh_agent $ME --prtemca oob_tcp_if_include eth0" \
+    "--mca btl tcp,self --mca btl_tcp_if_include eth0 --mca pml ob1" \
+    "-x UCX_TLS=tcp,self -x GLOO_SOCKET_IFNAME=eth0 -x PATH=$PATH" \
+    "-x PYTHONPATH=${PYTHONPATH:-} -x OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}" \
+    "-x OMPI_ALLOW_RUN_AS_ROOT=1 -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
 }
 
 # MPICH's mpiexec, started in node 0 and launching through this script, with the caller's
@@ -140,6 +144,10 @@ open_mpi_run() {
 # the elastic launcher (python -m mpiddp.run --mpiexec "scripts/local_cluster.sh mpiexec").
 cluster_mpiexec() {
   local mpiexec; mpiexec="$(command -v mpiexec)"
+  if "$mpiexec" --version 2>/dev/null | grep -q "Open MPI"; then
+    [ "${1:-}" = "--version" ] && exec "$mpiexec" --version
+    in_node 0 "$mpiexec" $(open_mpi_options) "$@"
+  fi
   # -localhost: the proxies connect back to node 0 by its address (its name does not
   # resolve in the other nodes; hydra only uses an address when node 0 is in -hosts).
   in_node 0 "$mpiexec" -launcher ssh -launcher-exec "$ME" -localhost "$(address 0)" \

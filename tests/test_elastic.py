@@ -298,6 +298,28 @@ def test_launch_host_from_the_launchers_host_list(monkeypatch):
     assert launch_host() == "10.0.0.7"
 
 
+def test_mpiexec_that_outlives_a_watchdogs_report_is_ended(tmp_path, monkeypatch, capsys):
+    """Open MPI's mpiexec waits for the daemon of a node whose link is gone after every rank
+    has ended; the launcher ends it a while after the watchdog's report and goes on."""
+    import mpiddp.run as run
+    fake = tmp_path / "mpiexec"            # hydra-like; the job reports n3 lost, then hangs
+    fake.write_text("#!/bin/sh\n"
+                    "[ \"$1\" = --version ] && { echo 'HYDRA build details:'; exit 0; }\n"
+                    "for last; do :; done; [ \"$last\" = true ] && exit 0\n"
+                    "printf '# from n1\\nn3\\n' > \"$MPIDDP_LOST_NODES_DIR/lost.0\"\n"
+                    "exec sleep 300\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(run, "REPORTED_MPIEXEC_GRACE_S", 1.0)
+    launcher = run.Launcher(run.parse_args(["--mpiexec", str(fake), "--hosts", "n1,n2,n3",
+                                            "--max-restarts", "0", "--", "train"]))
+    started = time.monotonic()
+    assert launcher.run() == 1                      # no relaunch left: gives up
+    assert time.monotonic() - started < 20
+    said = capsys.readouterr().err
+    assert "mpiexec has not ended 1 s after a watchdog reported lost nodes" in said, said
+    assert "lost node(s) n3; relaunching" in said, said
+
+
 def test_the_report_of_a_node_cut_off_is_not_believed(monkeypatch):
     """n7 lost its link: to its watchdog n1 and n2 are lost, to n1's n7 is. The probe finds
     n7 unreachable, so n7's report is discarded; a frozen rank on a reachable node (n3,
