@@ -23,10 +23,15 @@ OSITE="$("$OVENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["
 echo "$MAIN_SITE" > "$OSITE/zz-mpiddp-main-venv.pth"     # after the venv's own mpi4py
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
+# Jobs that the tests kill leave Open MPI's shared-memory segments behind: in a directory of
+# our own (not /dev/shm), removed at the end.
+SEGMENTS="$(mktemp -d /dev/shm/mpiddp-openmpi-tests.XXXXXX)"
+trap 'rm -rf "$SEGMENTS"' EXIT
+export OMPI_MCA_btl_sm_backing_directory="$SEGMENTS"
 cd "$ROOT"
 "$OVENV/bin/python" -c 'from mpi4py import MPI; v = MPI.Get_library_version()
 assert "Open MPI" in v, v; print("[test_openmpi]", v.splitlines()[0])'
-exec "$OVENV/bin/python" -m pytest -q -p no:cacheprovider \
+"$OVENV/bin/python" -m pytest -q -p no:cacheprovider \
   tests/test_elastic.py tests/test_gpu_streams.py::test_three_ranks_on_fake_gpus_touch_only_their_own \
   tests/test_collectives.py::test_local_ranks_follow_the_launchers_numbering \
   "tests/test_collectives.py::test_every_collective_matches_reference[4ranks-ring]" \
