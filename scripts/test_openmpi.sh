@@ -32,7 +32,8 @@ cd "$ROOT"
 "$OVENV/bin/python" -c 'from mpi4py import MPI; v = MPI.Get_library_version()
 assert "Open MPI" in v, v; print("[test_openmpi]", v.splitlines()[0])'
 "$OVENV/bin/python" -m pytest -q -p no:cacheprovider \
-  tests/test_elastic.py tests/test_gpu_streams.py::test_three_ranks_on_fake_gpus_touch_only_their_own \
+  tests/test_elastic.py \
+  tests/test_gpu_streams.py::test_three_ranks_on_fake_gpus_touch_only_their_own \
   tests/test_collectives.py::test_local_ranks_follow_the_launchers_numbering \
   "tests/test_collectives.py::test_every_collective_matches_reference[4ranks-ring]" \
   tests/test_errors.py::test_roll_calls_among_healthy_ranks_find_no_rank_missing \
