@@ -83,13 +83,9 @@ def parse_hosts(text: str, default_slots: int) -> list[tuple[str, int]]:
     return list(hosts.items())
 
 
-def host_of_rank(hosts: list[tuple[str, int]], rank: int):
-    """The host of ``rank`` when ranks fill ``hosts`` in order, each its slots (None: beyond)."""
-    for host, slots in hosts:
-        if rank < slots:
-            return host
-        rank -= slots
-    return None
+def rank_hosts(hosts: list[tuple[str, int]]) -> list[str]:
+    """Each rank's host when ranks fill ``hosts`` in order, each its slots (rank r: entry r)."""
+    return [host for host, slots in hosts for _ in range(slots)]
 
 
 def mpiexec_family(mpiexec: list[str]) -> str:
@@ -204,7 +200,7 @@ class Launcher:
         """Run the job once; echo its output as it comes; (exit status, output)."""
         env = dict(os.environ, MPIDDP_LOST_NODES_DIR=lost_dir,
                    MPIDDP_ELASTIC_RESTART=str(restart),
-                   **{LAUNCH_HOSTS: ",".join(h for h, n in hosts for _ in range(n))})
+                   **{LAUNCH_HOSTS: ",".join(rank_hosts(hosts))})
         proc = subprocess.Popen(self.command(hosts, env), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env=env,
                                 start_new_session=True, bufsize=1)
@@ -273,8 +269,9 @@ class Launcher:
                 lost.add(host)
             elif int(code) in CRASH_SIGNALS:
                 crashed.add(host)
+        placed = rank_hosts(list(hosts))
         for rank, node, code in OPEN_MPI_ENDED.findall(output):
-            host = host_of_rank(list(hosts), int(rank)) or node
+            host = placed[int(rank)] if int(rank) < len(placed) else node
             if int(code) in KILLED_SIGNALS:
                 lost.add(host)
             elif int(code) in CRASH_SIGNALS:

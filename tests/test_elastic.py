@@ -271,9 +271,8 @@ def test_open_mpi_and_hydra_commands(tmp_path):
 
 def test_lost_nodes_from_open_mpi_output(tmp_path):
     """Open MPI names a node by its hostname; the rank names it as launched."""
-    from mpiddp.run import Launcher, host_of_rank, parse_args
-    assert [host_of_rank([("a", 2), ("b", 2)], r) for r in range(5)] == \
-        ["a", "a", "b", "b", None]
+    from mpiddp.run import Launcher, parse_args, rank_hosts
+    assert rank_hosts([("a", 2), ("b", 2)]) == ["a", "a", "b", "b"]
     launcher = Launcher(parse_args(["--", "true"]))
     out = ("prterun noticed that process rank 3 with PID 27617 on node vm exited on\n"
            "signal 9 (Killed).\n"
@@ -281,6 +280,8 @@ def test_lost_nodes_from_open_mpi_output(tmp_path):
            "11 (Segmentation fault).\n")
     assert launcher.lost_nodes(out, str(tmp_path), [("a", 2), ("b", 2)]) == \
         ({"b"}, {"a"}, {})
+    # A rank beyond the host list (not launched by this launcher) keeps Open MPI's name.
+    assert launcher.lost_nodes(out, str(tmp_path), [("a", 2)])[0] == {"vm"}
     lost, crashed, _ = launcher.lost_nodes(
         "PRTE has lost communication with a remote daemon.\n", str(tmp_path), [("a", 1)])
     assert not lost and crashed, crashed      # the probe before the relaunch names it
