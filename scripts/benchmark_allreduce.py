@@ -260,7 +260,7 @@ def table(comm, methods: dict, baseline: str, sizes: list, args, pieces: int = 1
 def latency(comm, nbytes=4096, iters=3000):
     """Median time of a synchronous mpiddp.allreduce of ``nbytes``, negotiation included."""
     mpiddp.set_allreduce_algorithm("auto")
-    tensor = torch.zeros(nbytes // 4)
+    tensor = torch.zeros(nbytes // 4, device=DEVICE)
     samples = []
     for i in range(iters + 300):
         start = time.perf_counter()
@@ -327,7 +327,8 @@ def main():
                            f"MPI_Allreduce x {args.pieces}", piece_sizes, args, args.pieces)
     median, mean = latency(comm)
     if rank == 0:
-        print(f"\nsynchronous 4 KiB mpiddp.allreduce (engine, negotiation included): "
+        print(f"\nsynchronous 4 KiB mpiddp.allreduce of a {DEVICE} tensor (engine, "
+              "negotiation included): "
               f"median {median * 1e6:.1f} us, mean {mean * 1e6:.1f} us (slowest rank)")
         print(f"engine stats rank 0: {mpiddp.engine_stats()}")
         if args.json:

@@ -19,6 +19,11 @@ the CPU time of a rank's whole process (every thread) per step.
 
     mpiexec -n 2 python scripts/synthetic_benchmark.py --model cnn --batch-size 32
     mpiexec -n 2 python scripts/synthetic_benchmark.py --model mlp --batch-size 16
+    mpiexec -n 2 python scripts/synthetic_benchmark.py --model cnn --device cuda
+
+``--device cuda`` trains ``cnn`` or ``mlp`` on the GPUs (local rank k on ``cuda:k``, round-robin
+when ranks outnumber GPUs; DDP still over gloo, which reduces CUDA tensors through the host,
+because NCCL refuses two ranks on one GPU); steps are timed to the end of their GPU work.
 
 Models (plain torch, no torchvision): ``cnn`` is ResNet-18 (11.7 M parameters, 47 MB of
 gradients; ``--image-size`` sets the input resolution and with it the compute per sample);
@@ -121,6 +126,8 @@ def build(args, nominal: bool = False):
         slower = args.straggler if args.is_straggler and not nominal else 1.0
         model.set_step_time(args.sim_step_s * slower, args.batch_size, args.sim_optimizer_s)
         return model, torch.zeros(args.batch_size, 1), None
+    device = torch.device(args.device, torch.cuda.current_device()) \
+        if args.device == "cuda" else torch.device("cpu")
     if args.model == "cnn":
         model = ResNet18(num_classes=1000)
         data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
@@ -129,7 +136,7 @@ def build(args, nominal: bool = False):
         model = mlp(args.width, args.depth)
         data = torch.randn(args.batch_size, args.width)
         target = torch.randint(0, args.width, (args.batch_size,))
-    return model, data, target
+    return model.to(device), data.to(device), target.to(device)
 
 
 # ---- the variants -------------------------------------------------------------------------
@@ -241,6 +248,12 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def device_idle() -> None:
+    """Wait for this process's GPU work (a step's kernels run after step() returns)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def time_round(variant: Variant, steps: int, rank: int) -> tuple[float, float]:
     """(samples/sec, CPU ms per step) of this rank over ``steps`` steps, after one untimed
     step ('single': rank 0 trains alone while the others wait without using CPU)."""
@@ -249,6 +262,7 @@ def time_round(variant: Variant, steps: int, rank: int) -> tuple[float, float]:
         barrier()
         return float("nan"), float("nan")
     variant.step()
+    device_idle()
     if variant.name != "single":
         barrier()
     # Steady state: the window holds ``steps`` forwards, backwards and updates. With forward
@@ -257,6 +271,7 @@ def time_round(variant: Variant, steps: int, rank: int) -> tuple[float, float]:
     start, cpu = time.perf_counter(), cpu_seconds()
     for _ in range(steps):
         variant.step()
+    device_idle()
     elapsed, cpu = time.perf_counter() - start, cpu_seconds() - cpu
     variant.finish()
     if variant.name == "single":
@@ -288,6 +303,8 @@ def parse_args(argv=None):
     p.add_argument("--overlap-forward", action="store_true",
                    help="every mpiddp variant with DistributedOptimizer(overlap_forward=True)"
                         " (refused if the installed mpiddp lacks it)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where cnn and mlp train (cuda: local rank k on GPU k %% GPUs)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank (default: cores / ranks on the node)")
     p.add_argument("--compression", choices=("none", "fp16", "bf16"), default="none",
@@ -332,6 +349,8 @@ def parse_args(argv=None):
                           or args.param_scale != 1.0):
         p.error("--step-time, --regime, --device-profile and --param-scale are for the sim-* "
                 "models")
+    if args.device == "cuda" and (simulated or not torch.cuda.is_available()):
+        p.error("--device cuda: for cnn and mlp, on a machine where torch.cuda works")
     if args.regime and not args.link_gbit:
         p.error("--regime needs --link-gbit: the step is set against the wire time")
     if args.step_time is not None and args.step_time <= 0:
@@ -429,8 +448,10 @@ def main(argv=None) -> int:
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    local_size = node.Get_size()
+    local_size, local_rank = node.Get_size(), node.Get_rank()
     node.Free()
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
     threads = args.threads or max(1, (os.cpu_count() or 1) // local_size)
     torch.set_num_threads(threads)
     nodes = size // local_size
@@ -476,6 +497,8 @@ def main(argv=None) -> int:
         described = {"cnn": f" (ResNet-18, {args.image_size}x{args.image_size} images)",
                      "mlp": f" ({args.depth}x{args.width}x{args.width})"}
         print(f"model {args.model}" + described.get(args.model, "")
+              + (f" on {torch.cuda.get_device_name()} ({torch.cuda.device_count()} GPU(s) "
+                 "on the node)" if args.device == "cuda" else "")
               + f": {params / 1e6:.1f} M parameters, {params * 4 / 1e6:.0f} MB of gradients; "
               f"batch {args.batch_size} per rank; {size} rank(s), {threads} thread(s) each; "
               f"{args.iters} interleaved rounds of {args.steps} steps after {args.warmup} "
@@ -517,6 +540,7 @@ def main(argv=None) -> int:
         return 0
     result = {"model": args.model, "batch_size": args.batch_size, "ranks": size,
               "threads": threads, "image_size": args.image_size, "params": params,
+              "device": args.device,
               "iters": args.iters, "steps": args.steps,
               "overlap_forward": args.overlap_forward, "bucket_cap_mb": args.bucket_cap_mb,
               "ddp_bucket_mb": args.ddp_bucket_mb, "variants": {}}
