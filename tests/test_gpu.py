@@ -13,7 +13,8 @@ Without a GPU (every machine of this project, CI included):
 
 With a GPU (skipped here): every collective and dtype against a float64 reference on 1, 2
 and 4 ranks sharing one GPU, staged and (when the MPI is CUDA-aware) direct; a producer
-stream still busy at submission; mixed CPU and GPU tensors; DistributedOptimizer on CUDA.
+stream still busy at submission; mixed CPU and GPU tensors; DistributedOptimizer on CUDA,
+with forward overlap too.
 """
 from __future__ import annotations
 
@@ -524,5 +525,12 @@ def test_distributed_optimizer_on_cuda_matches_single_process():
     if not hasattr(mpiddp, "DistributedOptimizer"):
         pytest.skip("mpiddp.DistributedOptimizer is not available")
     result = run_mpi("gpu_worker.py", 2, "optimizer", timeout=300)
+    assert_ok(result)
+    assert "DONE" in result.output
+
+
+@needs_gpu
+def test_forward_overlap_on_cuda_equals_the_standard_path():
+    result = run_mpi("gpu_worker.py", 2, "overlap", timeout=300)
     assert_ok(result)
     assert "DONE" in result.output
