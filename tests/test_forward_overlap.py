@@ -4,8 +4,9 @@ Each launch runs checks of ``workers/forward_overlap_worker.py``: the parameters
 optimizer state bitwise equal to the standard path's after every kind of step (SGD with
 momentum, nesterov and weight decay, Adam, AdamW, an LR scheduler, two backward passes per
 step, fp16/bf16 compression), no stale read of a parameter before the next forward, the
-fallback for a gradient read before ``step()``, refusals, the setting, ``join()``, and a
-stall surfacing from the next forward.
+fallback for a gradient read before ``step()``, refusals, the setting, the cycle budget for
+device memory (measured, agreed, raised on every rank), ``join()``, and a stall surfacing from
+the next forward.
 """
 import pytest
 
@@ -19,7 +20,8 @@ BITWISE = {"sgd-momentum-nesterov-wd", "adam", "adamw", "sgd+scheduler", "adam+2
 @pytest.fixture(scope="module")
 def two_ranks():
     result = run_mpi("forward_overlap_worker.py", 2,
-                     "bitwise,stale,fallback,refusals,setting,join", timeout=150)
+                     "bitwise,stale,fallback,refusals,setting,device_budget,join",
+                     timeout=150)
     assert_ok(result)
     return result
 
@@ -67,6 +69,13 @@ def test_lbfgs_and_closures_are_refused(two_ranks):
 def test_the_setting_turns_it_on_for_an_unchanged_script(two_ranks, three_ranks):
     assert [r["on"] for r in reported(two_ranks, "setting")] == [False]
     assert [r["on"] for r in reported(three_ranks, "setting")] == [True]
+
+
+def test_device_memorys_budget_is_measured_agreed_and_raised_on_every_rank(two_ranks):
+    # Host memory poses as the device (no GPU here): the measured budget is above the
+    # host's 1 MiB on one node, and the engine's budget rose to it.
+    run, = reported(two_ranks, "device budget")
+    assert run["pieces"] > run["before"] == 1 << 20, run
 
 
 @pytest.mark.parametrize("launch", ["two_ranks", "four_ranks"])

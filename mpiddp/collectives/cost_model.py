@@ -247,6 +247,23 @@ def priority_cycle_bytes(ranks: int, link: Optional[LinkCosts],
     return 1 << int(math.log2(budget))
 
 
+def device_priority_cycle_bytes(cycle_s: float, seconds_per_byte: float,
+                                tolerance: float = PRIORITY_CYCLE_TOLERANCE) -> int:
+    """Forward overlap's cycle budget for gradients in device memory, from the engine's
+    device all-reduce as measured on the job itself (``torch/cycle_budget.py``): a cycle's
+    fixed cost ``cycle_s`` (one element, end to end) ``tolerance`` of the transfer of the
+    budget at ``seconds_per_byte`` (end to end), rounded down to a power of two, from
+    ``PRIORITY_CYCLE_MIN_BYTES`` to ``PRIORITY_CYCLE_MAX_BYTES``. The device's own fixed costs
+    (the kernels, the staging copies, the waits for them) are in the measurement where the
+    host rule's modelled cost has none: on an H200 shared by two ranks, ~0.7 ms a cycle
+    against ~0.1 ms for host memory (docs/gpu.md, "Forward overlap on GPUs")."""
+    if seconds_per_byte <= 0:
+        return PRIORITY_CYCLE_MAX_BYTES
+    budget = cycle_s / (tolerance * seconds_per_byte)
+    budget = min(max(budget, PRIORITY_CYCLE_MIN_BYTES), PRIORITY_CYCLE_MAX_BYTES)
+    return 1 << int(math.log2(budget))
+
+
 # Small all-reduces carried beside the negotiation (engine/speculation.py): the buffer's wire
 # time at most one latency, so a cycle with nothing to carry takes at most about one latency
 # per level longer; a power of two between these bounds.

@@ -86,7 +86,9 @@ class Engine:
         self.timeline = Timeline(bool(settings.timeline))
         self.executor = make_executor(self.stats, self.timeline, self._complete)
         # The cycle budget and the speculative bytes as the executor resolved them (unset:
-        # sized from the measured links).
+        # sized from the measured links; forward overlap may then raise the budget for
+        # gradients in device memory, torch/cycle_budget.py).
+        self.cycle_budget_sized = settings.priority_cycle_bytes is None
         self.settings = settings = replace(
             settings, priority_cycle_bytes=self.executor.priority_cycle_bytes,
             speculation_bytes=self.executor.speculation_bytes)
@@ -138,6 +140,17 @@ class Engine:
         entry = Entry(Request(name, BARRIER, "uint8", ()), None, None, Handle(name),
                       action=action)
         return self.submit_many([entry])[0]
+
+    def raise_priority_cycle_bytes(self, budget: int) -> Handle:
+        """Raise the cycle budget of prioritized all-reduces to ``budget`` bytes (kept where
+        it is larger, or 0: unlimited) at the same point of the agreed order on every rank.
+        A collective: a barrier every rank submits with the same ``budget``."""
+        def apply():
+            current = self.settings.priority_cycle_bytes
+            if current and budget > current:
+                self.settings = replace(self.settings, priority_cycle_bytes=budget)
+                self.protocol.settings = self.settings
+        return self.barrier(f"mpiddp.priority_cycle_bytes.{budget}", action=apply)
 
     def join(self) -> Handle:
         with self._lock:

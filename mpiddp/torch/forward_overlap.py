@@ -40,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 from .. import runtime
 from ..reduce_ops import ReduceOp
 from .collectives import allreduce
+from .cycle_budget import device_piece_bytes, keep_engine_budget
 from .gradient_sync import GradientSync, Round
 from .overlap_trial import OverlapTrial
 
@@ -91,9 +92,15 @@ class ForwardOverlap:
         # autograd device thread that cannot tell which thread called backward().
         self.forward_guarded = False
         # Pieces as large as a cycle's budget of prioritized bytes (the engine's: unset, it is
-        # sized from the measured links): one piece per cycle.
-        sync.piece_bytes = runtime.engine_for(sync.process_set, "DistributedOptimizer()")[0] \
-            .settings.priority_cycle_bytes
+        # sized from the measured links): one piece per cycle. Gradients in device memory:
+        # pieces sized from a measured device all-reduce, and the engine's budget raised to
+        # them, on every engine this optimizer steps on (cycle_budget.py).
+        engine = runtime.engine_for(sync.process_set, "DistributedOptimizer()")[0]
+        self.device_pieces = device_piece_bytes(sync.params, sync.prefix, sync.process_set,
+                                                engine)
+        sync.piece_bytes = self.device_pieces or engine.settings.priority_cycle_bytes
+        self.budget_engine = None
+        self._keep_engine_budget(engine)
         self.adopt_new_params()
         _live.add(self)
 
@@ -150,6 +157,9 @@ class ForwardOverlap:
         if self.deferred is not None:              # step() twice without a forward between
             self.complete()
         self.guard_this_thread()
+        if self.device_pieces:
+            self._keep_engine_budget(
+                runtime.engine_for(self.sync.process_set, "DistributedOptimizer.step()")[0])
         if self.trial is not None:
             with self._internal():
                 self._set_enabled(self.trial.on_step())   # for the next step
@@ -171,6 +181,13 @@ class ForwardOverlap:
         # span (with the reductions still on the wire beside it) is the picture of overlap.
         self.sync.marks.record("step_end")
         return True
+
+    def _keep_engine_budget(self, engine) -> None:
+        """Device-sized pieces: the first time this optimizer meets ``engine`` (after an
+        ``init()``, at the same step on every rank), raise its cycle budget to them."""
+        if self.device_pieces and engine is not self.budget_engine:
+            self.budget_engine = engine
+            keep_engine_budget(engine, self.device_pieces)
 
     @contextlib.contextmanager
     def _internal(self):

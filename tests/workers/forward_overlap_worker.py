@@ -269,7 +269,56 @@ def check_auto_switches_in_step_and_stays_bitwise_equal():
        deferred_steps=schedule.deferred_steps)
 
 
-CHECKS = {"auto": check_auto_switches_in_step_and_stays_bitwise_equal, "stall": check_stall_surfaces_in_the_next_forward, "bitwise": check_bitwise, "stale": check_reads_are_never_stale,
+def check_device_budget():
+    """Forward overlap's cycle budget for device memory (torch/cycle_budget.py), with host
+    memory posing as the device: the ranks measure the all-reduce and agree, the pieces and
+    the engine's budget are raised together on every rank (or the ranks would cut
+    different pieces and stall), a lower budget leaves it, a new engine (shutdown, init)
+    gets the raised budget at the next step, and training stays bitwise equal to the
+    standard path throughout."""
+    from mpiddp import runtime
+    from mpiddp.collectives.cost_model import device_priority_cycle_bytes
+    from mpiddp.torch import cycle_budget
+
+    engine = runtime.engine_for(None, "check_device_budget")[0]
+    before = engine.settings.priority_cycle_bytes
+    fixed, per_byte = cycle_budget.measure_allreduce(torch.device("cpu"), "probe", None)
+    everyone = mpiddp.allgather_object((fixed, per_byte), name="budget_probe")
+    assert all(e == everyone[0] for e in everyone) and fixed > 0 and per_byte > 0, everyone
+    real_device_of = cycle_budget.device_of
+    cycle_budget.device_of = lambda params: torch.device("cpu")
+    try:
+        standard = make(OPTIMIZERS["adam"], False)
+        overlap = make(OPTIMIZERS["adam"], True)
+    finally:
+        cycle_budget.device_of = real_device_of
+    pieces = overlap[1]._mpiddp.piece_bytes
+    data = batches(23)
+    train(*standard, data)
+    train(*overlap, data)
+    equal_state(standard, overlap)
+    after = engine.settings.priority_cycle_bytes
+    assert after == max(before, pieces) == engine.protocol.settings.priority_cycle_bytes, \
+        (before, pieces, after)
+    assert mpiddp.allgather_object(pieces, name="pieces") == [pieces] * SIZE
+    engine.raise_priority_cycle_bytes(before).wait()
+    assert engine.settings.priority_cycle_bytes == after
+    mpiddp.shutdown()
+    mpiddp.init()
+    engine = runtime.engine_for(None, "check_device_budget")[0]
+    assert engine.settings.priority_cycle_bytes == before
+    data = batches(24)
+    train(*standard, data)
+    train(*overlap, data)
+    equal_state(standard, overlap)
+    assert engine.settings.priority_cycle_bytes == after, "a new engine kept the host budget"
+    ok("device budget", before=before, pieces=pieces, fixed_us=round(fixed * 1e6),
+       ns_per_byte=round(per_byte * 1e9, 3),
+       expected=max(before, device_priority_cycle_bytes(fixed, per_byte)))
+
+
+CHECKS = {"device_budget": check_device_budget,
+          "auto": check_auto_switches_in_step_and_stays_bitwise_equal, "stall": check_stall_surfaces_in_the_next_forward, "bitwise": check_bitwise, "stale": check_reads_are_never_stale,
           "fallback": check_fallback_for_clipping_and_amp, "refusals": check_refusals,
           "setting": check_setting_turns_it_on, "join": check_join_and_shutdown_complete_deferred_updates}
 
