@@ -33,7 +33,8 @@ if ls "$WHEELS"/mpi4py-*.whl "$WHEELS"/mpich-*.whl >/dev/null 2>&1; then
   # python3 may itself be a virtual environment (a venv made from it would not see its
   # packages): the new one reaches them through a .pth file, after its own mpi4py.
   VENV="${TMPDIR:-/tmp}/mpiddp-gpu-venv"
-  SYSTEM_SITE="$(python3 -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))')"
+  SYSTEM_SITE="$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(
+    torch.__file__)))')"
   python3 -m venv --without-pip "$VENV" || exit 1
   VSITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   python3 -m pip install -q --no-index --no-deps --ignore-installed --disable-pip-version-check \

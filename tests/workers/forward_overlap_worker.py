@@ -318,9 +318,11 @@ def check_device_budget():
 
 
 CHECKS = {"device_budget": check_device_budget,
-          "auto": check_auto_switches_in_step_and_stays_bitwise_equal, "stall": check_stall_surfaces_in_the_next_forward, "bitwise": check_bitwise, "stale": check_reads_are_never_stale,
-          "fallback": check_fallback_for_clipping_and_amp, "refusals": check_refusals,
-          "setting": check_setting_turns_it_on, "join": check_join_and_shutdown_complete_deferred_updates}
+          "auto": check_auto_switches_in_step_and_stays_bitwise_equal,
+          "stall": check_stall_surfaces_in_the_next_forward, "bitwise": check_bitwise,
+          "stale": check_reads_are_never_stale, "fallback": check_fallback_for_clipping_and_amp,
+          "refusals": check_refusals, "setting": check_setting_turns_it_on,
+          "join": check_join_and_shutdown_complete_deferred_updates}
 
 for name in sys.argv[1].split(","):
     CHECKS[name]()
