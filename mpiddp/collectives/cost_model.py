@@ -226,6 +226,12 @@ def halving_doubling_threshold(ranks: int, link: LinkCosts, tolerance: float = R
     return NEVER if threshold >= NEVER else max(0, int(threshold))
 
 
+def power_of_two_between(nbytes: float, least: int, most: int) -> int:
+    """``nbytes`` bounded to ``[least, most]`` (powers of two) and rounded down to a power of
+    two, so that the links' measured noise moves a size derived from them rarely."""
+    return 1 << int(math.log2(min(max(nbytes, least), most)))
+
+
 def priority_cycle_bytes(ranks: int, link: Optional[LinkCosts],
                          tolerance: float = PRIORITY_CYCLE_TOLERANCE) -> int:
     """Forward overlap's cycle budget across ``ranks`` nodes (``MPIDDP_PRIORITY_CYCLE_BYTES``
@@ -243,8 +249,7 @@ def priority_cycle_bytes(ranks: int, link: Optional[LinkCosts],
         return PRIORITY_CYCLE_MIN_BYTES
     fixed = ENGINE_CYCLE_S + 2 * log2_steps(ranks) * link.latency_s
     budget = fixed / tolerated_seconds_per_byte(ranks, link, tolerance)
-    budget = min(max(budget, PRIORITY_CYCLE_MIN_BYTES), PRIORITY_CYCLE_MAX_BYTES)
-    return 1 << int(math.log2(budget))
+    return power_of_two_between(budget, PRIORITY_CYCLE_MIN_BYTES, PRIORITY_CYCLE_MAX_BYTES)
 
 
 def device_priority_cycle_bytes(cycle_s: float, seconds_per_byte: float,
@@ -259,9 +264,8 @@ def device_priority_cycle_bytes(cycle_s: float, seconds_per_byte: float,
     against ~0.1 ms for host memory (docs/gpu.md, "Forward overlap on GPUs")."""
     if seconds_per_byte <= 0:
         return PRIORITY_CYCLE_MAX_BYTES
-    budget = cycle_s / (tolerance * seconds_per_byte)
-    budget = min(max(budget, PRIORITY_CYCLE_MIN_BYTES), PRIORITY_CYCLE_MAX_BYTES)
-    return 1 << int(math.log2(budget))
+    return power_of_two_between(cycle_s / (tolerance * seconds_per_byte),
+                                PRIORITY_CYCLE_MIN_BYTES, PRIORITY_CYCLE_MAX_BYTES)
 
 
 # Small all-reduces carried beside the negotiation (engine/speculation.py): the buffer's wire
@@ -279,9 +283,8 @@ def speculation_bytes(link: Optional[LinkCosts]) -> int:
     32 KiB at 100 Gbit/s and 5 us); ``SPECULATION_MIN_BYTES`` where nothing was measured."""
     if link is None or link.seconds_per_byte <= 0:
         return SPECULATION_MIN_BYTES
-    budget = link.latency_s / link.seconds_per_byte
-    budget = min(max(budget, SPECULATION_MIN_BYTES), SPECULATION_MAX_BYTES)
-    return 1 << int(math.log2(budget))
+    return power_of_two_between(link.latency_s / link.seconds_per_byte,
+                                SPECULATION_MIN_BYTES, SPECULATION_MAX_BYTES)
 
 
 # ---- measuring a link ------------------------------------------------------------------------
