@@ -285,6 +285,8 @@ def skip_unless_nvrtc_compiles_for(arch: str) -> None:
     supported = nvrtc.getSupportedArchs()
     if int(arch) not in supported:
         pytest.skip(f"this NVRTC ({nvrtc.getVersion()}) compiles only for {supported}")
+
+
 _PTX_CACHE: dict = {}
 
 
@@ -299,6 +301,7 @@ def cupy_compile(arch, monkeypatch, method="ptx"):
     and ``method``: 'cubin' is what CuPy asks NVRTC for on a device (``-arch=sm_XX``), 'ptx'
     the virtual-architecture text. The options CuPy adds itself are kept. Returns the options
     NVRTC got and what it produced (PTX as text, a cubin as bytes)."""
+    skip_unless_nvrtc_compiles_for(arch)
     key = arch, method
     if key in _PTX_CACHE:
         return _PTX_CACHE[key]
@@ -407,7 +410,6 @@ def arithmetic_of(body):
 @needs_nvrtc
 @pytest.mark.parametrize("arch", ARCHS)
 def test_ptx_through_cupy_has_no_flush_to_zero(arch, monkeypatch):
-    skip_unless_nvrtc_compiles_for(arch)
     options, ptx = cupy_ptx(arch, monkeypatch)
     assert set(dk.COMPILE_OPTIONS) <= set(options), options
     for name, body in kernel_bodies(ptx).items():
@@ -425,7 +427,6 @@ def test_ptx_through_cupy_has_no_flush_to_zero(arch, monkeypatch):
 def test_model_of_the_compiled_kernels_equals_host_path(arch, monkeypatch):
     """The model run with the float32 arithmetic the PTX has, against the host path: this is
     what a GPU would compute, and where a build flushes subnormals it shows the values."""
-    skip_unless_nvrtc_compiles_for(arch)
     _, ptx = cupy_ptx(arch, monkeypatch)
     bodies = kernel_bodies(ptx)
     prefix = {"bfloat16": "mpiddp_bf16", "float16": "mpiddp_f16", "float32": "mpiddp_f32"}
@@ -481,7 +482,6 @@ def elf_sections(data: bytes) -> dict:
 def test_machine_code_has_no_flush_to_zero(arch, monkeypatch, tmp_path):
     """ptxas (inside NVRTC) keeps the PTX's float semantics: no FTZ, no FFMA in the SASS of
     the cubin CuPy would load (the old kernels had FADD.FTZ, FMUL.FTZ, FSETP.*.FTZ)."""
-    skip_unless_nvrtc_compiles_for(arch)
     _, cubin = cupy_compile(arch, monkeypatch, "cubin")
     sections = elf_sections(bytes(cubin))
     for name in dk.KERNEL_NAMES:
