@@ -264,14 +264,11 @@ class Launcher:
                 named = {line for line in lines if not line.startswith("#")}
                 say(f"rank {name[5:]}'s watchdog found lost: {', '.join(sorted(named))}")
                 reports.setdefault(reporter, set()).update(named)
-        for host, code in HYDRA_ENDED.findall(output):
-            if int(code) in KILLED_SIGNALS:
-                lost.add(host)
-            elif int(code) in CRASH_SIGNALS:
-                crashed.add(host)
         placed = rank_hosts(list(hosts))
-        for rank, node, code in OPEN_MPI_ENDED.findall(output):
-            host = placed[int(rank)] if int(rank) < len(placed) else node
+        ended = HYDRA_ENDED.findall(output) + [
+            (placed[int(rank)] if int(rank) < len(placed) else node, code)
+            for rank, node, code in OPEN_MPI_ENDED.findall(output)]
+        for host, code in ended:        # (host, signal or exit code), hydra's and Open MPI's
             if int(code) in KILLED_SIGNALS:
                 lost.add(host)
             elif int(code) in CRASH_SIGNALS:
