@@ -29,12 +29,35 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     if SYSTEM_TESTS:
+        # First, so that under pytest-xdist their worker starts on them at once (below).
+        items.sort(key=lambda item: "system" not in item.keywords)
         return
     for item in items:
         if "system" in item.keywords:
             what = CHANGES.get(item.module.__name__, "changes this machine as root")
             item.add_marker(pytest.mark.skip(
                 reason=f"system test: {what}; set MPIDDP_SYSTEM_TESTS=1 to run it"))
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:                     # pytest-xdist is optional: the tests run serially
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+    class OneWorkerChangesTheMachine(LoadScopeScheduling):
+        """Each module to one worker (its module-scoped launches made once), and every
+        system module to the same worker, one after another: they share the cluster's
+        namespaces and Slurm's ports and state. (pytest-xdist's own ``loadgroup`` does not
+        group under pytest 9: it renames ``item._nodeid``, which pytest 9 no longer reads.)"""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "system" if Path(module).stem in CHANGES else module
+
+    def pytest_xdist_make_scheduler(config, log):
+        config.option.loadscopereorder = False      # collection order: system modules first
+        return OneWorkerChangesTheMachine(config, log)
 
 
 def pytest_addoption(parser):

@@ -48,8 +48,10 @@ def mpi_command(worker: str, nprocs: int, *args: str, env: dict | None = None,
     full_env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                      "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), str(WORKERS),
                                                                  os.environ.get("PYTHONPATH")]))})
-    if nprocs > (os.cpu_count() or 1):
-        full_env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"   # waiting ranks yield the core
+    # Waiting ranks yield the core when the ranks outnumber the cores, counting the ranks of
+    # the launches the other pytest-xdist workers may be running meanwhile.
+    if nprocs * int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1)) > (os.cpu_count() or 1):
+        full_env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"
     full_env.update(env or {})
     runner = [sys.executable, "-m", "mpi4py"] if mpi4py_run else [sys.executable]
     return [mpiexec_path(), "-n", str(nprocs), *runner, script, *map(str, args)], full_env

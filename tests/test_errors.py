@@ -151,6 +151,6 @@ def test_a_hung_test_job_prints_where_every_rank_was(tmp_path):
                       "def wait_forever_in_here():\n    threading.Event().wait()\n\n"
                       "MPI.COMM_WORLD.Barrier()\nprint('STARTED', flush=True)\n"
                       "wait_forever_in_here()\n")
-    result = Job(*mpi_command(str(script), 2, mpi4py_run=False)).wait(timeout=15)
+    result = Job(*mpi_command(str(script), 2, mpi4py_run=False)).wait(timeout=6)
     assert result.timed_out, result.output
     assert result.output.count("in wait_forever_in_here") == 2, result.output

@@ -120,7 +120,7 @@ def test_training_equivalence_across_nodes(cluster):
 
 
 # ---- faults: a node's ranks killed, a node's link cut -------------------------------------
-PEER_CHECK = 10       # MPIDDP_PEER_CHECK_TIME in the fault tests (s)
+PEER_CHECK = 5        # MPIDDP_PEER_CHECK_TIME in the fault tests (s)
 
 
 def node_pids(node: int) -> list[int]:

@@ -76,13 +76,17 @@ def test_step_takes_the_requested_time_and_little_cpu():
     model.set_step_time(step, batch, optimizer_s)
     optimizer = sim.SimulatedOptimizer(model.parameters(), model.device, per_param)
     run_steps(model, optimizer, 1, batch)          # first step: gradient memory faulted in
-    busy = model.device.busy
-    start, cpu = time.perf_counter(), time.thread_time()
-    run_steps(model, optimizer, 3, batch)
-    elapsed, cpu = (time.perf_counter() - start) / 3, (time.thread_time() - cpu) / 3
-    # The device time asked for is exactly the step; the wall time within 15 % of it.
-    assert (model.device.busy - busy) / 3 == pytest.approx(step, rel=1e-9)
-    assert step * 0.98 <= elapsed <= step * 1.15, elapsed
+    rounds = []         # the best of three: another test's ranks may hold the cores in one
+    for _ in range(3):
+        busy = model.device.busy
+        start, cpu = time.perf_counter(), time.thread_time()
+        run_steps(model, optimizer, 2, batch)
+        rounds.append(((time.perf_counter() - start) / 2, (time.thread_time() - cpu) / 2))
+        # The device time asked for is exactly the step.
+        assert (model.device.busy - busy) / 2 == pytest.approx(step, rel=1e-9)
+    elapsed, cpu = min(rounds)
+    # The wall time within 15 % of the step.
+    assert step * 0.98 <= elapsed <= step * 1.15, rounds
     # The stepping thread's own CPU: the waits use none (measured: about 5-8 % of the step).
     assert cpu < 0.25 * step, cpu
     for param in model.parameters():
