@@ -23,6 +23,10 @@ OSITE="$("$OVENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["
 echo "$MAIN_SITE" > "$OSITE/zz-mpiddp-main-venv.pth"     # after the venv's own mpi4py
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
+# Two pytest-xdist workers, as scripts/test.sh runs them: each job's waiting ranks yield the
+# core, since Open MPI counts only its own job's ranks against the cores.
+WORKERS="${MPIDDP_TEST_WORKERS:-2}"
+[ "$WORKERS" = 0 ] || export OMPI_MCA_mpi_yield_when_idle=1
 # Jobs that the tests kill leave Open MPI's shared-memory segments behind: in a directory of
 # our own (not /dev/shm), removed at the end.
 SEGMENTS="$(mktemp -d /dev/shm/mpiddp-openmpi-tests.XXXXXX)"
@@ -31,7 +35,7 @@ export OMPI_MCA_btl_sm_backing_directory="$SEGMENTS"
 cd "$ROOT"
 "$OVENV/bin/python" -c 'from mpi4py import MPI; v = MPI.Get_library_version()
 assert "Open MPI" in v, v; print("[test_openmpi]", v.splitlines()[0])'
-"$OVENV/bin/python" -m pytest -q -p no:cacheprovider \
+"$OVENV/bin/python" -m pytest -q -p no:cacheprovider -n "$WORKERS" \
   tests/test_elastic.py \
   tests/test_gpu_streams.py::test_three_ranks_on_fake_gpus_touch_only_their_own \
   tests/test_collectives.py::test_local_ranks_follow_the_launchers_numbering \
