@@ -21,13 +21,26 @@ CHANGES = {"test_slurm": "installs and starts Slurm on this machine as root",
                                   "a node's ranks and sets its link down, as root"}
 
 
+# scripts/test.sh runs the suite in two parts: "skip", every test but those marked ``alone``
+# (in pytest-xdist workers, side by side), then "only", those alone. Unset: every test.
+ALONE = os.environ.get("MPIDDP_TESTS_ALONE", "")
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "system: changes the machine as root (packages, daemons, network namespaces); "
                    "runs only with MPIDDP_SYSTEM_TESTS=1")
+    config.addinivalue_line(
+        "markers", "alone: asserts on timings or on choices made from measured links, which "
+                   "other tests running beside it would change: scripts/test.sh runs these "
+                   "after the others, one at a time")
 
 
 def pytest_collection_modifyitems(config, items):
+    if ALONE in ("skip", "only"):
+        keep = [item for item in items if ("alone" in item.keywords) == (ALONE == "only")]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
     if SYSTEM_TESTS:
         # First, so that under pytest-xdist their worker starts on them at once (below).
         items.sort(key=lambda item: "system" not in item.keywords)

@@ -50,7 +50,9 @@ def test_topology_and_hierarchical_allreduce_across_nodes(cluster, nodes, per_no
 
 @pytest.mark.parametrize("layout,sockets,algorithm", [
     ("2x2", "0", "auto"), ("2x2", "1", "auto"), ("4x1", "1", "recursive_doubling"),
-    ("4x1", "1", "links"), ("2x1", "1", "links")],
+    # The links measured under another test's load choose otherwise (seen in CI): alone.
+    pytest.param("4x1", "1", "links", marks=pytest.mark.alone),
+    pytest.param("2x1", "1", "links", marks=pytest.mark.alone)],
     ids=["over-mpi", "over-sockets", "recursive-doubling-over-sockets",
          "links-choose-over-sockets", "links-choose-at-two-nodes"])
 def test_every_collective_across_nodes(cluster, layout, sockets, algorithm):
