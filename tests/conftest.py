@@ -38,9 +38,11 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     if ALONE in ("skip", "only"):
-        keep = [item for item in items if ("alone" in item.keywords) == (ALONE == "only")]
-        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
-        items[:] = keep
+        parts = {True: [], False: []}          # kept, left to the other part
+        for item in items:
+            parts[("alone" in item.keywords) == (ALONE == "only")].append(item)
+        config.hook.pytest_deselected(items=parts[False])
+        items[:] = parts[True]
     if SYSTEM_TESTS:
         # First, so that under pytest-xdist their worker starts on them at once (below).
         items.sort(key=lambda item: "system" not in item.keywords)
