@@ -79,6 +79,15 @@ def engine(algorithm: str):
     return use_algorithm(algorithm), lambda t: mpiddp.allreduce_(t, name="bench", op=mpiddp.Sum)
 
 
+def several_per_node(comm: MPI.Comm) -> bool:
+    """Whether the ranks sit on several nodes, the same number (more than one) on each: where
+    the hierarchical all-reduce applies."""
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    sizes = set(comm.allgather(local.Get_size()))
+    local.Free()
+    return len(sizes) == 1 and 1 < sizes.pop() < comm.Get_size()
+
+
 def make_methods(comm: MPI.Comm, with_gloo: bool):
     """name -> (setup(tensor), run(tensor)). Every run all-reduces (sums) the tensor in place."""
     def native_run(tensor):
@@ -87,6 +96,8 @@ def make_methods(comm: MPI.Comm, with_gloo: bool):
     methods = {"mpiddp ring": engine("ring"),
                "mpiddp halving-doubling": engine("halving_doubling"),
                "mpiddp auto": engine("auto"), "MPI_Allreduce": (no_setup, native_run)}
+    if several_per_node(comm):
+        methods["mpiddp hierarchical"] = engine("hierarchical")
     if with_gloo:
         import torch.distributed as dist
         methods["torch gloo"] = (no_setup, lambda t: dist.all_reduce(t))

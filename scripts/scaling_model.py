@@ -2,7 +2,10 @@
 emulated cluster's measurements, then extrapolated to hundreds of nodes.
 
     python scripts/scaling_model.py validate scaling-results/    # model against measured
+    python scripts/scaling_model.py validate-nodes results/      # several ranks per node
     python scripts/scaling_model.py extrapolate                  # 64-512 nodes, 10-100 Gbit/s
+    python scripts/scaling_model.py horovod                      # Horovod's paper's setup
+    python scripts/scaling_model.py predict --step-s 0.2 --gbit 100 --gpus-per-node 8  # yours
 
 The all-reduce of each fused buffer costs what ``mpiddp.collectives.cost_model`` says for the
 algorithm the engine picks (the MPI library's below an N- and link-dependent threshold,
@@ -27,6 +30,11 @@ gives the links' latency at each N (its smallest ``MPI_Allreduce``; with many ra
 cores, the scheduler's delays are part of it), and ``validate`` also sets the model of each
 algorithm against it. ``extrapolate`` leaves the cores out: a GPU node's rank has a core of
 its own for its communication.
+
+Several GPUs per node (``--gpus-per-node``) share the node's network interface and talk
+over a node-local link: the library's all-reduce and the hierarchical one as
+``mpiddp.collectives.cost_model`` models them (each byte across the network once per node),
+chosen as the engine's ``AlgorithmChoice`` would with that layout.
 """
 from __future__ import annotations
 
@@ -44,13 +52,18 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import simulated_models as sim  # noqa: E402
 from mpiddp.collectives.algorithms import AlgorithmChoice  # noqa: E402
-from mpiddp.collectives.cost_model import (ENGINE_CYCLE_S, LinkCosts,  # noqa: E402
-                                           halving_doubling_seconds, native_seconds,
-                                           priority_cycle_bytes, recursive_doubling_seconds,
+from mpiddp.collectives.cost_model import (ENGINE_CYCLE_S,  # noqa: E402
+                                           HOST_REDUCE_SECONDS_PER_BYTE,
+                                           NATIVE_SHORT_BYTES, LinkCosts,
+                                           device_priority_cycle_bytes,
+                                           halving_doubling_seconds, hierarchical_seconds,
+                                           native_seconds, priority_cycle_bytes,
+                                           log2_steps, recursive_doubling_seconds,
                                            ring_seconds)
 from mpiddp.collectives.topology import Topology  # noqa: E402
 
 NEGOTIATION_BYTES = 3 * 128 + 16     # a cached cycle's bit vectors and flags (engine.md)
+CYCLE_PROBE_BYTES = 4 << 20          # torch/cycle_budget.py's large all-reduce
 # scripts/benchmark_allreduce.py's rows for the algorithm the engine picks (recursive
 # doubling has no row of its own: ``auto`` takes it for the sizes where the engine would).
 BENCHMARK_ROWS = {"ring": "mpiddp ring", "halving_doubling": "mpiddp halving-doubling",
@@ -124,6 +137,9 @@ class MachineCpu:
         return engine + data
 
 
+_CHOICES: dict = {}        # Job.choice's, by what they depend on (the simulation asks often)
+
+
 @dataclass(frozen=True)
 class Job:
     """What the model needs to know about one training job."""
@@ -143,6 +159,17 @@ class Job:
     # them: the emulated cluster), and with them the cycle's bit vector and the smallest
     # buffers, by recursive doubling; False: MPI carries them (RDMA networks).
     over_sockets: bool = False
+    # GPUs (ranks) per node: a node's ranks share its network interface and talk among
+    # themselves over ``local_link`` (NVLink, PCIe; None: as fast as the network).
+    local_size: int = 1
+    local_link: LinkCosts | None = None
+    # Gradients in device memory: forward overlap's cycle budget is then sized from the
+    # engine's all-reduce as timed on the job (``torch/cycle_budget.py``), here as modelled.
+    on_device: bool = False
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.local_size
 
     def cycle_s(self, buffers: list[int], algorithm: str = "auto") -> float:
         """One engine cycle's seconds (``cycle``)."""
@@ -160,14 +187,22 @@ class Job:
         by ``native``), charged at this job's step overhead; plus the waiting for the other
         ranks of a shared core (``machine_cpu``; without it, no CPU counted)."""
         extra = self.step_overhead()
-        cost = {"native": lambda n: native_seconds(n, self.nodes, self.link),
-                "ring": lambda n: ring_seconds(n, self.nodes, self.link, **extra),
+        local = self.local_link or self.link
+        cost = {"native": lambda n: native_seconds(n, self.ranks, self.link,
+                                                   self.local_size, local),
+                "ring": lambda n: ring_seconds(n, self.ranks, self.link, **extra),
                 "halving_doubling":
-                    lambda n: halving_doubling_seconds(n, self.nodes, self.link, **extra),
+                    lambda n: halving_doubling_seconds(n, self.ranks, self.link, **extra),
                 "recursive_doubling":
-                    lambda n: recursive_doubling_seconds(n, self.nodes, self.link, **extra)}
+                    lambda n: recursive_doubling_seconds(n, self.ranks, self.link, **extra),
+                "hierarchical":
+                    lambda n: hierarchical_seconds(n, self.nodes, self.local_size, self.link,
+                                                   local, self.choice().cross_ring_threshold,
+                                                   **extra)}
         chosen = self.chosen(buffers, algorithm)
-        negotiation = cost["recursive_doubling" if self.over_sockets else "native"]
+        # The engine's sockets (and recursive doubling over them) serve one rank per node.
+        negotiation = cost["recursive_doubling" if self.over_sockets and self.local_size == 1
+                           else "native"]
         seconds = self.engine_cycle_s + negotiation(NEGOTIATION_BYTES)
         seconds += sum(cost[name](nbytes) for name, nbytes in chosen)
         if self.machine_cpu is None:
@@ -177,10 +212,32 @@ class Job:
 
     def chosen(self, buffers: list[int], algorithm: str) -> list[tuple[str, int]]:
         """(algorithm name, bytes) of each buffer, as the engine's ``AlgorithmChoice`` picks."""
-        choice = AlgorithmChoice(algorithm, None, "0",
-                                 Topology(0, self.nodes, 0, 1, 0, self.nodes, True), self.link,
-                                 over_sockets=self.over_sockets, **self.step_overhead())
+        choice = self.choice(algorithm)
         return [(choice.choose(nbytes).name, nbytes) for nbytes in buffers]
+
+    def choice(self, algorithm: str = "auto") -> AlgorithmChoice:
+        """The engine's ``AlgorithmChoice`` for this job's layout and measured links (several
+        ranks per node: the hierarchical all-reduce where the engine would take it)."""
+        key = (algorithm, self.nodes, self.local_size, self.link, self.over_sockets,
+               self.step_overhead_s)
+        if key not in _CHOICES:
+            sockets = self.over_sockets and self.local_size == 1
+            _CHOICES[key] = AlgorithmChoice(
+                algorithm, None, "auto" if self.local_size > 1 else "0",
+                Topology(0, self.ranks, 0, self.local_size, 0, self.nodes, True), self.link,
+                over_sockets=sockets, **self.step_overhead())
+        return _CHOICES[key]
+
+    def cycle_budget(self) -> int:
+        """Forward overlap's cycle budget as the engine sizes it: from the links (host
+        memory); on a device at least what makes a cycle's fixed cost a small share of its
+        transfer (``device_priority_cycle_bytes`` of the modelled cycle)."""
+        budget = priority_cycle_bytes(self.nodes, self.link)
+        if not self.on_device:
+            return budget
+        fixed = self.cycle_s([4])
+        per_byte = (self.cycle_s([CYCLE_PROBE_BYTES]) - fixed) / CYCLE_PROBE_BYTES
+        return max(budget, device_priority_cycle_bytes(fixed, per_byte))
 
     def step_overhead(self) -> dict:
         return {} if self.step_overhead_s is None else {"step_overhead_s": self.step_overhead_s}
@@ -239,7 +296,7 @@ def step_seconds(job: Job, overlap: bool, algorithm: str = "auto", steps: int = 
     plan = buckets(job) if not overlap else [
         (tensor_bytes(job, layer), [i]) for i, layer in reversed(list(enumerate(job.layers)))]
     bucket_of = {i: b for b, (_, members) in enumerate(plan) for i in members}
-    budget = priority_cycle_bytes(job.nodes, job.link)
+    budget = job.cycle_budget()
     everything = total_bytes(plan)
     comm_free = 0.0                      # when the engine can start the next reduction
     updated = [0.0] * len(plan)          # when each submission's reduction (and update) ended
@@ -322,22 +379,29 @@ def allreduce_rows(directory: str, setting: str, nodes: int) -> list | None:
         return json.load(f)["rows"]
 
 
-def measured_latency_s(rows: list | None, setting: str, nodes: int,
-                       default_us: float | None, share: float = 1.0) -> float:
+def measured_latency_s(rows: list | None, setting: str | float, nodes: int,
+                       default_us: float | None, share: float = 1.0, local_size: int = 1,
+                       local_link: LinkCosts | None = None) -> float:
     """The links' latency at this N as the emulation presents it: ``default_us`` if given,
     else the latency at which the model's ``MPI_Allreduce`` takes the time the all-reduce
     benchmark measured (``rows``) for its smallest size (the model is linear in it), else
     100 us. With ``share`` ranks per core, the time is first cut by the waiting for the other
     ranks of a core (``MachineCpu.waiting_s`` of the call's measured CPU), which the model
-    with the cores adds back; with ``share`` 1 the scheduler's delays stay in the latency."""
+    with the cores adds back; with ``share`` 1 the scheduler's delays stay in the latency.
+    ``local_size`` ranks per node: the node-local part of the call over ``local_link``.
+    ``setting``: the emulated cluster's (its links' rate), or the links' Gbit/s."""
     if default_us is not None or rows is None:
         return (100.0 if default_us is None else default_us) * 1e-6
     smallest = min((row for row in rows if row["method"] == "MPI_Allreduce"),
                    key=lambda row: row["bytes"])
     waiting = call_waiting_s(smallest, share)
-    rate = SETTINGS[setting]
-    at_zero = native_seconds(smallest["bytes"], nodes, LinkCosts.from_rate(rate, 0.0))
-    per_second = native_seconds(smallest["bytes"], nodes, LinkCosts.from_rate(rate, 1e6)) - at_zero
+    rate = SETTINGS[setting] if isinstance(setting, str) else setting
+    def native(latency_us: float) -> float:
+        return native_seconds(smallest["bytes"], nodes * local_size,
+                              LinkCosts.from_rate(rate, latency_us), local_size, local_link)
+
+    at_zero = native(0.0)
+    per_second = native(1e6) - at_zero
     return max(0.0, (smallest["seconds"] - waiting - at_zero) / per_second)
 
 
@@ -466,6 +530,100 @@ def validate_allreduce(directory: str, latency_us: float | None, step_overhead_u
                               [e for s, k, big, e in errors if (s, k, big) == (setting, kind, large)])
 
 
+# ---- validate-nodes: several ranks per node ------------------------------------------------
+NODES_RESULT = re.compile(r"allreduce-(?P<setting>\w+)-(?P<nodes>\d+)x(?P<local>\d+)\.json$")
+# The rows modelled with several ranks per node, and by which algorithm.
+NODE_ROWS = {"MPI_Allreduce": "native", "mpiddp hierarchical": "hierarchical",
+             "mpiddp auto": "auto"}
+
+
+def fit_local_link(rows: list, local_size: int) -> LinkCosts:
+    """The link between the ranks of one node (shared memory on the emulated cluster) as
+    the library's all-reduce on one node saw it: the latency and rate that fit its times at
+    every size above the short-message limit (least squares on the model's two terms; the
+    host's reduction at ``HOST_REDUCE_SECONDS_PER_BYTE``)."""
+    gamma = HOST_REDUCE_SECONDS_PER_BYTE
+    points = [(row["bytes"], row["seconds"]) for row in rows
+              if row["method"] == "MPI_Allreduce" and row["bytes"] > NATIVE_SHORT_BYTES]
+    steps = 2 * log2_steps(local_size)
+    share = (local_size - 1) / local_size
+    matrix = np.array([[steps, 2 * share * n] for n, _ in points], dtype=float)
+    times = np.array([t - share * n * gamma for n, t in points])
+    (alpha, beta), *_ = np.linalg.lstsq(matrix, times, rcond=None)
+    return LinkCosts(max(float(alpha), 0.0), max(float(beta), 1e-12), gamma)
+
+
+def nodes_model_s(method: str, nbytes: int, nodes: int, local_size: int, link: LinkCosts,
+                  local: LinkCosts, step_overhead_s: float) -> float:
+    """One all-reduce as the benchmark times it with ``local_size`` ranks per node: the
+    library's, node-aware, or through the engine (its negotiation: the library's small
+    all-reduce over every rank) by the hierarchical all-reduce or its automatic choice."""
+    if method == "MPI_Allreduce":
+        return native_seconds(nbytes, nodes * local_size, link, local_size, local)
+    job = Job([], 1.0, 0.0, nodes, link, step_overhead_s=step_overhead_s, engine_cycle_s=0.0,
+              local_size=local_size, local_link=local)
+    return job.cycle_s([nbytes], NODE_ROWS[method])
+
+
+def validate_nodes(directory: str, step_overhead_us: float,
+                   gbit_per_s: float | None = None) -> None:
+    """The model of several ranks per node (the network interface shared, a node-local link)
+    against the all-reduce benchmark at NxG, G > 1, on the links alone: the node-local link
+    fitted from the 1xG run, the network's latency the one at which the model's library
+    all-reduce takes the run's own smallest time (as ``validate``: the scheduler's delays in
+    it, the more with more ranks on the cores). The network's rate: the emulated cluster's
+    setting (light, heavy) where the file names one, else ``gbit_per_s`` (your cluster's:
+    ``allreduce-NAME-NxG.json``)."""
+    table, errors, sizes = {}, [], set()
+    for path in sorted(glob.glob(os.path.join(directory, "allreduce-*.json"))):
+        match = NODES_RESULT.search(os.path.basename(path))
+        if not match or int(match["local"]) < 2 or int(match["nodes"]) < 2:
+            continue
+        setting, nodes, local_size = match["setting"], int(match["nodes"]), int(match["local"])
+        rate = SETTINGS.get(setting, gbit_per_s)
+        if rate is None:
+            print(f"{path}: not a setting of the emulated cluster; give --gbit; skipped")
+            continue
+        one_node = os.path.join(directory, f"allreduce-{setting}-1x{local_size}.json")
+        if not os.path.exists(one_node):
+            print(f"{path}: no {one_node} to fit the node-local link from; skipped")
+            continue
+        with open(one_node) as f:
+            local = fit_local_link(json.load(f)["rows"], local_size)
+        with open(path) as f:
+            rows = json.load(f)["rows"]
+        link = LinkCosts.from_rate(rate, 1e6 * measured_latency_s(
+            rows, rate, nodes, None, local_size=local_size, local_link=local),
+            1 / HOST_REDUCE_SECONDS_PER_BYTE / 1e9)
+        for row in rows:
+            if row["method"] not in NODE_ROWS:
+                continue
+            predicted = nodes_model_s(row["method"], row["bytes"], nodes, local_size, link,
+                                      local, step_overhead_us * 1e-6)
+            error = predicted / row["seconds"] - 1
+            errors.append((setting, row["bytes"] >= 1 << 20, abs(error)))
+            sizes.add(row["bytes"])
+            table.setdefault((setting, f"{nodes}x{local_size}", row["method"]), {})[
+                row["bytes"]] = percent(error)
+        print(f"{setting} {nodes}x{local_size}: node-local link {local.describe()} (fitted), "
+              f"network {link.describe()}")
+    if not table:
+        return
+    sizes = sorted(sizes)
+    print("\nAll-reduce with several ranks per node, model / measured - 1:\n")
+    print("| setting | nodes x ranks | method | " + " | ".join(human_bytes(n) for n in sizes)
+          + " |")
+    print("|---|---|---|" + "---:|" * len(sizes))
+    for (setting, shape, method), cells in sorted(table.items()):
+        print(f"| {setting} | {shape} | {method} | "
+              + " | ".join(cells.get(n, "") for n in sizes) + " |")
+    for setting in sorted({s for s, _, _ in table}):
+        for large in (False, True):
+            print_summary(f"{setting}, several ranks per node, all-reduce "
+                          f"{'from' if large else 'below'} 1 MiB",
+                          [e for s, big, e in errors if (s, big) == (setting, large)])
+
+
 def percent(error: float) -> str:
     """A signed whole percentage, with no "-0%"."""
     return f"{round(100 * error):+d}%"
@@ -475,41 +633,133 @@ def human_bytes(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
 
 
-# ---- extrapolate: hundreds of nodes --------------------------------------------------------
+# ---- extrapolate, predict, horovod: hundreds of nodes --------------------------------------
 MODELS = (("ResNet-50", "sim-resnet50", 64), ("VGG-16", "sim-vgg16", 64),
           ("BERT-base", "sim-bert", 32))
-# Horovod's paper (Sergeev & Del Balso, 2018), 512 GPUs (128 servers x 4 P100, 25 Gbit/s
-# RoCE): scaling efficiency as reported there.
+NODE_COUNTS = (2, 16, 64, 128, 256, 512)
+# Horovod's paper (Sergeev & Del Balso, 2018), 512 GPUs (128 servers x 4 Pascal GPUs,
+# 25 Gbit/s RoCE): scaling efficiency as reported there.
 HOROVOD_512 = {"ResNet-101": 0.90, "Inception V3": 0.90, "VGG-16": 0.68}
+HOROVOD_SERVERS, HOROVOD_GPUS_PER_SERVER, HOROVOD_GBIT = 128, 4, 25
+# The paper names neither the servers' GPU interconnect nor the batch: PCIe 3.0 x16 (about
+# 10 GB/s between two GPUs in practice) and the batch of the per-GPU rates used (64).
+PCIE3_GB_PER_S, PCIE_LATENCY_US = 10.0, 10.0
 
 
-def extrapolate(profile_name: str, latency_us: float, reduce_gb_per_s: float | None) -> None:
+@dataclass(frozen=True)
+class Cluster:
+    """Where a job runs: nodes of ``gpus_per_node`` GPUs, a network interface per node."""
+
+    gbit_per_s: float
+    latency_us: float = 5.0
+    gpus_per_node: int = 1
+    intra_gb_per_s: float = PCIE3_GB_PER_S      # between two GPUs of a node
+    intra_latency_us: float = PCIE_LATENCY_US
+    reduce_gb_per_s: float | None = None        # None: reductions on the device
+
+    def links(self) -> tuple[LinkCosts, LinkCosts]:
+        """(the network, a node's link between GPUs); a host reduction rate applies to both."""
+        network = LinkCosts.from_rate(self.gbit_per_s, self.latency_us, self.reduce_gb_per_s)
+        local = LinkCosts.from_rate(8 * self.intra_gb_per_s, self.intra_latency_us,
+                                    self.reduce_gb_per_s)
+        return network, local
+
+    def describe(self) -> str:
+        where = (f"reductions on the host at {self.reduce_gb_per_s:g} GB/s (NumPy; the "
+                 "staged path)" if self.reduce_gb_per_s else
+                 "reductions on the device (a CUDA-aware MPI)")
+        gpus = "one GPU per node" if self.gpus_per_node == 1 else (
+            f"{self.gpus_per_node} GPUs per node sharing its network interface, "
+            f"{self.intra_gb_per_s:g} GB/s and {self.intra_latency_us:g} us between them")
+        return f"{gpus}, network latency {self.latency_us:g} us, {where}"
+
+
+def job_on(cluster: Cluster, layers: list, step_s: float, nodes: int,
+           param_scale: float = 1.0) -> Job:
+    network, local = cluster.links()
+    return Job(layers, param_scale, step_s, nodes, network, local_size=cluster.gpus_per_node,
+               local_link=local, on_device=True)
+
+
+def efficiencies(cluster: Cluster, layers: list, step_s: float, nodes: int,
+                 param_scale: float = 1.0) -> tuple[float, float]:
+    """(standard path, forward overlap): one GPU's step over the step on ``nodes`` nodes."""
+    job = job_on(cluster, layers, step_s, nodes, param_scale)
+    return tuple(step_s / step_seconds(job, overlap) for overlap in (False, True))
+
+
+def extrapolate(profile_name: str, cluster: Cluster, rates=(10, 25, 100)) -> None:
     profile = sim.PROFILES[profile_name]
-    where = (f"reductions on the host at {reduce_gb_per_s:g} GB/s (NumPy; the staged path)"
-             if reduce_gb_per_s else "reductions on the device (CUDA-aware MPI; no host cost)")
-    print(f"One GPU per node at {profile.name} ({profile.resnet50_images_per_s:g} ResNet-50 "
-          f"images/s; other models by MACs), link latency {latency_us:g} us, {where}, 4 MiB "
-          "buckets; efficiency = one GPU's step / the step at N nodes (std: standard path; "
-          "fo: forward overlap).\n")
-    rates = (10, 25, 100)
-    print("| model | batch/GPU | step (s) | gradients (MB) | nodes | "
+    print(f"{profile.name} ({profile.resnet50_images_per_s:g} ResNet-50 images/s; other "
+          f"models by MACs), {cluster.describe()}, 4 MiB buckets; efficiency = one GPU's "
+          "step / the step at N nodes (std: standard path; fo: forward overlap); Gbit/s of "
+          "each node's network.\n")
+    print("| model | batch/GPU | step (s) | gradients (MB) | nodes | GPUs | "
           + " | ".join(f"{r} Gbit/s std | fo" for r in rates) + " |")
-    print("|---|---:|---:|---:|---:|" + "---:|---:|" * len(rates))
+    print("|---|---:|---:|---:|---:|---:|" + "---:|---:|" * len(rates))
     for label, key, batch in MODELS:
         layers = sim.MODELS[key]()
-        step = sim.profile_step_time(profile, layers, batch)
+        step = sim.profile_step_time(profile, layers, batch, key)
         mbytes = 4 * sim.param_count(layers) / 1e6
-        for nodes in (2, 16, 64, 128, 256, 512):
-            cells = []
-            for rate in rates:
-                link = LinkCosts.from_rate(rate, latency_us, reduce_gb_per_s)
-                job = Job(layers, 1.0, step, nodes, link)
-                for overlap in (False, True):
-                    cells.append(f"{100 * step / step_seconds(job, overlap):.0f}%")
+        for nodes in NODE_COUNTS:
+            cells = [f"{100 * e:.0f}%" for rate in rates
+                     for e in efficiencies(replace(cluster, gbit_per_s=float(rate)), layers,
+                                           step, nodes)]
             print(f"| {label} | {batch} | {step:.3f} | {mbytes:.0f} | {nodes} | "
-                  + " | ".join(cells) + " |")
+                  f"{nodes * cluster.gpus_per_node} | " + " | ".join(cells) + " |")
     print("\nHorovod at 512 GPUs, 25 Gbit/s RoCE: " + ", ".join(
-        f"{k} {100 * v:.0f}%" for k, v in HOROVOD_512.items()))
+        f"{k} {100 * v:.0f}%" for k, v in HOROVOD_512.items())
+          + " (`scaling_model.py horovod`: its own setup)")
+
+
+def predict(model: str, batch: int, step_s: float | None, profile_name: str | None,
+            gradient_mb: float | None, cluster: Cluster, node_counts: list[int]) -> None:
+    """A user's own job: the model's layer shapes (its gradients rescaled to
+    ``gradient_mb``), one GPU's measured step (or a profile's), on ``cluster``."""
+    layers = sim.MODELS[model]()
+    full_mb = 4 * sim.param_count(layers) / 1e6
+    scale = gradient_mb / full_mb if gradient_mb else 1.0
+    mbytes = 4 * sim.param_count(layers, scale) / 1e6
+    if step_s is None:
+        step_s = sim.profile_step_time(sim.PROFILES[profile_name], layers, batch, model)
+    print(f"{sim.DESCRIPTIONS[model]}: {mbytes:.0f} MB of gradients, one GPU's step "
+          f"{step_s:.3f} s ({batch} samples); {cluster.gbit_per_s:g} Gbit/s, "
+          f"{cluster.describe()}.\n")
+    print("| nodes | GPUs | step, standard (s) | efficiency | step, forward overlap (s) | "
+          "efficiency | samples/s, forward overlap | fused buffers by |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+    for nodes in node_counts:
+        job = job_on(cluster, layers, step_s, nodes, scale)
+        standard, overlap = (step_seconds(job, o) for o in (False, True))
+        used = sorted({name for name, _ in job.chosen(
+            fused_buffers([n for sizes, _ in buckets(job) for n in sizes], job.fusion_bytes),
+            "auto")})
+        print(f"| {nodes} | {job.ranks} | {standard:.3f} | {100 * step_s / standard:.0f}% | "
+              f"{overlap:.3f} | {100 * step_s / overlap:.0f}% | "
+              f"{job.ranks * batch / overlap:,.0f} | {', '.join(used)} |")
+
+
+def horovod(intra_gb_per_s: float, latency_us: float) -> None:
+    """The model on the setup of Horovod's paper, beside what the paper measured."""
+    profile = sim.PROFILES["p100-tf-fp32"]
+    cluster = Cluster(HOROVOD_GBIT, latency_us, HOROVOD_GPUS_PER_SERVER, intra_gb_per_s)
+    print(f"Horovod's setup: servers of {HOROVOD_GPUS_PER_SERVER} Pascal GPUs on "
+          f"{HOROVOD_GBIT} Gbit/s; {cluster.describe()}; one GPU's step from {profile.source} "
+          "(ResNet-101 at ResNet-152's MACs per second).\n")
+    jobs = (("ResNet-101", "sim-resnet101", "sim-resnet152"),
+            ("VGG-16", "sim-vgg16", "sim-vgg16"))
+    servers = (1, 2, 4, 16, 64, HOROVOD_SERVERS)
+    print("| model | step (s) | gradients (MB) | " + " | ".join(
+        f"{n * HOROVOD_GPUS_PER_SERVER} GPUs std | fo" for n in servers)
+          + " | Horovod, 512 GPUs |")
+    print("|---|---:|---:|" + "---:|---:|" * len(servers) + "---:|")
+    for label, key, like in jobs:
+        layers = sim.MODELS[key]()
+        step = sim.profile_step_time(profile, layers, 64, like)
+        cells = [f"{100 * e:.0f}%" for n in servers
+                 for e in efficiencies(cluster, layers, step, n)]
+        print(f"| {label} | {step:.3f} | {4 * sim.param_count(layers) / 1e6:.0f} | "
+              + " | ".join(cells) + f" | {100 * HOROVOD_512[label]:.0f}% |")
 
 
 def main(argv=None) -> None:
@@ -530,10 +780,36 @@ def main(argv=None) -> None:
                    help="the cores the emulated nodes shared (default: this machine's)")
     e = sub.add_parser("extrapolate", help="64-512 nodes at 10, 25 and 100 Gbit/s")
     e.add_argument("--profile", default="v100-fp32", choices=sorted(sim.PROFILES))
-    e.add_argument("--latency-us", type=float, default=5.0)
-    e.add_argument("--reduce-gb-per-s", type=float, default=None,
-                   help="host reduction rate (GB/s of buffer; NumPy here: about 7); default: "
-                        "reductions on the device")
+    e.add_argument("--rates", type=float, nargs="+", default=[10, 25, 100],
+                   help="each node's network Gbit/s (all its interfaces together)")
+    add_cluster_arguments(e)
+    r = sub.add_parser("predict", help="your own job: a model's shape, one GPU's step, "
+                                       "your network")
+    r.add_argument("--model", default="sim-resnet50", choices=sorted(sim.MODELS),
+                   help="the layer shapes (a convolutional network's large gradients come "
+                        "last in backward, first to be reduced; BERT's are even)")
+    r.add_argument("--batch", type=int, default=64, help="samples per GPU per step")
+    timing = r.add_mutually_exclusive_group()
+    timing.add_argument("--step-s", type=float, default=None,
+                        help="one GPU's forward + backward, measured (seconds)")
+    timing.add_argument("--profile", default="v100-fp32", choices=sorted(sim.PROFILES),
+                        help="else: a published single-GPU rate")
+    r.add_argument("--gradient-mb", type=float, default=None,
+                   help="your model's gradient bytes (MB; default: the model's own)")
+    r.add_argument("--gbit", type=float, default=25.0,
+                   help="each node's network Gbit/s (all its interfaces together)")
+    r.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 128, 256, 512])
+    add_cluster_arguments(r, rate=False)
+    n = sub.add_parser("validate-nodes", help="several ranks per node: the model against "
+                                              "benchmark_allreduce.py at NxG")
+    n.add_argument("directory")
+    n.add_argument("--step-overhead-us", type=float, default=50.0)
+    n.add_argument("--gbit", type=float, default=None,
+                   help="the network's Gbit/s per node, for files not named after the "
+                        "emulated cluster's settings (allreduce-NAME-NxG.json)")
+    h = sub.add_parser("horovod", help="the model on the setup of Horovod's paper")
+    h.add_argument("--intra-gb-per-s", type=float, default=PCIE3_GB_PER_S)
+    h.add_argument("--latency-us", type=float, default=5.0)
     args = p.parse_args(argv)
     if args.command == "validate":
         over_sockets = not args.control_over_mpi
@@ -541,8 +817,34 @@ def main(argv=None) -> None:
                  over_sockets)
         validate_allreduce(args.directory, args.latency_us, args.step_overhead_us, args.cores,
                            over_sockets)
+    elif args.command == "validate-nodes":
+        validate_nodes(args.directory, args.step_overhead_us, args.gbit)
+    elif args.command == "extrapolate":
+        extrapolate(args.profile, cluster_from(args, args.rates[0]),
+                    tuple(f"{r:g}" for r in args.rates))
+    elif args.command == "predict":
+        predict(args.model, args.batch, args.step_s, args.profile, args.gradient_mb,
+                cluster_from(args, args.gbit), args.nodes)
     else:
-        extrapolate(args.profile, args.latency_us, args.reduce_gb_per_s)
+        horovod(args.intra_gb_per_s, args.latency_us)
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser, rate: bool = True) -> None:
+    parser.add_argument("--latency-us", type=float, default=5.0,
+                        help="the network's latency per message")
+    parser.add_argument("--gpus-per-node", type=int, default=1)
+    parser.add_argument("--intra-gb-per-s", type=float, default=PCIE3_GB_PER_S,
+                        help="between two GPUs of a node (PCIe 3.0 x16: about 10; NVLink: "
+                             "tens to hundreds)")
+    parser.add_argument("--intra-latency-us", type=float, default=PCIE_LATENCY_US)
+    parser.add_argument("--reduce-gb-per-s", type=float, default=None,
+                        help="host reduction rate (GB/s of buffer; NumPy here: about 7); "
+                             "default: reductions on the device")
+
+
+def cluster_from(args, gbit: float) -> Cluster:
+    return Cluster(gbit, args.latency_us, args.gpus_per_node, args.intra_gb_per_s,
+                   args.intra_latency_us, args.reduce_gb_per_s)
 
 
 if __name__ == "__main__":

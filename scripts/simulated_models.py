@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -152,12 +152,15 @@ def bert_base(seq_len: int = 128, layers: int = 12, hidden: int = 768,
 MODELS: dict[str, Callable[[], list[LayerSpec]]] = {
     "sim-resnet50": lambda: resnet((3, 4, 6, 3), bottleneck=True),
     "sim-resnet18": lambda: resnet((2, 2, 2, 2), bottleneck=False),
+    "sim-resnet101": lambda: resnet((3, 4, 23, 3), bottleneck=True),
+    "sim-resnet152": lambda: resnet((3, 8, 36, 3), bottleneck=True),
     "sim-vgg16": vgg16,
     "sim-bert": bert_base,
 }
 DESCRIPTIONS = {"sim-resnet50": "ResNet-50, 224x224 images", "sim-resnet18":
-                "ResNet-18, 224x224 images", "sim-vgg16": "VGG-16, 224x224 images",
-                "sim-bert": "BERT-base, sequences of 128 tokens"}
+                "ResNet-18, 224x224 images", "sim-resnet101": "ResNet-101, 224x224 images",
+                "sim-resnet152": "ResNet-152, 224x224 images", "sim-vgg16":
+                "VGG-16, 224x224 images", "sim-bert": "BERT-base, sequences of 128 tokens"}
 
 
 def scaled_shape(shape: tuple, param_scale: float) -> tuple:
@@ -184,11 +187,13 @@ def train_macs(layers: list[LayerSpec]) -> float:
 @dataclass(frozen=True)
 class DeviceProfile:
     """A GPU's measured ResNet-50 training throughput (one GPU) and memory bandwidth; other
-    models run at the same MACs per second (an estimate, printed as such)."""
+    models run at the same MACs per second (an estimate, printed as such), or at their own
+    measured rate where the profile has one (``measured``: model -> images per second)."""
     name: str
     resnet50_images_per_s: float
     memory_gb_per_s: float
     source: str
+    measured: dict = field(default_factory=dict)
 
 
 _DLE = ("NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md, "
@@ -198,13 +203,23 @@ PROFILES = {p.name: p for p in (
     DeviceProfile("v100-amp", 1200, 900, _DLE + ", DGX-1 V100 16GB, mixed precision"),
     DeviceProfile("a100-tf32", 938, 2039, _DLE + ", DGX A100 80GB, TF32"),
     DeviceProfile("a100-amp", 2470, 2039, _DLE + ", DGX A100 80GB, mixed precision"),
+    # The GPUs of Horovod's paper (Pascal) under TensorFlow: VGG-16 runs at 2.6x the MACs
+    # per second of ResNet-50 there, so each model has its own rate.
+    DeviceProfile("p100-tf-fp32", 219, 732,
+                  "TensorFlow's benchmarks page (tensorflow/docs_src/performance/"
+                  "benchmarks.md, May 2017), DGX-1 P100, 1 GPU, synthetic data, batch 64, "
+                  "FP32", {"sim-resnet50": 219, "sim-resnet152": 91.8, "sim-vgg16": 154}),
 )}
 
 
-def profile_step_time(profile: DeviceProfile, layers: list[LayerSpec], batch: int) -> float:
-    """One process's step on ``profile`` for ``batch`` samples of this model: ResNet-50's
-    measured training MACs per second, applied to this model's training MACs."""
-    rate = profile.resnet50_images_per_s * train_macs(MODELS["sim-resnet50"]())
+def profile_step_time(profile: DeviceProfile, layers: list[LayerSpec], batch: int,
+                      model: str = "sim-resnet50") -> float:
+    """One process's step on ``profile`` for ``batch`` samples of ``layers``: the training
+    MACs per second measured for ``model`` (``layers``' own, or the nearest relative the
+    profile measured), else ResNet-50's, applied to ``layers``' training MACs."""
+    reference = model if model in profile.measured else "sim-resnet50"
+    images_per_s = profile.measured.get(reference, profile.resnet50_images_per_s)
+    rate = images_per_s * train_macs(MODELS[reference]())
     return batch * train_macs(layers) / rate
 
 

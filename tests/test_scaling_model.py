@@ -3,6 +3,7 @@ cycles as the model forms them, and what the shared cores of the emulated cluste
 cycle and bound a step by, from the all-reduce benchmark's CPU per call."""
 import json
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -11,7 +12,8 @@ from mpi_launch import ROOT
 sys.path.insert(0, str(ROOT / "scripts"))
 import scaling_model as model  # noqa: E402
 import simulated_models as sim  # noqa: E402
-from mpiddp.collectives.cost_model import RING_STEP_OVERHEAD_S, LinkCosts  # noqa: E402
+from mpiddp.collectives.cost_model import (RING_STEP_OVERHEAD_S, LinkCosts,  # noqa: E402
+                                           shared_link)
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -152,3 +154,127 @@ def test_the_latency_is_the_one_at_which_the_model_takes_the_measured_small_all_
                                       "heavy", 16, None, share=8)
     assert model.native_seconds(4 * KIB, 16, LinkCosts.from_rate(1.0, shared * 1e6)) \
         == pytest.approx(2.3e-3 - 7 * 0.2e-3)
+
+
+# ---- several GPUs per node -----------------------------------------------------------------
+FREE = LinkCosts(0.0, 0.0)        # a node-local link that costs nothing
+
+
+def test_the_library_across_nodes_of_several_ranks_moves_each_byte_across_once():
+    network = LinkCosts.from_rate(25.0, 5.0)
+    for nbytes in (4 * KIB, 64 * MIB):
+        # One rank per node: the plain model.
+        assert model.native_seconds(nbytes, 16, network, 1, None) == \
+            model.native_seconds(nbytes, 16, network)
+    # 4 ranks on each of 8 nodes over a free node-local link: the network carries what it
+    # carries for one rank per node (each rank a quarter of the buffer, all four at once
+    # through the node's interface).
+    assert model.native_seconds(64 * MIB, 32, network, 4, FREE) == pytest.approx(
+        model.native_seconds(64 * MIB, 8, network))
+    # A real node-local link adds its own halving and doubling: 2 (G-1)/G of the buffer.
+    pcie = LinkCosts.from_rate(80.0, 10.0)
+    assert model.native_seconds(64 * MIB, 32, network, 4, pcie) == pytest.approx(
+        model.native_seconds(64 * MIB, 8, network) + model.native_seconds(64 * MIB, 4, pcie))
+
+
+def test_the_hierarchical_all_reduce_is_the_node_ring_and_the_chunks_across():
+    network = LinkCosts.from_rate(1.0, 30.0)
+    n = 64 * MIB
+    # Over a free node-local link, the chunks of the 4 ranks across 8 nodes at once cost
+    # what the whole buffer does with one rank per node: the ring above the cross-node
+    # threshold, the library's below it.
+    assert model.hierarchical_seconds(n, 8, 4, network, FREE, 0, step_overhead_s=0.0) == \
+        pytest.approx(model.ring_seconds(n, 8, network, step_overhead_s=0.0))
+    assert model.hierarchical_seconds(n, 8, 4, network, FREE, n, step_overhead_s=0.0) == \
+        pytest.approx(model.native_seconds(n, 8, network))
+    shm = LinkCosts.from_rate(40.0, 1.0)
+    assert model.hierarchical_seconds(n, 8, 4, network, shm, 0) == pytest.approx(
+        model.ring_seconds(n, 4, shm) + model.ring_seconds(n // 4, 8, shared_link(network, 4)))
+
+
+def test_the_model_chooses_as_the_engine_does_with_several_ranks_per_node():
+    slow = model.Job([], 1.0, 0.0, 4, LinkCosts.from_rate(1.0, 30.0), local_size=2,
+                     local_link=LinkCosts.from_rate(40.0, 1.0))
+    assert [name for name, _ in slow.chosen([4 * KIB, 16 * MIB], "auto")] == \
+        ["native", "hierarchical"]
+    fast = replace(slow, link=LinkCosts.from_rate(100.0, 5.0))
+    assert [name for name, _ in fast.chosen([4 * KIB, 16 * MIB], "auto")] == \
+        ["native", "native"]
+    assert slow.ranks == 8
+    # The negotiation is the library's small all-reduce over every rank (the engine's
+    # sockets serve one rank per node), even where they carry the transfers.
+    assert replace(slow, over_sockets=True).cycle_s([]) == pytest.approx(slow.cycle_s([]))
+
+
+def test_gpus_sharing_a_network_interface_cost_only_their_node_local_steps():
+    vgg = sim.MODELS["sim-vgg16"]()
+    step = 0.4
+    one_each = model.efficiencies(model.Cluster(25.0), vgg, step, 16)
+    # 4 GPUs on each of the 16 nodes: each node's interface carries what it carries for one
+    # GPU per node (the hierarchical all-reduce, or the library's, sends every byte across
+    # once per node), so with a node-local link that costs nothing, the same efficiency.
+    fast_inside = model.Cluster(25.0, gpus_per_node=4, intra_gb_per_s=1000.0,
+                                intra_latency_us=1.0)
+    assert model.efficiencies(fast_inside, vgg, step, 16) == pytest.approx(one_each, abs=0.01)
+    # What they cost is the node-local reduce-scatter and all-gather: over PCIe (10 GB/s),
+    # more over a slower link.
+    pcie = model.efficiencies(replace(fast_inside, intra_gb_per_s=10.0), vgg, step, 16)
+    slower = model.efficiencies(replace(fast_inside, intra_gb_per_s=2.0), vgg, step, 16)
+    assert slower[0] < pcie[0] < one_each[0] - 0.05
+    assert slower[1] < pcie[1] < one_each[1] - 0.05
+
+
+def test_horovod_and_predict_print_their_tables(capsys):
+    model.main(["horovod"])
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines()
+            if line.startswith("| ResNet-101") or line.startswith("| VGG-16")}
+    resnet, vgg = rows["ResNet-101"], rows["VGG-16"]
+    # 512 GPUs, the standard path (the next to last two cells: std, fo; then Horovod's).
+    assert float(resnet[-4].strip(" %")) >= 90 and resnet[-2].strip() == "90%"
+    assert 50 <= float(vgg[-4].strip(" %")) <= 85 and vgg[-2].strip() == "68%"
+    model.main(["predict", "--model", "sim-bert", "--batch", "32", "--step-s", "0.1",
+                "--gradient-mb", "100", "--gbit", "100", "--gpus-per-node", "8",
+                "--intra-gb-per-s", "150", "--nodes", "2", "64"])
+    out = capsys.readouterr().out
+    assert "100 MB of gradients" in out
+    lines = [line.split("|") for line in out.splitlines() if line.startswith("| 64 |")]
+    assert lines and lines[0][2].strip() == "512"
+
+
+def test_validate_nodes_fits_the_node_link_and_recovers_the_model(tmp_path, capsys):
+    shm = LinkCosts(2e-6, 1 / 4e9, model.HOST_REDUCE_SECONDS_PER_BYTE)
+    network = LinkCosts.from_rate(0.2, 40.0, 7.0)
+    sizes = [4 * KIB, 64 * KIB, MIB, 16 * MIB]
+
+    def rows(method_seconds):
+        return [{"bytes": n, "method": m, "seconds": f(n), "cpu_s_per_gb": 1.0}
+                for m, f in method_seconds.items() for n in sizes]
+
+    def write(name, method_seconds):
+        (tmp_path / name).write_text(json.dumps({"rows": rows(method_seconds)}))
+
+    write("allreduce-light-1x2.json",
+          {"MPI_Allreduce": lambda n: model.native_seconds(n, 2, shm)})
+    write("allreduce-light-2x1.json",
+          {"MPI_Allreduce": lambda n: model.native_seconds(n, 2, network)})
+    write("allreduce-light-2x2.json", {m: (lambda n, m=m: model.nodes_model_s(
+        m, n, 2, 2, network, shm, RING_STEP_OVERHEAD_S)) for m in model.NODE_ROWS})
+    fitted = model.fit_local_link(rows({"MPI_Allreduce": lambda n: model.native_seconds(
+        n, 2, shm)}), 2)
+    assert fitted.latency_s == pytest.approx(shm.latency_s, rel=1e-6)
+    assert fitted.seconds_per_byte == pytest.approx(shm.seconds_per_byte, rel=1e-6)
+    model.main(["validate-nodes", str(tmp_path)])
+    out = capsys.readouterr().out
+    table = [line for line in out.splitlines() if line.startswith("| light | 2x2 |")]
+    assert len(table) == 3
+    assert all(cell.strip() == "+0%" for line in table for cell in line.split("|")[4:-1])
+    # A cluster of your own: its files named after it, its rate given.
+    for old_name in ("1x2", "2x2"):
+        (tmp_path / f"allreduce-light-{old_name}.json").rename(
+            tmp_path / f"allreduce-mine-{old_name}.json")
+    model.main(["validate-nodes", str(tmp_path)])
+    assert "give --gbit; skipped" in capsys.readouterr().out
+    model.main(["validate-nodes", str(tmp_path), "--gbit", "0.2"])
+    out = capsys.readouterr().out
+    assert len([line for line in out.splitlines() if line.startswith("| mine | 2x2 |")]) == 3

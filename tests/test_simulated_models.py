@@ -17,10 +17,13 @@ import simulated_models as sim  # noqa: E402
 import synthetic_benchmark as bench  # noqa: E402
 
 # Published figures: torchvision's model tables (parameters exactly; GFLOPs are
-# multiply-accumulates at 224x224: ResNet-50 4.09, ResNet-18 1.81, VGG-16 15.47) and BERT-base
+# multiply-accumulates at 224x224: ResNet-50 4.09, ResNet-18 1.81, VGG-16 15.47, ResNet-101
+# 7.80, ResNet-152 11.51) and BERT-base
 # (Devlin et al.: 110 M parameters).
-PARAMS = {"sim-resnet50": 25_557_032, "sim-resnet18": 11_689_512, "sim-vgg16": 138_357_544}
-GMACS = {"sim-resnet50": 4.09, "sim-resnet18": 1.81, "sim-vgg16": 15.47}
+PARAMS = {"sim-resnet50": 25_557_032, "sim-resnet18": 11_689_512, "sim-vgg16": 138_357_544,
+          "sim-resnet101": 44_549_160, "sim-resnet152": 60_192_808}
+GMACS = {"sim-resnet50": 4.09, "sim-resnet18": 1.81, "sim-vgg16": 15.47,
+         "sim-resnet101": 7.80, "sim-resnet152": 11.51}
 
 
 @pytest.mark.parametrize("name", sorted(PARAMS))
@@ -29,6 +32,18 @@ def test_cnn_tables_match_torchvision(name):
     assert sim.param_count(layers) == PARAMS[name]
     # The tables add one MAC per output element of each batch norm (under 0.4 %).
     assert sim.forward_macs(layers) / 1e9 == pytest.approx(GMACS[name], rel=0.005)
+
+
+def test_a_profile_times_a_model_at_its_own_measured_rate_where_it_has_one():
+    p100 = sim.PROFILES["p100-tf-fp32"]
+    vgg, resnet101 = sim.MODELS["sim-vgg16"](), sim.MODELS["sim-resnet101"]()
+    # VGG-16 measured at 154 images/s: not ResNet-50's MACs per second (3.8x its MACs).
+    assert sim.profile_step_time(p100, vgg, 64, "sim-vgg16") == pytest.approx(64 / 154)
+    assert sim.profile_step_time(p100, vgg, 64) == pytest.approx(
+        64 / 219 * sim.train_macs(vgg) / sim.train_macs(sim.MODELS["sim-resnet50"]()))
+    # A model it did not measure: its nearest relative's MACs per second.
+    per_image = sim.profile_step_time(p100, resnet101, 1, "sim-resnet152")
+    assert 1 / 91.8 * 0.6 < per_image < 1 / 91.8 * 0.75      # 7.8 against 11.5 GMACs
 
 
 def test_bert_base_table():

@@ -116,8 +116,14 @@ def ring_seconds(nbytes: int, ranks: int, link: LinkCosts,
         steps * nbytes / ranks * link.seconds_per_byte + reduce_seconds(nbytes, ranks, link)
 
 
-def native_seconds(nbytes: int, ranks: int, link: LinkCosts) -> float:
-    """Predicted time of the MPI library's all-reduce (MPICH's default algorithms)."""
+def native_seconds(nbytes: int, ranks: int, link: LinkCosts, local_size: int = 1,
+                   local_link: Optional[LinkCosts] = None) -> float:
+    """Predicted time of the MPI library's all-reduce (MPICH's default algorithms) over
+    ``ranks`` ranks, ``local_size`` of them on each node (``local_link`` between them; see
+    ``node_aware_native_seconds``)."""
+    if local_size > 1:
+        return node_aware_native_seconds(nbytes, ranks // local_size, local_size, link,
+                                         local_link or link)
     if ranks < 2:
         return 0.0
     rounds = log2_steps(ranks)
@@ -128,6 +134,50 @@ def native_seconds(nbytes: int, ranks: int, link: LinkCosts) -> float:
                                                      link.seconds_per_byte)
     return 2 * rounds * link.latency_s + 2 * (ranks - 1) / ranks * nbytes * \
         link.seconds_per_byte + extra + reduce_seconds(nbytes, ranks, link)
+
+
+def shared_link(link: LinkCosts, sharers: int) -> LinkCosts:
+    """``link`` as each of ``sharers`` streams that cross it at once sees it: a node's ranks
+    all send across nodes together through one network interface."""
+    return replace(link, seconds_per_byte=link.seconds_per_byte * max(1, sharers))
+
+
+def node_aware_native_seconds(nbytes: int, nodes: int, local_size: int, link: LinkCosts,
+                              local_link: LinkCosts) -> float:
+    """The MPI library's all-reduce over ``nodes`` nodes of ``local_size`` ranks each,
+    numbered node by node. Recursive halving pairs ranks at distance 1, 2, 4...: its first
+    ``log2 local_size`` steps (the largest messages) stay inside a node over ``local_link``,
+    the rest cross the network, where a node's ranks send at once through one interface
+    (``shared_link``); doubling mirrors it. So the network carries ``2 (N-1)/N`` of the
+    buffer per node, as with one rank per node, and the node's link ``2 (G-1)/G`` of it per
+    rank. Small buffers: recursive doubling, the whole buffer in every step."""
+    if nodes < 2:
+        return native_seconds(nbytes, local_size, local_link)
+    if nbytes <= NATIVE_SHORT_BYTES:
+        return native_seconds(nbytes, local_size, local_link) + \
+            native_seconds(nbytes, nodes, link)
+    inside = native_seconds(nbytes, local_size, replace(local_link, reduce_seconds_per_byte=0))
+    across = native_seconds(nbytes // local_size, nodes,
+                            replace(shared_link(link, local_size), reduce_seconds_per_byte=0))
+    return inside + across + reduce_seconds(nbytes, nodes * local_size, link)
+
+
+def hierarchical_seconds(nbytes: int, nodes: int, local_size: int, link: LinkCosts,
+                         local_link: LinkCosts, cross_ring_threshold: int,
+                         step_overhead_s: float = RING_STEP_OVERHEAD_S) -> float:
+    """Predicted time of ``hierarchical.py``'s all-reduce, unpipelined: a ring reduce-scatter
+    and all-gather inside each node over ``local_link``, and between them the all-reduce of
+    each rank's ``1/local_size`` of the buffer among the nodes (the ring above
+    ``cross_ring_threshold``, else the library's), the node's ``local_size`` such all-reduces
+    at once through one network interface (``shared_link``). (Pipelining, where the
+    transport leaves transfers in flight and the chunks take the ring, hides the node-local
+    phases behind the network; on fast links the chunks take the library's all-reduce and
+    it does not apply.)"""
+    chunk = nbytes // local_size
+    network = shared_link(link, local_size)
+    across = ring_seconds(chunk, nodes, network, step_overhead_s) \
+        if chunk > cross_ring_threshold else native_seconds(chunk, nodes, network)
+    return ring_seconds(nbytes, local_size, local_link, step_overhead_s) + across
 
 
 def halving_doubling_seconds(nbytes: int, ranks: int, link: LinkCosts,
