@@ -24,8 +24,9 @@ import re
 from collections import defaultdict
 
 RESULT = re.compile(r"(?P<setting>light|heavy)-(?P<model>sim-[a-z0-9]+)-(?P<regime>\w+)-"
-                    r"(?P<nodes>\d+)x1\.json$")
-ALLREDUCE = re.compile(r"allreduce-(?P<setting>light|heavy)-(?P<nodes>\d+)x1\.json$")
+                    r"(?P<nodes>\d+)x(?P<local>\d+)\.json$")
+ALLREDUCE = re.compile(r"allreduce-(?P<setting>light|heavy)-(?P<nodes>\d+)x(?P<local>\d+)"
+                       r"\.json$")
 LINKS = {"light": "200 Mbit/s", "heavy": "1 Gbit/s"}
 AUTO, MPI, GLOO = "mpiddp auto", "MPI_Allreduce", "torch gloo"
 REGIMES = ("compute", "balanced", "wire")
@@ -62,20 +63,31 @@ def results(directory: str, pattern: re.Pattern):
                 yield match, json.load(f)
 
 
+def layout(match: re.Match) -> tuple[int, int]:
+    """(nodes, ranks per node) of a result file's name (``NxG``)."""
+    return int(match["nodes"]), int(match["local"])
+
+
+def shape_text(shape: tuple[int, int]) -> str:
+    """"4" for 4 nodes of one rank (the tables' label since the first runs), "4x2" else."""
+    nodes, local = shape
+    return str(nodes) if local == 1 else f"{nodes}x{local}"
+
+
 def load(directory: str) -> dict:
-    """{(setting, model, regime): {nodes: result}}"""
+    """{(setting, model, regime): {(nodes, ranks per node): result}}"""
     runs: dict = defaultdict(dict)
     for match, result in results(directory, RESULT):
-        runs[match["setting"], match["model"], match["regime"]][int(match["nodes"])] = result
+        runs[match["setting"], match["model"], match["regime"]][layout(match)] = result
     return runs
 
 
 def load_allreduce(directory: str) -> dict:
-    """{setting: {nodes: ({(bytes, method): row}, the 4 KiB latency)}}"""
+    """{setting: {(nodes, ranks per node): ({(bytes, method): row}, the 4 KiB latency)}}"""
     found: dict = defaultdict(dict)
     for match, result in results(directory, ALLREDUCE):
         rows = {(row["bytes"], row["method"]): row for row in result["rows"]}
-        found[match["setting"]][int(match["nodes"])] = (rows, result["latency_4k_s"])
+        found[match["setting"]][layout(match)] = (rows, result["latency_4k_s"])
     return found
 
 
@@ -87,7 +99,7 @@ def allreduce_tables(found: dict) -> None:
     for setting, by_nodes in sorted(found.items()):
         nodes = sorted(by_nodes)
         sizes = sorted({b for rows, _ in by_nodes.values() for b, _ in rows})
-        head = "| size | " + " | ".join(f"{n} nodes" for n in nodes) + " |"
+        head = "| size | " + " | ".join(f"{shape_text(n)} nodes" for n in nodes) + " |"
         rule = "|---:|" + "---|" * len(nodes)
 
         def table(title, cell):
@@ -121,7 +133,8 @@ def allreduce_tables(found: dict) -> None:
               "ranks)", cpu)
         print("\nSynchronous 4 KiB `mpiddp.allreduce` (negotiation included), median of the "
               "slowest rank: " + ", ".join(
-                  f"{n} nodes {by_nodes[n][1]['median'] * 1e6:,.0f} us" for n in nodes))
+                  f"{shape_text(n)} nodes {by_nodes[n][1]['median'] * 1e6:,.0f} us"
+                  for n in nodes))
 
 
 def allreduce_picture(found: dict, path: str) -> None:
@@ -135,7 +148,7 @@ def allreduce_picture(found: dict, path: str) -> None:
             points = sorted((b, r["busbw_gb_s"]) for (b, m), r in rows.items() if m == method)
             ax.plot([b for b, _ in points], [bw for _, bw in points], marker=".",
                     label=method, linestyle="--" if method == MPI else "-")
-        ax.set_title(f"{nodes} nodes, {LINKS[setting]}", fontsize=9)
+        ax.set_title(f"{shape_text(nodes)} nodes, {LINKS[setting]}", fontsize=9)
         ax.set_xscale("log", base=2)
         ticks = [1 << 12, 1 << 16, 1 << 20, 1 << 24]
         ax.set_xticks(ticks, [size_text(t) for t in ticks])
@@ -162,16 +175,17 @@ def against(runs: dict, half: dict) -> None:
           "added | CPU ms/step/rank | cores busy |")
     print("|---|---:|---:|---|---|---:|---|---|")
     for (setting, model, regime), by_nodes in in_order(runs):
-        for nodes, result in sorted(by_nodes.items()):
-            there = half.get((setting, model, regime), {}).get(nodes)
+        for shape, result in sorted(by_nodes.items()):
+            there = half.get((setting, model, regime), {}).get(shape)
             if there is None:
                 continue
             wire = result["simulation"]["step_s"] / REGIME_FACTOR[regime]
             for v in LABELS:
                 a, b = result["variants"].get(v), there["variants"].get(v)
                 if a and b:
-                    busy = [nodes * x["cpu_ms_per_step"] / 1e3 / x["step_s"] for x in (a, b)]
-                    print(f"| {setting}, {regime} | {nodes} | {wire:.3f} | {v} | "
+                    ranks = shape[0] * shape[1]
+                    busy = [ranks * x["cpu_ms_per_step"] / 1e3 / x["step_s"] for x in (a, b)]
+                    print(f"| {setting}, {regime} | {shape_text(shape)} | {wire:.3f} | {v} | "
                           f"{a['step_s']:.3f} -> {b['step_s']:.3f} | "
                           f"{(b['step_s'] - a['step_s']) / wire:.0%} | "
                           f"{a['cpu_ms_per_step']:.0f} -> {b['cpu_ms_per_step']:.0f} | "
@@ -186,7 +200,7 @@ def tables(runs: dict) -> None:
         print("| nodes | one process step (s) | " + " | ".join(LABELS[v] for v in variants)
               + " | " + " | ".join(f"{v} / DDP" for v in variants if v != "ddp") + " |")
         print("|---:|---:|" + "---|" * len(variants) + "---:|" * (len(variants) - 1))
-        for nodes, result in sorted(by_nodes.items()):
+        for shape, result in sorted(by_nodes.items()):
             cells = []
             for v in variants:
                 r = result["variants"].get(v)
@@ -197,7 +211,8 @@ def tables(runs: dict) -> None:
             ratios = [f"{result['variants'][v]['total'] / ddp['total']:.2f}x"
                       if ddp and v in result["variants"] else "-"
                       for v in variants if v != "ddp"]
-            print(f"| {nodes} | {result['simulation']['step_s']:.3f} | " + " | ".join(cells)
+            print(f"| {shape_text(shape)} | {result['simulation']['step_s']:.3f} | "
+                  + " | ".join(cells)
                   + " | " + " | ".join(ratios) + " |")
 
 
@@ -208,21 +223,24 @@ def picture(runs: dict, path: str) -> None:
     fig, axes = plt.subplots(len(settings), len(REGIMES), figsize=(4 * len(REGIMES),
                                                                    3.2 * len(settings)),
                              squeeze=False, sharey=True)
+    ranks_per_node = sorted({local for by_nodes in runs.values() for _, local in by_nodes})
     for (setting, model, regime), by_nodes in runs.items():
         ax = axes[settings.index(setting)][REGIMES.index(regime)]
-        nodes = sorted(by_nodes)
-        for v, label in LABELS.items():
-            points = [(n, by_nodes[n]["variants"][v]["efficiency"]) for n in nodes
-                      if v in by_nodes[n]["variants"]]
+        nodes = sorted({n for n, _ in by_nodes})
+        for (v, label), local in ((item, local) for item in LABELS.items()
+                                  for local in ranks_per_node):
+            points = [(n, by_nodes[n, local]["variants"][v]["efficiency"]) for n in nodes
+                      if v in by_nodes.get((n, local), {}).get("variants", {})]
             if points:
                 ax.plot([n for n, _ in points], [100 * e for _, e in points], marker="o",
-                        label=label)
+                        label=label if local == 1 else f"{label}, {local} ranks per node",
+                        linestyle="-" if local == 1 else "--")
         ax.set_title(f"{setting}: {model}, {regime}", fontsize=9)
         ax.set_xscale("log", base=2)
         ax.set_xticks(nodes, [str(n) for n in nodes])
         ax.set_ylim(0, 105)
         ax.grid(alpha=0.3)
-        ax.set_xlabel("nodes (1 rank each)")
+        ax.set_xlabel("nodes" + (" (1 rank each)" if ranks_per_node == [1] else ""))
     for row in axes:
         row[0].set_ylabel("scaling efficiency (%)")
     axes[0][0].legend(fontsize=7, loc="lower left")

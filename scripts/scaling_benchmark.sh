@@ -13,6 +13,9 @@
 # PARTS (default "training allreduce") also runs scripts/benchmark_allreduce.py (4 KiB-64 MiB:
 # mpiddp's algorithms, MPI_Allreduce and gloo) at each node count, on the links of the
 # settings in ALLREDUCE_SETTINGS (default heavy: 1 Gbit/s), into allreduce-<setting>-<N>x1.*.
+# RANKS_PER_NODE (default 1) runs that many ranks on each node (NxG launches and files; the
+# all-reduce part then also runs 1xG, the node-local link `scaling_model.py` fits): nodes of
+# several GPUs, sharing the node's link.
 # LINK_SCALE (default 1) shapes the links to that fraction of the setting's rate while the
 # regimes keep the nominal rate's wire time: LINK_SCALE=0.5 is "the same run at half the link
 # rate" (`plot_scaling.py DIR --against HALF_DIR` compares the two).
@@ -40,6 +43,7 @@ VARIANTS="${VARIANTS:-mpiddp,overlap,native,ddp,single}"
 PARTS="${PARTS:-training allreduce}"
 ALLREDUCE_SETTINGS="${ALLREDUCE_SETTINGS:-heavy}"
 LINK_SCALE="${LINK_SCALE:-1}"
+RANKS_PER_NODE="${RANKS_PER_NODE:-1}"
 STEPS="${STEPS:-8}"
 ITERS="${ITERS:-2}"
 CLUSTER="$ROOT/scripts/local_cluster.sh"
@@ -70,21 +74,27 @@ for setting in $SETTINGS; do
   rate="$(python3 -c "print(f'{round($gbit * 1000 * $LINK_SCALE)}mbit')")"
   bash "$CLUSTER" down >/dev/null 2>&1 || true
   bash "$CLUSTER" up 16 "$rate"
-  for nodes in $NODES; do
+  shapes="$NODES"
+  # Several ranks per node: the node-local link alone first (1xG), for the all-reduce only.
+  [[ "$RANKS_PER_NODE" -gt 1 && "$PARTS" == *allreduce* ]] && shapes="node-local $shapes"
+  for nodes in $shapes; do
+    train="$PARTS"
+    [ "$nodes" = node-local ] && nodes=1 train=""
+    shape="${nodes}x${RANKS_PER_NODE}"
     yield=()
-    [ "$nodes" -gt "$CORES" ] && yield=(-genv MPIR_CVAR_ENABLE_HEAVY_YIELD 1)
+    [ "$((nodes * RANKS_PER_NODE))" -gt "$CORES" ] && yield=(-genv MPIR_CVAR_ENABLE_HEAVY_YIELD 1)
     if [[ "$PARTS" == *allreduce* && " $ALLREDUCE_SETTINGS " == *" $setting "* ]]; then
-      name="$OUT/allreduce-$setting-${nodes}x1"
-      echo "### all-reduce, $setting ($rate links), ${nodes}x1 ($(date -u +%T))"
-      launch "$name" "${nodes}x1" -- "${yield[@]}" \
+      name="$OUT/allreduce-$setting-$shape"
+      echo "### all-reduce, $setting ($rate links), $shape ($(date -u +%T))"
+      launch "$name" "$shape" -- "${yield[@]}" \
         python "$ROOT/scripts/benchmark_allreduce.py" --min-size 4K --max-size 64M \
         --seconds 0.5 --json "$name.json"
     fi
-    [[ "$PARTS" == *training* ]] || continue
+    [[ "$train" == *training* ]] || continue
     for regime in $REGIMES; do
-      name="$OUT/$setting-$MODEL-$regime-${nodes}x1"
-      echo "### $setting, $MODEL, $regime, ${nodes}x1 ($(date -u +%T))"
-      launch "$name" "${nodes}x1" -- "${yield[@]}" \
+      name="$OUT/$setting-$MODEL-$regime-$shape"
+      echo "### $setting, $MODEL, $regime, $shape ($(date -u +%T))"
+      launch "$name" "$shape" -- "${yield[@]}" \
         python "$ROOT/scripts/synthetic_benchmark.py" --threads 1 --model "$MODEL" \
         --param-scale "$scale" --regime "$regime" --link-gbit "$gbit" \
         --variants "$VARIANTS" --iters "$ITERS" --steps "$STEPS" --warmup 2 \

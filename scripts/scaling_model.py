@@ -67,7 +67,8 @@ CYCLE_PROBE_BYTES = 4 << 20          # torch/cycle_budget.py's large all-reduce
 # scripts/benchmark_allreduce.py's rows for the algorithm the engine picks (recursive
 # doubling has no row of its own: ``auto`` takes it for the sizes where the engine would).
 BENCHMARK_ROWS = {"ring": "mpiddp ring", "halving_doubling": "mpiddp halving-doubling",
-                  "native": "MPI_Allreduce", "recursive_doubling": "mpiddp auto"}
+                  "native": "MPI_Allreduce", "recursive_doubling": "mpiddp auto",
+                  "hierarchical": "mpiddp hierarchical"}
 # The benchmark's rows ``validate`` models, and by which algorithm (``auto``: the engine's
 # choice for each size).
 MODELLED_ROWS = {"mpiddp ring": "ring", "mpiddp halving-doubling": "halving_doubling",
@@ -366,13 +367,19 @@ def total_bytes(plan) -> int:
 
 # ---- validate: the model against the emulated cluster --------------------------------------
 RESULT = re.compile(r"(?P<setting>light|heavy)-(?P<model>sim-[a-z0-9]+)-(?P<regime>\w+)-"
-                    r"(?P<nodes>\d+)x1\.json$")
+                    r"(?P<nodes>\d+)x(?P<local>\d+)\.json$")
+# The node-local link where no 1xG all-reduce was run to fit it from: shared memory on the
+# emulated cluster, about as fitted from 1x2 runs of 4 KiB-64 MiB on 2026-11-27 (2.1-2.7
+# GB/s; docs/scaling.md, "Several GPUs per node").
+EMULATED_NODE_LINK = LinkCosts(20e-6, 1 / 2.5e9, HOST_REDUCE_SECONDS_PER_BYTE)
 SETTINGS = {"light": 0.2, "heavy": 1.0}          # link Gbit/s of scripts/scaling_benchmark.sh
 
 
-def allreduce_rows(directory: str, setting: str, nodes: int) -> list | None:
-    """The rows of the all-reduce benchmark run at this setting and N (None if it did not)."""
-    path = os.path.join(directory, f"allreduce-{setting}-{nodes}x1.json")
+def allreduce_rows(directory: str, setting: str, nodes: int,
+                   local_size: int = 1) -> list | None:
+    """The rows of the all-reduce benchmark run at this setting and N x ``local_size`` (None
+    if it did not)."""
+    path = os.path.join(directory, f"allreduce-{setting}-{nodes}x{local_size}.json")
     if not os.path.exists(path):
         return None
     with open(path) as f:
@@ -421,23 +428,25 @@ def validate(directory: str, latency_us: float | None, step_overhead_us: float,
             continue
         with open(path) as f:
             result = json.load(f)
-        nodes, setting = int(match["nodes"]), match["setting"]
-        benchmark = allreduce_rows(directory, setting, nodes)
+        nodes, setting, local_size = int(match["nodes"]), match["setting"], int(match["local"])
+        benchmark = allreduce_rows(directory, setting, nodes, local_size)
+        local = node_local_link(directory, setting, local_size)
+        layout = {"local_size": local_size, "local_link": local}
         links_only = Job(sim.MODELS[match["model"]](), result["simulation"]["param_scale"],
                          result["simulation"]["step_s"], nodes,
                          LinkCosts.from_rate(SETTINGS[setting], 1e6 * measured_latency_s(
-                             benchmark, setting, nodes, latency_us)),
+                             benchmark, setting, nodes, latency_us, **layout)),
                          bucket_bytes=int(result.get("bucket_cap_mb", 4.0) * 2 ** 20),
                          step_overhead_s=step_overhead_us * 1e-6,
                          optimizer_s=result["simulation"]["optimizer_s"],
-                         over_sockets=over_sockets)
+                         over_sockets=over_sockets, **layout)
         single = result["variants"].get("single") or {}
-        share = ranks_per_core(nodes, cores)
+        share = ranks_per_core(links_only.ranks, cores)
         with_cores = None if benchmark is None else replace(
             links_only, machine_cpu=MachineCpu.from_benchmark(
-                benchmark, nodes, cores, single.get("cpu_ms_per_step", 0.0) / 1e3),
+                benchmark, links_only.ranks, cores, single.get("cpu_ms_per_step", 0.0) / 1e3),
             link=LinkCosts.from_rate(SETTINGS[setting], 1e6 * measured_latency_s(
-                benchmark, setting, nodes, latency_us, share)))
+                benchmark, setting, nodes, latency_us, share, **layout)))
         for variant, overlap, algorithm in (("mpiddp", False, "auto"), ("overlap", True, "auto"),
                                             ("native", False, "native")):
             measured = result["variants"].get(variant)
@@ -452,7 +461,8 @@ def validate(directory: str, latency_us: float | None, step_overhead_us: float,
                 error = predicted / measured["step_s"] - 1
                 errors.append((setting, kind, abs(error)))
                 cells += [f"{predicted:.3f}", percent(error)]
-            rows.append(f"| {setting} | {match['regime']} | {nodes} | {variant} | "
+            shape = nodes if local_size == 1 else f"{nodes}x{local_size}"
+            rows.append(f"| {setting} | {match['regime']} | {shape} | {variant} | "
                         f"{measured['step_s']:.3f} | " + " | ".join(cells) + " |")
     print("| setting | regime | nodes | variant | measured step (s) | model, links (s) | error "
           f"| model, links and {cores} cores (s) | error |")
@@ -462,6 +472,15 @@ def validate(directory: str, latency_us: float | None, step_overhead_us: float,
         for kind in ("links", "cores"):
             print_summary(f"{setting}, model with the {kind}",
                           [e for s, k, e in errors if s == setting and k == kind])
+
+
+def node_local_link(directory: str, setting: str, local_size: int) -> LinkCosts | None:
+    """The link between a node's ranks: fitted from the 1x``local_size`` all-reduce run where
+    there is one, else the emulated cluster's (None for one rank per node)."""
+    if local_size == 1:
+        return None
+    rows = allreduce_rows(directory, setting, 1, local_size)
+    return fit_local_link(rows, local_size) if rows else EMULATED_NODE_LINK
 
 
 ALLREDUCE_RESULT = re.compile(r"allreduce-(?P<setting>light|heavy)-(?P<nodes>\d+)x1\.json$")
@@ -584,14 +603,13 @@ def validate_nodes(directory: str, step_overhead_us: float,
         if rate is None:
             print(f"{path}: not a setting of the emulated cluster; give --gbit; skipped")
             continue
-        one_node = os.path.join(directory, f"allreduce-{setting}-1x{local_size}.json")
-        if not os.path.exists(one_node):
-            print(f"{path}: no {one_node} to fit the node-local link from; skipped")
+        one_node = allreduce_rows(directory, setting, 1, local_size)
+        if not one_node:
+            print(f"{path}: no allreduce-{setting}-1x{local_size}.json to fit the node-local "
+                  "link from; skipped")
             continue
-        with open(one_node) as f:
-            local = fit_local_link(json.load(f)["rows"], local_size)
-        with open(path) as f:
-            rows = json.load(f)["rows"]
+        local = fit_local_link(one_node, local_size)
+        rows = allreduce_rows(directory, setting, nodes, local_size)
         link = LinkCosts.from_rate(rate, 1e6 * measured_latency_s(
             rows, rate, nodes, None, local_size=local_size, local_link=local),
             1 / HOST_REDUCE_SECONDS_PER_BYTE / 1e9)

@@ -278,3 +278,26 @@ def test_validate_nodes_fits_the_node_link_and_recovers_the_model(tmp_path, caps
     model.main(["validate-nodes", str(tmp_path), "--gbit", "0.2"])
     out = capsys.readouterr().out
     assert len([line for line in out.splitlines() if line.startswith("| mine | 2x2 |")]) == 3
+
+
+def test_validate_takes_training_runs_with_several_ranks_per_node(tmp_path, capsys):
+    # A step whose own CPU (100 ms of its 0.2 s) the shared cores must run for every rank.
+    result = {"bucket_cap_mb": 0.2,
+              "simulation": {"param_scale": 0.05, "step_s": 0.2, "optimizer_s": 0.0},
+              "variants": {"mpiddp": {"step_s": 0.5, "cpu_ms_per_step": 160.0},
+                           "single": {"step_s": 0.2, "cpu_ms_per_step": 100.0}}}
+    (tmp_path / "heavy-sim-resnet18-balanced-2x2.json").write_text(json.dumps(result))
+    rows = benchmark_rows(dict(CPU_MS, **{"mpiddp hierarchical": {4 * KIB: 0.5, MIB: 2.5}}))
+    (tmp_path / "allreduce-heavy-2x2.json").write_text(json.dumps({"rows": rows}))
+    model.main(["validate", str(tmp_path), "--cores", "2"])
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.startswith("| heavy | balanced | 2x2 |")]
+    # Both models (the node-local link: the emulated cluster's, no 1x2 run to fit it from).
+    assert row and all(cell.strip() for cell in row[0].split("|")[6:10])
+    links, cores = float(row[0].split("|")[6]), float(row[0].split("|")[8])
+    assert cores >= links
+    # On one core, the 4 ranks' CPU takes longer than the step.
+    model.main(["validate", str(tmp_path), "--cores", "1"])
+    row = [line for line in capsys.readouterr().out.splitlines()
+           if line.startswith("| heavy | balanced | 2x2 |")]
+    assert float(row[0].split("|")[8]) > cores

@@ -281,18 +281,21 @@ def test_scaling_report_reads_allreduce_and_half_rate_runs(tmp_path, capsys):
     benchmark writes them."""
     import plot_scaling
 
-    def training(directory, step_s, cpu_ms):
+    def training(directory, step_s, cpu_ms, shape="2x1"):
         directory.mkdir(exist_ok=True)
         result = {"simulation": {"step_s": 0.2},
                   "variants": {"mpiddp": {"step_s": step_s, "cpu_ms_per_step": cpu_ms,
                                           "efficiency": 0.5, "per_rank": 10.0, "total": 20.0},
                                "ddp": {"step_s": step_s, "cpu_ms_per_step": cpu_ms,
                                        "efficiency": 0.5, "per_rank": 10.0, "total": 20.0}}}
-        (directory / "heavy-sim-resnet50-balanced-2x1.json").write_text(json.dumps(result))
+        (directory / f"heavy-sim-resnet50-balanced-{shape}.json").write_text(
+            json.dumps(result))
 
     nominal, half = tmp_path / "nominal", tmp_path / "half"
     training(nominal, 0.3, 60.0)
     training(half, 0.5, 66.0)
+    training(nominal, 0.3, 60.0, "2x2")       # 2 nodes of 2 ranks each
+    training(half, 0.5, 66.0, "2x2")
     rows = [{"bytes": 4096, "method": m, "seconds": s, "busbw_gb_s": 0.1, "vs_mpi": v,
              "cpu_s_per_gb": c}
             for m, s, v, c in (("mpiddp auto", 1e-4, 0.35, 25.0),
@@ -306,6 +309,10 @@ def test_scaling_report_reads_allreduce_and_half_rate_runs(tmp_path, capsys):
     # step); two ranks at 60 ms of CPU per 0.3 s step keep 0.4 cores busy.
     assert "| heavy, balanced | 2 | 0.200 | mpiddp | 0.300 -> 0.500 | 100% | 60 -> 66 | " \
            "0.40 -> 0.26 |" in out
+    # Two ranks per node: labelled by layout, twice the ranks' CPU.
+    assert "| heavy, balanced | 2x2 | 0.200 | mpiddp | 0.300 -> 0.500 | 100% | 60 -> 66 | " \
+           "0.80 -> 0.53 |" in out
+    assert "| 2x2 | 0.200 | 50%; 10.0; 60 |" in out
     assert "| 4 KiB | 0.35x (100 / 35 us) |" in out            # auto against MPI_Allreduce
     assert "| 4 KiB | 0.06x (600 / 35 us) |" in out            # gloo against MPI_Allreduce
     assert "| 4 KiB | 25.00 / 94.00 |" in out                  # CPU s/GB, auto / gloo

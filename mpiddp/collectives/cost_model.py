@@ -16,6 +16,12 @@ For ``N`` ranks in a ring over links of latency ``alpha`` (one message, one way)
   ``2 ceil(log2 N) alpha + 2 (N-1)/N n beta``; for small buffers (up to
   ``NATIVE_SHORT_BYTES``) recursive doubling, ``ceil(log2 N) (alpha + n beta)``.
 
+With ``G`` ranks on each of ``N`` nodes, the library's all-reduce (``node_aware_native_seconds``)
+and the hierarchical one (``hierarchical_seconds``) send each byte across the network once per
+node, the node's ranks sharing its interface (``shared_link``), plus ``2 (G-1)/G n`` over the
+link inside the node; the engine does not use these (its choice needs only the thresholds),
+``scripts/scaling_model.py`` does.
+
 The reduction's arithmetic is the same in both and left out. On these terms the MPI library's
 algorithm is never slower; ours earn their place by what the terms leave out: they wait for
 the network without busy-polling the core that backward needs (with 16 ranks on 2 cores,
