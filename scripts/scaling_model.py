@@ -751,7 +751,7 @@ def predict(model: str, batch: int, step_s: float | None, profile_name: str | No
         standard, overlap = (step_seconds(job, o) for o in (False, True))
         used = sorted({name for name, _ in job.chosen(
             fused_buffers([n for sizes, _ in buckets(job) for n in sizes], job.fusion_bytes),
-            "auto")})
+            "auto")}) if job.ranks > 1 else ["-"]      # one GPU: nothing to reduce
         print(f"| {nodes} | {job.ranks} | {standard:.3f} | {100 * step_s / standard:.0f}% | "
               f"{overlap:.3f} | {100 * step_s / overlap:.0f}% | "
               f"{job.ranks * batch / overlap:,.0f} | {', '.join(used)} |")
@@ -798,7 +798,7 @@ def main(argv=None) -> None:
                    help="the cores the emulated nodes shared (default: this machine's)")
     e = sub.add_parser("extrapolate", help="64-512 nodes at 10, 25 and 100 Gbit/s")
     e.add_argument("--profile", default="v100-fp32", choices=sorted(sim.PROFILES))
-    e.add_argument("--rates", type=float, nargs="+", default=[10, 25, 100],
+    e.add_argument("--rates", type=positive(float), nargs="+", default=[10, 25, 100],
                    help="each node's network Gbit/s (all its interfaces together)")
     add_cluster_arguments(e)
     r = sub.add_parser("predict", help="your own job: a model's shape, one GPU's step, "
@@ -806,28 +806,28 @@ def main(argv=None) -> None:
     r.add_argument("--model", default="sim-resnet50", choices=sorted(sim.MODELS),
                    help="the layer shapes (a convolutional network's large gradients come "
                         "last in backward, first to be reduced; BERT's are even)")
-    r.add_argument("--batch", type=int, default=64, help="samples per GPU per step")
+    r.add_argument("--batch", type=positive(int), default=64, help="samples per GPU per step")
     timing = r.add_mutually_exclusive_group()
-    timing.add_argument("--step-s", type=float, default=None,
+    timing.add_argument("--step-s", type=positive(float), default=None,
                         help="one GPU's forward + backward, measured (seconds)")
     timing.add_argument("--profile", default="v100-fp32", choices=sorted(sim.PROFILES),
                         help="else: a published single-GPU rate")
-    r.add_argument("--gradient-mb", type=float, default=None,
+    r.add_argument("--gradient-mb", type=positive(float), default=None,
                    help="your model's gradient bytes (MB; default: the model's own)")
-    r.add_argument("--gbit", type=float, default=25.0,
+    r.add_argument("--gbit", type=positive(float), default=25.0,
                    help="each node's network Gbit/s (all its interfaces together)")
-    r.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 128, 256, 512])
-    add_cluster_arguments(r, rate=False)
+    r.add_argument("--nodes", type=positive(int), nargs="+", default=[1, 2, 4, 8, 16, 64, 128, 256, 512])
+    add_cluster_arguments(r)
     n = sub.add_parser("validate-nodes", help="several ranks per node: the model against "
                                               "benchmark_allreduce.py at NxG")
     n.add_argument("directory")
     n.add_argument("--step-overhead-us", type=float, default=50.0)
-    n.add_argument("--gbit", type=float, default=None,
+    n.add_argument("--gbit", type=positive(float), default=None,
                    help="the network's Gbit/s per node, for files not named after the "
                         "emulated cluster's settings (allreduce-NAME-NxG.json)")
     h = sub.add_parser("horovod", help="the model on the setup of Horovod's paper")
-    h.add_argument("--intra-gb-per-s", type=float, default=PCIE3_GB_PER_S)
-    h.add_argument("--latency-us", type=float, default=5.0)
+    h.add_argument("--intra-gb-per-s", type=positive(float), default=PCIE3_GB_PER_S)
+    h.add_argument("--latency-us", type=non_negative, default=5.0)
     args = p.parse_args(argv)
     if args.command == "validate":
         over_sockets = not args.control_over_mpi
@@ -847,15 +847,33 @@ def main(argv=None) -> None:
         horovod(args.intra_gb_per_s, args.latency_us)
 
 
-def add_cluster_arguments(parser: argparse.ArgumentParser, rate: bool = True) -> None:
-    parser.add_argument("--latency-us", type=float, default=5.0,
+def positive(kind):
+    """An argparse type: a ``kind`` number above zero."""
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, not {text}")
+    return value
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--latency-us", type=non_negative, default=5.0,
                         help="the network's latency per message")
-    parser.add_argument("--gpus-per-node", type=int, default=1)
-    parser.add_argument("--intra-gb-per-s", type=float, default=PCIE3_GB_PER_S,
+    parser.add_argument("--gpus-per-node", type=positive(int), default=1)
+    parser.add_argument("--intra-gb-per-s", type=positive(float), default=PCIE3_GB_PER_S,
                         help="between two GPUs of a node (PCIe 3.0 x16: about 10; NVLink: "
                              "tens to hundreds)")
-    parser.add_argument("--intra-latency-us", type=float, default=PCIE_LATENCY_US)
-    parser.add_argument("--reduce-gb-per-s", type=float, default=None,
+    parser.add_argument("--intra-latency-us", type=non_negative, default=PCIE_LATENCY_US)
+    parser.add_argument("--reduce-gb-per-s", type=positive(float), default=None,
                         help="host reduction rate (GB/s of buffer; NumPy here: about 7); "
                              "default: reductions on the device")
 

@@ -240,6 +240,11 @@ def test_horovod_and_predict_print_their_tables(capsys):
     assert "100 MB of gradients" in out
     lines = [line.split("|") for line in out.splitlines() if line.startswith("| 64 |")]
     assert lines and lines[0][2].strip() == "512"
+    # Settings that describe no cluster are refused, naming the argument.
+    for bad in (["--gpus-per-node", "0"], ["--gbit", "-1"], ["--latency-us", "-5"]):
+        with pytest.raises(SystemExit):
+            model.main(["predict", *bad])
+        assert f"argument {bad[0]}: must" in capsys.readouterr().err
 
 
 def test_validate_nodes_fits_the_node_link_and_recovers_the_model(tmp_path, capsys):
