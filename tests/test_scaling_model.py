@@ -110,11 +110,17 @@ def test_cycles_take_what_is_ready_as_the_engine_does():
     assert model.cycle_submissions(plan, [1, 0], True, MIB) == [1]
 
 
+def training_result(mpiddp_cpu_ms: float = 60.0, single_cpu_ms: float = 10.0) -> dict:
+    """A training launch's JSON as scripts/synthetic_benchmark.py writes it: a 0.2 s step of
+    ResNet-18's layers scaled by 0.05, mpiddp measured at 0.5 s."""
+    return {"bucket_cap_mb": 0.2,
+            "simulation": {"param_scale": 0.05, "step_s": 0.2, "optimizer_s": 0.0},
+            "variants": {"mpiddp": {"step_s": 0.5, "cpu_ms_per_step": mpiddp_cpu_ms},
+                         "single": {"step_s": 0.2, "cpu_ms_per_step": single_cpu_ms}}}
+
+
 def test_validate_compares_both_models_with_the_measurements(tmp_path, capsys):
-    result = {"bucket_cap_mb": 0.2,
-              "simulation": {"param_scale": 0.05, "step_s": 0.2, "optimizer_s": 0.0},
-              "variants": {"mpiddp": {"step_s": 0.5, "cpu_ms_per_step": 60.0},
-                           "single": {"step_s": 0.2, "cpu_ms_per_step": 10.0}}}
+    result = training_result()
     (tmp_path / "heavy-sim-resnet18-balanced-16x1.json").write_text(json.dumps(result))
     (tmp_path / "heavy-sim-resnet18-balanced-8x1.json").write_text(json.dumps(result))
     (tmp_path / "allreduce-heavy-16x1.json").write_text(json.dumps(
@@ -287,10 +293,7 @@ def test_validate_nodes_fits_the_node_link_and_recovers_the_model(tmp_path, caps
 
 def test_validate_takes_training_runs_with_several_ranks_per_node(tmp_path, capsys):
     # A step whose own CPU (100 ms of its 0.2 s) the shared cores must run for every rank.
-    result = {"bucket_cap_mb": 0.2,
-              "simulation": {"param_scale": 0.05, "step_s": 0.2, "optimizer_s": 0.0},
-              "variants": {"mpiddp": {"step_s": 0.5, "cpu_ms_per_step": 160.0},
-                           "single": {"step_s": 0.2, "cpu_ms_per_step": 100.0}}}
+    result = training_result(mpiddp_cpu_ms=160.0, single_cpu_ms=100.0)
     (tmp_path / "heavy-sim-resnet18-balanced-2x2.json").write_text(json.dumps(result))
     rows = benchmark_rows(dict(CPU_MS, **{"mpiddp hierarchical": {4 * KIB: 0.5, MIB: 2.5}}))
     (tmp_path / "allreduce-heavy-2x2.json").write_text(json.dumps({"rows": rows}))
