@@ -550,7 +550,8 @@ def validate_allreduce(directory: str, latency_us: float | None, step_overhead_u
 
 
 # ---- validate-nodes: several ranks per node ------------------------------------------------
-NODES_RESULT = re.compile(r"allreduce-(?P<setting>\w+)-(?P<nodes>\d+)x(?P<local>\d+)\.json$")
+NODES_RESULT = re.compile(r"allreduce-(?P<setting>[\w.-]+)-(?P<nodes>\d+)x(?P<local>\d+)"
+                          r"\.json$")
 # The rows modelled with several ranks per node, and by which algorithm.
 NODE_ROWS = {"MPI_Allreduce": "native", "mpiddp hierarchical": "hierarchical",
              "mpiddp auto": "auto"}
@@ -688,8 +689,8 @@ class Cluster:
                  "reductions on the device (a CUDA-aware MPI)")
         gpus = "one GPU per node" if self.gpus_per_node == 1 else (
             f"{self.gpus_per_node} GPUs per node sharing its network interface, "
-            f"{self.intra_gb_per_s:g} GB/s and {self.intra_latency_us:g} us between them")
-        return f"{gpus}, network latency {self.latency_us:g} us, {where}"
+            f"{self.intra_gb_per_s:.3g} GB/s and {self.intra_latency_us:.3g} us between them")
+        return f"{gpus}, network latency {self.latency_us:.3g} us, {where}"
 
 
 def job_on(cluster: Cluster, layers: list, step_s: float, nodes: int,

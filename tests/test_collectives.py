@@ -46,6 +46,12 @@ def test_halving_doubling_matches_reference(nprocs):
     assert_ok(result, expect_lines=1)
 
 
+def test_the_links_probe_ends_alike_on_every_rank_when_pairs_differ():
+    # A node with a local rank no other node has measures nothing, yet joins every start.
+    result = run_mpi("link_probe_worker.py", 3, timeout=60)
+    assert_ok(result, expect_lines=1)
+
+
 def test_auto_algorithm_uses_both_ring_and_native():
     # A 16 KiB ring threshold: the 40k-element tensors take the ring, small batches native.
     env = {"MPIDDP_FUSION_THRESHOLD": "65536", "MPIDDP_RING_THRESHOLD": "16384"}

@@ -278,13 +278,19 @@ class Executor:
         """Rank 0: the measured links, how transfers wait on them, and the thresholds the
         automatic choice took from them."""
         choice = self.algorithms
-        log.info("mpiddp: links between the %d nodes: %s; %s; forward overlap's cycles carry "
-                 "up to %s", self.topology.cross_size, link.describe(), self.pacing.describe(),
-                 describe_threshold(self.priority_cycle_bytes))
+        local_size = self.topology.local_size
+        # With several ranks per node each measured its share of the node's interface.
+        sharing = f" ({local_size} ranks per node exchanging at once), each" \
+            if local_size > 1 else ""
+        log.info("mpiddp: links between the %d nodes%s: %s; %s; forward overlap's cycles "
+                 "carry up to %s", self.topology.cross_size, sharing, link.describe(),
+                 self.pacing.describe(), describe_threshold(self.priority_cycle_bytes))
         if choice.link is None:
             return
         own = "the ring"
-        if choice.halving_doubling_limit:
+        if choice.hierarchical_setting != "0" and choice.hierarchical.applies(self.topology):
+            own = "the hierarchical all-reduce"
+        elif choice.halving_doubling_limit:
             own = (f"halving-doubling (the ring from "
                    f"{describe_threshold(choice.halving_doubling_limit)})")
         small = "MPI_Allreduce"
@@ -297,9 +303,10 @@ class Executor:
                     "halving-doubling for host buffers and MPI_Allreduce for device ones"
                     if choice.sockets_native_limit < choice.ring_threshold else "MPI_Allreduce")
         log.info("mpiddp: automatic all-reduce takes %s, %s from %s (whole communicator) and "
-                 "the ring from %s (across nodes)", small, own,
+                 "the ring from %s (across nodes%s)", small, own,
                  describe_threshold(choice.ring_threshold),
-                 describe_threshold(choice.cross_ring_threshold))
+                 describe_threshold(choice.cross_ring_threshold),
+                 ": the hierarchical all-reduce's chunks" if local_size > 1 else "")
 
     def links(self, backend) -> Links:
         """The transports for buffers of ``backend``: the whole, node-local and cross-node
