@@ -479,8 +479,11 @@ def node_local_link(directory: str, setting: str, local_size: int) -> LinkCosts 
     there is one, else the emulated cluster's (None for one rank per node)."""
     if local_size == 1:
         return None
-    rows = allreduce_rows(directory, setting, 1, local_size)
-    return fit_local_link(rows, local_size) if rows else EMULATED_NODE_LINK
+    try:
+        return fit_local_link(allreduce_rows(directory, setting, 1, local_size) or [],
+                              local_size)
+    except ValueError:
+        return EMULATED_NODE_LINK
 
 
 ALLREDUCE_RESULT = re.compile(r"allreduce-(?P<setting>light|heavy)-(?P<nodes>\d+)x1\.json$")
@@ -559,16 +562,23 @@ NODE_ROWS = {"MPI_Allreduce": "native", "mpiddp hierarchical": "hierarchical",
 
 def fit_local_link(rows: list, local_size: int) -> LinkCosts:
     """The link between the ranks of one node (shared memory on the emulated cluster) as
-    the library's all-reduce on one node saw it: the latency and rate that fit its times at
-    every size above the short-message limit (least squares on the model's two terms; the
-    host's reduction at ``HOST_REDUCE_SECONDS_PER_BYTE``)."""
+    the library's all-reduce on one node saw it (host buffers, ``benchmark_allreduce.py``'s
+    default): the latency and rate at which the model takes its times at every size above
+    the short-message limit (least squares: the model is linear in both; the host's
+    reduction at ``HOST_REDUCE_SECONDS_PER_BYTE``)."""
     gamma = HOST_REDUCE_SECONDS_PER_BYTE
-    points = [(row["bytes"], row["seconds"]) for row in rows
-              if row["method"] == "MPI_Allreduce" and row["bytes"] > NATIVE_SHORT_BYTES]
-    steps = 2 * log2_steps(local_size)
-    share = (local_size - 1) / local_size
-    matrix = np.array([[steps, 2 * share * n] for n, _ in points], dtype=float)
-    times = np.array([t - share * n * gamma for n, t in points])
+    sizes_and_times = [(row["bytes"], row["seconds"]) for row in rows
+                       if row["method"] == "MPI_Allreduce" and row["bytes"] > NATIVE_SHORT_BYTES]
+    if len(sizes_and_times) < 2:
+        raise ValueError(f"fewer than two MPI_Allreduce sizes above {NATIVE_SHORT_BYTES} bytes")
+
+    def seconds(nbytes: int, alpha: float, beta: float) -> float:
+        return native_seconds(nbytes, local_size, LinkCosts(alpha, beta, gamma))
+
+    base = [seconds(n, 0.0, 0.0) for n, _ in sizes_and_times]
+    matrix = np.array([[seconds(n, 1.0, 0.0) - b, seconds(n, 0.0, 1.0) - b]
+                       for (n, _), b in zip(sizes_and_times, base)])
+    times = np.array([t - b for (_, t), b in zip(sizes_and_times, base)])
     (alpha, beta), *_ = np.linalg.lstsq(matrix, times, rcond=None)
     return LinkCosts(max(float(alpha), 0.0), max(float(beta), 1e-12), gamma)
 
@@ -609,7 +619,11 @@ def validate_nodes(directory: str, step_overhead_us: float,
             print(f"{path}: no allreduce-{setting}-1x{local_size}.json to fit the node-local "
                   "link from; skipped")
             continue
-        local = fit_local_link(one_node, local_size)
+        try:
+            local = fit_local_link(one_node, local_size)
+        except ValueError as error:
+            print(f"{path}: cannot fit the node-local link ({error}); skipped")
+            continue
         rows = allreduce_rows(directory, setting, nodes, local_size)
         link = LinkCosts.from_rate(rate, 1e6 * measured_latency_s(
             rows, rate, nodes, None, local_size=local_size, local_link=local),
@@ -817,7 +831,8 @@ def main(argv=None) -> None:
                    help="your model's gradient bytes (MB; default: the model's own)")
     r.add_argument("--gbit", type=positive(float), default=25.0,
                    help="each node's network Gbit/s (all its interfaces together)")
-    r.add_argument("--nodes", type=positive(int), nargs="+", default=[1, 2, 4, 8, 16, 64, 128, 256, 512])
+    r.add_argument("--nodes", type=positive(int), nargs="+",
+                   default=[1, 2, 4, 8, 16, 64, 128, 256, 512])
     add_cluster_arguments(r)
     n = sub.add_parser("validate-nodes", help="several ranks per node: the model against "
                                               "benchmark_allreduce.py at NxG")

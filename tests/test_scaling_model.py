@@ -275,6 +275,11 @@ def test_validate_nodes_fits_the_node_link_and_recovers_the_model(tmp_path, caps
         n, 2, shm)}), 2)
     assert fitted.latency_s == pytest.approx(shm.latency_s, rel=1e-6)
     assert fitted.seconds_per_byte == pytest.approx(shm.seconds_per_byte, rel=1e-6)
+    # 3 ranks on a node: the library folds the third in and out; the fit knows.
+    three = model.fit_local_link(rows({"MPI_Allreduce": lambda n: model.native_seconds(
+        n, 3, shm)}), 3)
+    assert (three.latency_s, three.seconds_per_byte) == pytest.approx(
+        (shm.latency_s, shm.seconds_per_byte), rel=1e-6)
     model.main(["validate-nodes", str(tmp_path)])
     out = capsys.readouterr().out
     table = [line for line in out.splitlines() if line.startswith("| light | 2x2 |")]
