@@ -58,7 +58,7 @@ from mpiddp.collectives.cost_model import (ENGINE_CYCLE_S,  # noqa: E402
                                            device_priority_cycle_bytes,
                                            halving_doubling_seconds, hierarchical_seconds,
                                            native_seconds, priority_cycle_bytes,
-                                           log2_steps, recursive_doubling_seconds,
+                                           recursive_doubling_seconds,
                                            ring_seconds)
 from mpiddp.collectives.topology import Topology  # noqa: E402
 
