@@ -127,7 +127,9 @@ def pairs(name):
     return (np.concatenate([a.ravel(), random[0]]), np.concatenate([b.ravel(), random[1]]))
 
 
-FACTORS = (0.5, 0.25, 1 / 3, 1 / 5, 1 / 6, 1 / 7, 3.0, 2.0 ** -100, 2.0 ** 100, 1e-30)
+# 1/n for Average's exact scaling (the host divides by n: the same bits, docs in host_reduce)
+FACTORS = (0.5, 0.25, 1 / 3, 1 / 5, 1 / 6, 1 / 7, 1 / 24, 1 / 1000, 1 / 65535, 1 / 16777215,
+           3.0, 2.0 ** -100, 2.0 ** 100, 1e-30)
 
 
 # ---- (a) the model against the host path ---------------------------------------------------
