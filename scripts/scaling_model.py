@@ -780,6 +780,7 @@ def horovod(intra_gb_per_s: float, latency_us: float) -> None:
           f"{HOROVOD_GBIT} Gbit/s; {cluster.describe()}; one GPU's step from {profile.source} "
           "(ResNet-101 at ResNet-152's MACs per second).\n")
     jobs = (("ResNet-101", "sim-resnet101", "sim-resnet152"),
+            ("Inception V3", "sim-inception3", "sim-inception3"),
             ("VGG-16", "sim-vgg16", "sim-vgg16"))
     servers = (1, 2, 4, 16, 64, HOROVOD_SERVERS)
     print("| model | step (s) | gradients (MB) | " + " | ".join(

@@ -122,6 +122,69 @@ def vgg16(image_size: int = 224) -> list[LayerSpec]:
     return b.layers
 
 
+def inception_v3() -> list[LayerSpec]:
+    """torchvision's inception_v3 (299x299 images, the auxiliary classifier included, as its
+    weights are): convolutions without bias, each with its batch norm; the spatial size of
+    every stage written out (its stem's convolutions are unpadded, its 1x7 and 7x1 ones
+    keep the size)."""
+    layers: list[LayerSpec] = []
+
+    def conv(name, cin, cout, kernel, size):
+        kh, kw = kernel if isinstance(kernel, tuple) else (kernel, kernel)
+        layers.append(LayerSpec(name + ".conv", (("weight", (cout, cin, kh, kw)),),
+                                float(cin * kh * kw * cout * size ** 2)))
+        layers.append(LayerSpec(name + ".bn", (("weight", (cout,)), ("bias", (cout,))),
+                                float(cout * size ** 2)))
+
+    for name, cin, cout, kernel, size in (("Conv2d_1a_3x3", 3, 32, 3, 149),
+                                          ("Conv2d_2a_3x3", 32, 32, 3, 147),
+                                          ("Conv2d_2b_3x3", 32, 64, 3, 147),
+                                          ("Conv2d_3b_1x1", 64, 80, 1, 73),
+                                          ("Conv2d_4a_3x3", 80, 192, 3, 71)):
+        conv(name, cin, cout, kernel, size)
+    for name, cin, pool in (("Mixed_5b", 192, 32), ("Mixed_5c", 256, 64), ("Mixed_5d", 288, 64)):
+        for branch, a, b, kernel in (("branch1x1", cin, 64, 1), ("branch5x5_1", cin, 48, 1),
+                                     ("branch5x5_2", 48, 64, 5), ("branch3x3dbl_1", cin, 64, 1),
+                                     ("branch3x3dbl_2", 64, 96, 3), ("branch3x3dbl_3", 96, 96, 3),
+                                     ("branch_pool", cin, pool, 1)):
+            conv(f"{name}.{branch}", a, b, kernel, 35)
+    for branch, a, b, kernel, size in (("branch3x3", 288, 384, 3, 17),
+                                       ("branch3x3dbl_1", 288, 64, 1, 35),
+                                       ("branch3x3dbl_2", 64, 96, 3, 35),
+                                       ("branch3x3dbl_3", 96, 96, 3, 17)):
+        conv(f"Mixed_6a.{branch}", a, b, kernel, size)
+    for name, c7 in (("Mixed_6b", 128), ("Mixed_6c", 160), ("Mixed_6d", 160), ("Mixed_6e", 192)):
+        for branch, a, b, kernel in (
+                ("branch1x1", 768, 192, 1), ("branch7x7_1", 768, c7, 1),
+                ("branch7x7_2", c7, c7, (1, 7)), ("branch7x7_3", c7, 192, (7, 1)),
+                ("branch7x7dbl_1", 768, c7, 1), ("branch7x7dbl_2", c7, c7, (7, 1)),
+                ("branch7x7dbl_3", c7, c7, (1, 7)), ("branch7x7dbl_4", c7, c7, (7, 1)),
+                ("branch7x7dbl_5", c7, 192, (1, 7)), ("branch_pool", 768, 192, 1)):
+            conv(f"{name}.{branch}", a, b, kernel, 17)
+    conv("AuxLogits.conv0", 768, 128, 1, 5)          # after a 5x5 average pool, stride 3
+    conv("AuxLogits.conv1", 128, 768, 5, 1)
+    layers.append(LayerSpec("AuxLogits.fc", (("weight", (1000, 768)), ("bias", (1000,))),
+                            float(768 * 1000)))
+    for branch, a, b, kernel, size in (("branch3x3_1", 768, 192, 1, 17),
+                                       ("branch3x3_2", 192, 320, 3, 8),
+                                       ("branch7x7x3_1", 768, 192, 1, 17),
+                                       ("branch7x7x3_2", 192, 192, (1, 7), 17),
+                                       ("branch7x7x3_3", 192, 192, (7, 1), 17),
+                                       ("branch7x7x3_4", 192, 192, 3, 8)):
+        conv(f"Mixed_7a.{branch}", a, b, kernel, size)
+    for name, cin in (("Mixed_7b", 1280), ("Mixed_7c", 2048)):
+        for branch, a, b, kernel in (
+                ("branch1x1", cin, 320, 1), ("branch3x3_1", cin, 384, 1),
+                ("branch3x3_2a", 384, 384, (1, 3)), ("branch3x3_2b", 384, 384, (3, 1)),
+                ("branch3x3dbl_1", cin, 448, 1), ("branch3x3dbl_2", 448, 384, 3),
+                ("branch3x3dbl_3a", 384, 384, (1, 3)), ("branch3x3dbl_3b", 384, 384, (3, 1)),
+                ("branch_pool", cin, 192, 1)):
+            conv(f"{name}.{branch}", a, b, kernel, 8)
+    layers.append(LayerSpec("fc", (("weight", (1000, 2048)), ("bias", (1000,))),
+                            float(2048 * 1000)))
+    return layers
+
+
 def bert_base(seq_len: int = 128, layers: int = 12, hidden: int = 768,
               vocab: int = 30522, classes: int = 2) -> list[LayerSpec]:
     """BERT-base (Hugging Face's module names) with pooler and a classification head; one
@@ -155,12 +218,14 @@ MODELS: dict[str, Callable[[], list[LayerSpec]]] = {
     "sim-resnet101": lambda: resnet((3, 4, 23, 3), bottleneck=True),
     "sim-resnet152": lambda: resnet((3, 8, 36, 3), bottleneck=True),
     "sim-vgg16": vgg16,
+    "sim-inception3": inception_v3,
     "sim-bert": bert_base,
 }
 DESCRIPTIONS = {"sim-resnet50": "ResNet-50, 224x224 images", "sim-resnet18":
                 "ResNet-18, 224x224 images", "sim-resnet101": "ResNet-101, 224x224 images",
                 "sim-resnet152": "ResNet-152, 224x224 images", "sim-vgg16":
-                "VGG-16, 224x224 images", "sim-bert": "BERT-base, sequences of 128 tokens"}
+                "VGG-16, 224x224 images", "sim-inception3": "Inception V3, 299x299 images",
+                "sim-bert": "BERT-base, sequences of 128 tokens"}
 
 
 def scaled_shape(shape: tuple, param_scale: float) -> tuple:
@@ -208,7 +273,8 @@ PROFILES = {p.name: p for p in (
     DeviceProfile("p100-tf-fp32", 219, 732,
                   "TensorFlow's benchmarks page (tensorflow/docs_src/performance/"
                   "benchmarks.md, May 2017), DGX-1 P100, 1 GPU, synthetic data, batch 64, "
-                  "FP32", {"sim-resnet50": 219, "sim-resnet152": 91.8, "sim-vgg16": 154}),
+                  "FP32", {"sim-resnet50": 219, "sim-resnet152": 91.8, "sim-vgg16": 154,
+                           "sim-inception3": 142}),
 )}
 
 

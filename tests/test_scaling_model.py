@@ -234,10 +234,11 @@ def test_horovod_and_predict_print_their_tables(capsys):
     model.main(["horovod"])
     out = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): line.split("|") for line in out.splitlines()
-            if line.startswith("| ResNet-101") or line.startswith("| VGG-16")}
-    resnet, vgg = rows["ResNet-101"], rows["VGG-16"]
+            if line.startswith(("| ResNet-101", "| Inception V3", "| VGG-16"))}
+    resnet, inception, vgg = rows["ResNet-101"], rows["Inception V3"], rows["VGG-16"]
     # 512 GPUs, the standard path (the next to last two cells: std, fo; then Horovod's).
     assert float(resnet[-4].strip(" %")) >= 90 and resnet[-2].strip() == "90%"
+    assert float(inception[-4].strip(" %")) >= 90 and inception[-2].strip() == "90%"
     assert 50 <= float(vgg[-4].strip(" %")) <= 85 and vgg[-2].strip() == "68%"
     model.main(["predict", "--model", "sim-bert", "--batch", "32", "--step-s", "0.1",
                 "--gradient-mb", "100", "--gbit", "100", "--gpus-per-node", "8",

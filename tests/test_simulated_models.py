@@ -18,12 +18,14 @@ import synthetic_benchmark as bench  # noqa: E402
 
 # Published figures: torchvision's model tables (parameters exactly; GFLOPs are
 # multiply-accumulates at 224x224: ResNet-50 4.09, ResNet-18 1.81, VGG-16 15.47, ResNet-101
-# 7.80, ResNet-152 11.51) and BERT-base
+# 7.80, ResNet-152 11.51; Inception V3 5.71 at 299x299, its auxiliary classifier in the
+# parameters) and BERT-base
 # (Devlin et al.: 110 M parameters).
 PARAMS = {"sim-resnet50": 25_557_032, "sim-resnet18": 11_689_512, "sim-vgg16": 138_357_544,
-          "sim-resnet101": 44_549_160, "sim-resnet152": 60_192_808}
+          "sim-resnet101": 44_549_160, "sim-resnet152": 60_192_808,
+          "sim-inception3": 27_161_264}
 GMACS = {"sim-resnet50": 4.09, "sim-resnet18": 1.81, "sim-vgg16": 15.47,
-         "sim-resnet101": 7.80, "sim-resnet152": 11.51}
+         "sim-resnet101": 7.80, "sim-resnet152": 11.51, "sim-inception3": 5.71}
 
 
 @pytest.mark.parametrize("name", sorted(PARAMS))
