@@ -36,6 +36,7 @@ import torch
 from mpi4py import MPI
 
 import mpiddp
+from mpiddp.collectives.topology import node_layout
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 DEVICE = "cpu"      # --device
@@ -79,13 +80,13 @@ def engine(algorithm: str):
     return use_algorithm(algorithm), lambda t: mpiddp.allreduce_(t, name="bench", op=mpiddp.Sum)
 
 
-def several_per_node(comm: MPI.Comm) -> bool:
-    """Whether the ranks sit on several nodes, the same number (more than one) on each: where
-    the hierarchical all-reduce applies."""
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    sizes = set(comm.allgather(local.Get_size()))
-    local.Free()
-    return len(sizes) == 1 and 1 < sizes.pop() < comm.Get_size()
+def hierarchical_applies(comm: MPI.Comm) -> bool:
+    """Whether the hierarchical all-reduce applies to ``comm`` (the engine's own test:
+    several nodes, the same number of ranks, more than one, on each)."""
+    layout = node_layout(comm)
+    layout.local.Free()
+    layout.cross.Free()
+    return layout.topology.hierarchical_usable
 
 
 def make_methods(comm: MPI.Comm, with_gloo: bool):
@@ -96,7 +97,7 @@ def make_methods(comm: MPI.Comm, with_gloo: bool):
     methods = {"mpiddp ring": engine("ring"),
                "mpiddp halving-doubling": engine("halving_doubling"),
                "mpiddp auto": engine("auto"), "MPI_Allreduce": (no_setup, native_run)}
-    if several_per_node(comm):
+    if hierarchical_applies(comm):
         methods["mpiddp hierarchical"] = engine("hierarchical")
     if with_gloo:
         import torch.distributed as dist

@@ -39,6 +39,7 @@ chosen as the engine's ``AlgorithmChoice`` would with that layout.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
@@ -138,7 +139,15 @@ class MachineCpu:
         return engine + data
 
 
-_CHOICES: dict = {}        # Job.choice's, by what they depend on (the simulation asks often)
+@functools.lru_cache(maxsize=None)      # the simulation asks for the same choice often
+def algorithm_choice(algorithm: str, nodes: int, local_size: int, link: LinkCosts,
+                     over_sockets: bool, step_overhead: tuple) -> AlgorithmChoice:
+    """The engine's ``AlgorithmChoice`` for ``nodes`` nodes of ``local_size`` ranks on measured
+    ``link`` (several ranks per node: the hierarchical all-reduce where the engine would take
+    it; the engine's sockets serve one rank per node)."""
+    return AlgorithmChoice(algorithm, None, "auto" if local_size > 1 else "0",
+                           Topology(0, nodes * local_size, 0, local_size, 0, nodes, True), link,
+                           over_sockets=over_sockets and local_size == 1, **dict(step_overhead))
 
 
 @dataclass(frozen=True)
@@ -217,17 +226,9 @@ class Job:
         return [(choice.choose(nbytes).name, nbytes) for nbytes in buffers]
 
     def choice(self, algorithm: str = "auto") -> AlgorithmChoice:
-        """The engine's ``AlgorithmChoice`` for this job's layout and measured links (several
-        ranks per node: the hierarchical all-reduce where the engine would take it)."""
-        key = (algorithm, self.nodes, self.local_size, self.link, self.over_sockets,
-               self.step_overhead_s)
-        if key not in _CHOICES:
-            sockets = self.over_sockets and self.local_size == 1
-            _CHOICES[key] = AlgorithmChoice(
-                algorithm, None, "auto" if self.local_size > 1 else "0",
-                Topology(0, self.ranks, 0, self.local_size, 0, self.nodes, True), self.link,
-                over_sockets=sockets, **self.step_overhead())
-        return _CHOICES[key]
+        """The engine's ``AlgorithmChoice`` for this job's layout and links."""
+        return algorithm_choice(algorithm, self.nodes, self.local_size, self.link,
+                                self.over_sockets, tuple(self.step_overhead().items()))
 
     def cycle_budget(self) -> int:
         """Forward overlap's cycle budget as the engine sizes it: from the links (host
@@ -386,7 +387,7 @@ def allreduce_rows(directory: str, setting: str, nodes: int,
         return json.load(f)["rows"]
 
 
-def measured_latency_s(rows: list | None, setting: str | float, nodes: int,
+def measured_latency_s(rows: list | None, gbit_per_s: float, nodes: int,
                        default_us: float | None, share: float = 1.0, local_size: int = 1,
                        local_link: LinkCosts | None = None) -> float:
     """The links' latency at this N as the emulation presents it: ``default_us`` if given,
@@ -395,17 +396,18 @@ def measured_latency_s(rows: list | None, setting: str | float, nodes: int,
     100 us. With ``share`` ranks per core, the time is first cut by the waiting for the other
     ranks of a core (``MachineCpu.waiting_s`` of the call's measured CPU), which the model
     with the cores adds back; with ``share`` 1 the scheduler's delays stay in the latency.
-    ``local_size`` ranks per node: the node-local part of the call over ``local_link``.
-    ``setting``: the emulated cluster's (its links' rate), or the links' Gbit/s."""
+    ``local_size`` ranks per node: the node-local part of the call over ``local_link``;
+    ``gbit_per_s``: the links' rate."""
     if default_us is not None or rows is None:
         return (100.0 if default_us is None else default_us) * 1e-6
     smallest = min((row for row in rows if row["method"] == "MPI_Allreduce"),
                    key=lambda row: row["bytes"])
     waiting = call_waiting_s(smallest, share)
-    rate = SETTINGS[setting] if isinstance(setting, str) else setting
+
     def native(latency_us: float) -> float:
         return native_seconds(smallest["bytes"], nodes * local_size,
-                              LinkCosts.from_rate(rate, latency_us), local_size, local_link)
+                              LinkCosts.from_rate(gbit_per_s, latency_us), local_size,
+                              local_link)
 
     at_zero = native(0.0)
     per_second = native(1e6) - at_zero
@@ -432,10 +434,11 @@ def validate(directory: str, latency_us: float | None, step_overhead_us: float,
         benchmark = allreduce_rows(directory, setting, nodes, local_size)
         local = node_local_link(directory, setting, local_size)
         layout = {"local_size": local_size, "local_link": local}
+        rate = SETTINGS[setting]
         links_only = Job(sim.MODELS[match["model"]](), result["simulation"]["param_scale"],
                          result["simulation"]["step_s"], nodes,
-                         LinkCosts.from_rate(SETTINGS[setting], 1e6 * measured_latency_s(
-                             benchmark, setting, nodes, latency_us, **layout)),
+                         LinkCosts.from_rate(rate, 1e6 * measured_latency_s(
+                             benchmark, rate, nodes, latency_us, **layout)),
                          bucket_bytes=int(result.get("bucket_cap_mb", 4.0) * 2 ** 20),
                          step_overhead_s=step_overhead_us * 1e-6,
                          optimizer_s=result["simulation"]["optimizer_s"],
@@ -445,8 +448,8 @@ def validate(directory: str, latency_us: float | None, step_overhead_us: float,
         with_cores = None if benchmark is None else replace(
             links_only, machine_cpu=MachineCpu.from_benchmark(
                 benchmark, links_only.ranks, cores, single.get("cpu_ms_per_step", 0.0) / 1e3),
-            link=LinkCosts.from_rate(SETTINGS[setting], 1e6 * measured_latency_s(
-                benchmark, setting, nodes, latency_us, share, **layout)))
+            link=LinkCosts.from_rate(rate, 1e6 * measured_latency_s(
+                benchmark, rate, nodes, latency_us, share, **layout)))
         for variant, overlap, algorithm in (("mpiddp", False, "auto"), ("overlap", True, "auto"),
                                             ("native", False, "native")):
             measured = result["variants"].get(variant)
@@ -517,8 +520,9 @@ def validate_allreduce(directory: str, latency_us: float | None, step_overhead_u
             rows = json.load(f)["rows"]
         nodes, setting = int(match["nodes"]), match["setting"]
         share = ranks_per_core(nodes, cores)
-        link, shared_link = (LinkCosts.from_rate(SETTINGS[setting], 1e6 * measured_latency_s(
-            rows, setting, nodes, latency_us, s)) for s in (1.0, share))
+        rate = SETTINGS[setting]
+        link, shared_link = (LinkCosts.from_rate(rate, 1e6 * measured_latency_s(
+            rows, rate, nodes, latency_us, s)) for s in (1.0, share))
         for row in rows:
             method = row["method"]
             if method not in MODELLED_ROWS or (
@@ -721,14 +725,14 @@ def efficiencies(cluster: Cluster, layers: list, step_s: float, nodes: int,
     return tuple(step_s / step_seconds(job, overlap) for overlap in (False, True))
 
 
-def extrapolate(profile_name: str, cluster: Cluster, rates=(10, 25, 100)) -> None:
+def extrapolate(profile_name: str, cluster: Cluster, rates=(10.0, 25.0, 100.0)) -> None:
     profile = sim.PROFILES[profile_name]
     print(f"{profile.name} ({profile.resnet50_images_per_s:g} ResNet-50 images/s; other "
           f"models by MACs), {cluster.describe()}, 4 MiB buckets; efficiency = one GPU's "
           "step / the step at N nodes (std: standard path; fo: forward overlap); Gbit/s of "
           "each node's network.\n")
     print("| model | batch/GPU | step (s) | gradients (MB) | nodes | GPUs | "
-          + " | ".join(f"{r} Gbit/s std | fo" for r in rates) + " |")
+          + " | ".join(f"{r:g} Gbit/s std | fo" for r in rates) + " |")
     print("|---|---:|---:|---:|---:|---:|" + "---:|---:|" * len(rates))
     for label, key, batch in MODELS:
         layers = sim.MODELS[key]()
@@ -736,8 +740,8 @@ def extrapolate(profile_name: str, cluster: Cluster, rates=(10, 25, 100)) -> Non
         mbytes = 4 * sim.param_count(layers) / 1e6
         for nodes in NODE_COUNTS:
             cells = [f"{100 * e:.0f}%" for rate in rates
-                     for e in efficiencies(replace(cluster, gbit_per_s=float(rate)), layers,
-                                           step, nodes)]
+                     for e in efficiencies(replace(cluster, gbit_per_s=rate), layers, step,
+                                           nodes)]
             print(f"| {label} | {batch} | {step:.3f} | {mbytes:.0f} | {nodes} | "
                   f"{nodes * cluster.gpus_per_node} | " + " | ".join(cells) + " |")
     print("\nHorovod at 512 GPUs, 25 Gbit/s RoCE: " + ", ".join(
@@ -855,8 +859,7 @@ def main(argv=None) -> None:
     elif args.command == "validate-nodes":
         validate_nodes(args.directory, args.step_overhead_us, args.gbit)
     elif args.command == "extrapolate":
-        extrapolate(args.profile, cluster_from(args, args.rates[0]),
-                    tuple(f"{r:g}" for r in args.rates))
+        extrapolate(args.profile, cluster_from(args, args.rates[0]), tuple(args.rates))
     elif args.command == "predict":
         predict(args.model, args.batch, args.step_s, args.profile, args.gradient_mb,
                 cluster_from(args, args.gbit), args.nodes)

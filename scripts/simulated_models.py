@@ -273,8 +273,7 @@ PROFILES = {p.name: p for p in (
     DeviceProfile("p100-tf-fp32", 219, 732,
                   "TensorFlow's benchmarks page (tensorflow/docs_src/performance/"
                   "benchmarks.md, May 2017), DGX-1 P100, 1 GPU, synthetic data, batch 64, "
-                  "FP32", {"sim-resnet50": 219, "sim-resnet152": 91.8, "sim-vgg16": 154,
-                           "sim-inception3": 142}),
+                  "FP32", {"sim-resnet152": 91.8, "sim-vgg16": 154, "sim-inception3": 142}),
 )}
 
 

@@ -148,7 +148,7 @@ def test_the_latency_is_the_one_at_which_the_model_takes_the_measured_small_all_
     (tmp_path / "allreduce-heavy-16x1.json").write_text(json.dumps({"ranks": 16, "rows": rows}))
     def latency(nodes, default_us):
         return model.measured_latency_s(model.allreduce_rows(str(tmp_path), "heavy", nodes),
-                                        "heavy", nodes, default_us)
+                                        model.SETTINGS["heavy"], nodes, default_us)
 
     assert model.native_seconds(4 * KIB, 16, LinkCosts.from_rate(1.0, latency(16, None) * 1e6)) \
         == pytest.approx(2.3e-3)
@@ -157,7 +157,7 @@ def test_the_latency_is_the_one_at_which_the_model_takes_the_measured_small_all_
     # With 8 ranks per core, what the other 7 spent on the call (0.2 ms each) is taken out
     # of the time first: the model with the cores adds it back.
     shared = model.measured_latency_s(model.allreduce_rows(str(tmp_path), "heavy", 16),
-                                      "heavy", 16, None, share=8)
+                                      model.SETTINGS["heavy"], 16, None, share=8)
     assert model.native_seconds(4 * KIB, 16, LinkCosts.from_rate(1.0, shared * 1e6)) \
         == pytest.approx(2.3e-3 - 7 * 0.2e-3)
 
