@@ -241,7 +241,7 @@ def test_event_waits_block_instead_of_spinning(monkeypatch, restore_default_devi
     gpu = make_fake(monkeypatch)
     backend, done, gathered, values = _staging_round(gpu, segment=512)
     np.testing.assert_array_equal(gpu.host_read(gathered), values)
-    backend.before_mpi("cuda")
+    backend.after_unpack("cuda")
     assert gpu.spin_waits == 0, f"{gpu.spin_waits} host waits spun a core"
     assert done is not None and done.block      # cudaEventBlockingSync
     gpu.check_clean()
@@ -443,7 +443,6 @@ def test_backend_on_a_thread_that_never_chose_a_device(monkeypatch, restore_defa
         half = dtype_named("bfloat16")
         h = backend.empty(10, half)
         backend.reduce_into(h, h, ReduceOp.SUM, half)
-        backend.before_mpi("cuda")
         backend.after_unpack("cuda")
         return a
 

@@ -39,9 +39,6 @@ class BufferBackend(Protocol):
     def wait_ready(self, entry: Any) -> None:
         """Before reading ``entry.input``: wait for the device work that produces it."""
 
-    def before_mpi(self, device: str) -> None:
-        """Before MPI touches buffers of ``device``: finish the work queued on them."""
-
     def allocating(self) -> Any:
         """A context for the torch layer's allocation of an output (``Entry.allocate``):
         device memory allocated inside belongs to the stream that will write it."""

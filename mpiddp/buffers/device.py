@@ -10,10 +10,11 @@ Ordering, all without timing assumptions:
   (packing, reduce kernels, scaling, unpacking, staging copies to the device) is queued on it.
 * ``wait_ready(entry)`` makes the engine stream wait (on the device, not the host) for the
   ``torch.cuda.Event`` recorded on the stream that produced the tensor.
-* ``before_mpi`` and the staging transport (``transport.staging``) record the *flush event* on
-  the engine stream and wait for it before MPI reads or writes a device buffer: MPI does not
-  order itself against streams. The staging copy stream also waits for that event on the
-  device before it copies engine-written bytes to the host.
+* The device transports (``transport.staging``) record the *flush event* on the engine
+  stream before each collective. The direct one (CUDA-aware MPI) waits for it on the host
+  before MPI reads or writes a device buffer: MPI does not order itself against streams. The
+  staging one's copy stream waits for it on the device before it copies engine-written bytes
+  to the host; the host waits only for those copies, since MPI touches only pinned memory.
 * ``after_unpack`` records the *done event* on the engine stream and waits for it before the
   handles complete; the torch layer makes the caller's stream wait for it too.
 * Every host wait is on an event made with ``cudaEventBlockingSync``: the thread sleeps
@@ -99,9 +100,9 @@ class _DeviceState:
 
 class CupyCopier:
     """The device side of ``staging.StagedComm``: pinned host buffers and asynchronous
-    copies. Device-to-host copies run on a copy stream (after ``sync``, so they see every
-    engine-stream write); host-to-device copies run on the engine stream, so the kernels
-    queued after them are ordered after them."""
+    copies. Device-to-host copies run on a copy stream, after the last flush event (so they
+    see every engine-stream write before it); host-to-device copies run on the engine stream,
+    so the kernels queued after them are ordered after them."""
 
     def __init__(self, state: _DeviceState):
         self.state = state
@@ -114,6 +115,9 @@ class CupyCopier:
 
     def sync(self) -> None:
         self.state.synchronize()
+
+    def flush(self) -> None:
+        self.state.flush()
 
     def _copy(self, dst: int, src: int, nbytes: int, kind: int, stream):
         use_device(self.state.id)
@@ -304,10 +308,6 @@ class DeviceBackend:
         pointer = _event_pointer(event)
         if pointer:
             runtime.streamWaitEvent(state.stream.ptr, pointer, 0)
-
-    def before_mpi(self, device: str) -> None:
-        """Everything queued on the engine stream is done before MPI touches a buffer."""
-        self.state(self.device_id(device)).synchronize()
 
     def after_unpack(self, device: str):
         """Results are in memory before the handles complete. Returns the done event,

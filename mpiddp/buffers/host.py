@@ -34,9 +34,6 @@ class HostBackend:
     def wait_ready(self, entry) -> None:
         """Host tensors are ready when submitted."""
 
-    def before_mpi(self, device: str) -> None:
-        """Nothing is queued asynchronously on the host."""
-
     def after_unpack(self, device: str) -> None:
         """Host results are visible as soon as they are written (no done event)."""
 

@@ -6,8 +6,9 @@ sequence of MPI calls. Ranks that have joined take part with zeros.
 Each kind of collective is an ``Operation`` with three steps: ``prepare`` (pack inputs into
 buffers, allocate outputs), ``communicate`` (the MPI part, on whatever the device backend
 hands out: the communicator itself, or host staging for device memory) and ``unpack``. The
-device phase around them (wait for the producing stream, synchronize before MPI, after
-unpacking) is in one place, ``Executor._execute``; statistics are recorded apart
+device phase around them (wait for the producing stream; after unpacking, make the results
+visible) is in one place, ``Executor._execute``; the device transports order each MPI call
+after the device work themselves (``transport/staging.py``). Statistics are recorded apart
 (``EngineStats.record``).
 """
 from __future__ import annotations
@@ -401,9 +402,9 @@ class Executor:
             self.complete(entry)
 
     def _execute(self, operation: Operation, batch: list, members: list) -> Job:
-        """The device phase, the same for every kind: wait until the producers' device work
-        is done, prepare, synchronize before MPI touches the buffers, communicate, unpack,
-        make the results visible, complete the handles."""
+        """The device phase, the same for every kind: order the engine's device work after
+        the producers', prepare, communicate (the transport orders MPI after the device
+        work), unpack, make the results visible, complete the handles."""
         device = batch[0].request.device
         backend = backend_for(device)
         present = [entry for entry in members if entry is not None]
@@ -413,7 +414,6 @@ class Executor:
             if timeline:
                 timeline.record(entry.request.name, "start")
         job = operation.prepare(self, backend, batch, members)
-        backend.before_mpi(device)
         operation.communicate(self, job, self.links(backend).whole, backend)
         operation.unpack(self, job, backend)
         done = backend.after_unpack(device)

@@ -8,7 +8,10 @@ communicator they get, so device buffers only need a communicator-like wrapper.
   Python reduction with pointers into device memory.
 * ``StagedComm`` (MPI is not CUDA-aware): every buffer is copied through pinned host memory.
   Large transfers are cut into segments and pipelined: the device-to-host copy of segment
-  k+1 and the host-to-device copy of segment k-1 run while MPI moves segment k.
+  k+1 and the host-to-device copy of segment k-1 run while MPI moves segment k. MPI only
+  touches the pinned buffers, so the host waits for the copies alone: the copies to the
+  host wait for the engine stream's work on the device (``Copier.flush``), not through a
+  host-side synchronize (each is a round trip to the GPU, several per collective).
 
 Both take a *copier* that does the device side (see ``Copier``); ``device.CupyCopier`` is the
 CuPy one. This module imports neither CuPy nor torch, so its logic is tested on machines
@@ -44,6 +47,10 @@ class Copier(Protocol):
 
     def sync(self) -> None:
         """Wait until all device work queued so far (the engine stream) is done."""
+
+    def flush(self) -> None:
+        """Mark the device work queued so far (the engine stream): copies to the host started
+        after it wait for that work on the device. The host does not wait."""
 
     def to_host(self, host: np.ndarray, src_ptr: int, nbytes: int) -> Any:
         """Start copying ``nbytes`` from device address ``src_ptr`` into ``host``."""
@@ -149,7 +156,7 @@ class StagedComm(CommWrapper):
         seg = self.segment_bytes
         send_parts, recv_parts = segments(send_bytes, seg), segments(recv_bytes, seg)
         copier = self.copier
-        copier.sync()                       # the bytes we send are final on the device
+        copier.flush()                      # the copies read the bytes once final
         send_slots = [self._slot("send", i, min(seg, send_bytes)) for i in range(2)] \
             if send_parts else []
         ready = {}
@@ -191,7 +198,7 @@ class StagedComm(CommWrapper):
         if not parts:
             return
         copier = self.copier
-        copier.sync()
+        copier.flush()
         width = min(seg, nbytes)
         slots = [self._slot("pipe", i, width) for i in range(min(_RING_SLOTS, len(parts)))]
         ready = {}
@@ -242,7 +249,7 @@ class StagedComm(CommWrapper):
         send_ptr, send_bytes = device_span(send)
         recv_ptr, recv_bytes = device_span(recv)
         copier = self.copier
-        copier.sync()
+        copier.flush()
         host_send = self._slot("whole-send", 0, send_bytes)
         host_recv = self._slot("whole-recv", 0, recv_bytes)
         if send_bytes:

@@ -83,6 +83,9 @@ class FakeCopier:
         self.syncs += 1
         self.log.append(("sync",))
 
+    def flush(self) -> None:
+        self.log.append(("flush",))
+
     def to_host(self, host: np.ndarray, src_ptr: int, nbytes: int):
         assert host.dtype == np.uint8 and len(host) >= nbytes, (host.dtype, len(host), nbytes)
         ctypes.memmove(host.ctypes.data, src_ptr, nbytes)

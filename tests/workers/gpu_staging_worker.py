@@ -162,7 +162,7 @@ def check_pipeline_order():
     comm.Sendrecv([send, MPI.BYTE], right, 5, [recv, MPI.BYTE], left, 5)
     np.testing.assert_array_equal(recv.host, np.arange(64, dtype=np.float32) + left)
     ops = [entry[0] for entry in log if entry[0] != "pinned"]
-    assert ops[0] == "sync", ops
+    assert ops[0] == "flush", ops      # the copies wait for the device, not the host
     to_host = [i for i, o in enumerate(ops) if o == "to_host"]
     to_device = [i for i, o in enumerate(ops) if o == "to_device"]
     waits = [i for i, o in enumerate(ops) if o == "Waitall"]
@@ -179,7 +179,7 @@ def check_pipeline_order():
     comm.Allreduce(MPI.IN_PLACE, [buf, MPI.FLOAT], MPI.SUM)
     np.testing.assert_array_equal(buf.host, np.full(64, SIZE * (SIZE + 1) / 2, np.float32))
     ops = [entry[0] for entry in log if entry[0] not in ("pinned", "wait")]
-    assert ops[:3] == ["sync", "to_host", "to_host"], ops    # segment 1 starts before 0's MPI
+    assert ops[:3] == ["flush", "to_host", "to_host"], ops    # segment 1 starts before 0's MPI
     reduces = [i for i, o in enumerate(ops) if o == "Allreduce"]
     to_host = [i for i, o in enumerate(ops) if o == "to_host"]
     assert len(reduces) == 4 and len(to_host) == 4, ops

@@ -104,7 +104,7 @@ def mode_unit():
                 da, db = cupy.asarray(a.view(dtype.storage)), cupy.asarray(b.view(dtype.storage))
                 inputs_ready()
                 backend.reduce_into(da, db, op, dtype)
-                backend.before_mpi("cuda")
+                backend.after_unpack("cuda")
                 got = cupy.asnumpy(da).view(np.uint16)
                 widen = dk.bf16_bits_to_f32 if name == "bfloat16" else dk.f16_bits_to_f32
                 nan = np.isnan(widen(want))
@@ -128,7 +128,7 @@ def mode_unit():
             da, db = cupy.asarray(a), cupy.asarray(b)
             inputs_ready()
             backend.reduce_into(da, db, op, dtype)
-            backend.before_mpi("cuda")
+            backend.after_unpack("cuda")
             np.testing.assert_array_equal(cupy.asnumpy(da), want, err_msg=f"{name} {op}")
     print("OK reduce kernels, every dtype and op", flush=True)
 
@@ -141,7 +141,7 @@ def mode_unit():
                 arr = cupy.asarray(bits.view(dtype.storage))
                 inputs_ready()
                 backend.scale_(arr, factor, dtype)
-                backend.before_mpi("cuda")
+                backend.after_unpack("cuda")
                 got = cupy.asnumpy(arr).view(np.uint16)
                 widen = dk.bf16_bits_to_f32 if name == "bfloat16" else dk.f16_bits_to_f32
                 nan = np.isnan(widen(want))
@@ -151,7 +151,7 @@ def mode_unit():
                 arr = cupy.asarray(values)
                 inputs_ready()
                 backend.scale_(arr, factor, dtype)
-                backend.before_mpi("cuda")
+                backend.after_unpack("cuda")
                 want = values * dtype.storage.type(factor)
                 np.testing.assert_array_equal(cupy.asnumpy(arr), want)
     print("OK scaling on the device", flush=True)
@@ -184,7 +184,7 @@ def mode_unit():
         out = backend.empty(x.numel(), f32)
         backend.wait_ready(entry)
         backend.copy(out, entry.input)
-        backend.before_mpi("cuda")
+        backend.after_unpack("cuda")
         assert bool((out == 3.0).all()), "the engine read the tensor before it was produced"
     never = torch.cuda.Event()
     backend.wait_ready(Entry(Request("y", ALLREDUCE, "float32", (1,), "cuda"),
