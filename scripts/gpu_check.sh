@@ -15,7 +15,10 @@
 #      the six-layer MLP, mpiddp (standard path and forward overlap) against DDP and one process.
 # PARTS (default "machine tests allreduce training") picks among them; TESTS (default: those
 # files) gives step 2's pytest arguments, TRAIN_VARIANTS (default mpiddp,overlap,ddp,single)
-# step 4's --variants.
+# step 4's --variants. MPS=1 runs everything under CUDA MPS (the script starts the daemon
+# with its pipe and log in a directory of its own and stops it on exit): the ranks sharing
+# one GPU then run their kernels side by side instead of time-slicing the GPU, the nearest a
+# one-GPU machine comes to a GPU per rank (docs/gpu.md, "Measured on a GPU").
 # Exit status: the tests' (the benchmarks are for reading).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,6 +31,16 @@ TRAIN_VARIANTS="${TRAIN_VARIANTS:-mpiddp,overlap,ddp,single}"
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 status=0
 cd "$ROOT"
+
+if [ "${MPS:-0}" = 1 ]; then
+  command -v nvidia-cuda-mps-control >/dev/null || { echo "MPS=1: no nvidia-cuda-mps-control"; exit 1; }
+  MPS_DIR="$(mktemp -d "${TMPDIR:-/tmp}/mpiddp-mps.XXXXXX")"
+  export CUDA_MPS_PIPE_DIRECTORY="$MPS_DIR/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_DIR/log"
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "MPS=1: the MPS daemon did not start"; exit 1; }
+  trap 'echo quit | nvidia-cuda-mps-control; rm -rf "$MPS_DIR"' EXIT
+  echo "[gpu_check] under CUDA MPS (pipe $CUDA_MPS_PIPE_DIRECTORY)" | tee "$OUTDIR/mps.txt"
+fi
 
 if ls "$WHEELS"/mpi4py-*.whl "$WHEELS"/mpich-*.whl >/dev/null 2>&1; then
   # python3 may itself be a virtual environment (a venv made from it would not see its
