@@ -834,8 +834,12 @@ def main(argv=None) -> None:
                         help="else: a published single-GPU rate")
     r.add_argument("--gradient-mb", type=positive(float), default=None,
                    help="your model's gradient bytes (MB; default: the model's own)")
-    r.add_argument("--gbit", type=positive(float), default=25.0,
-                   help="each node's network Gbit/s (all its interfaces together)")
+    r.add_argument("--gbit", type=positive(float), default=None,
+                   help="each node's network Gbit/s (all its interfaces together; default 25)")
+    r.add_argument("--links-from", metavar="LOG", default=None,
+                   help="a log of your job with MPIDDP_LOG_LEVEL=info on 2 or more nodes: "
+                        "the network's latency and rate as the engine measured them (what "
+                        "--latency-us and --gbit give stays as given)")
     r.add_argument("--nodes", type=positive(int), nargs="+",
                    default=[1, 2, 4, 8, 16, 64, 128, 256, 512])
     add_cluster_arguments(r)
@@ -861,8 +865,15 @@ def main(argv=None) -> None:
     elif args.command == "extrapolate":
         extrapolate(args.profile, cluster_from(args, args.rates[0]), tuple(args.rates))
     elif args.command == "predict":
+        gbit = args.gbit
+        if args.links_from:
+            latency_us, node_gbit, local = measured_links(args.links_from)
+            print(f"From {args.links_from}: latency {latency_us:g} us, {node_gbit:.3g} Gbit/s "
+                  f"per node ({local} rank(s) per node measured it)\n")
+            args.latency_us = latency_us if args.latency_us is None else args.latency_us
+            gbit = node_gbit if gbit is None else gbit
         predict(args.model, args.batch, args.step_s, args.profile, args.gradient_mb,
-                cluster_from(args, args.gbit), args.nodes)
+                cluster_from(args, 25.0 if gbit is None else gbit), args.nodes)
     else:
         horovod(args.intra_gb_per_s, args.latency_us)
 
@@ -886,8 +897,8 @@ def non_negative(text: str) -> float:
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--latency-us", type=non_negative, default=5.0,
-                        help="the network's latency per message")
+    parser.add_argument("--latency-us", type=non_negative, default=None,
+                        help="the network's latency per message (default 5)")
     parser.add_argument("--gpus-per-node", type=positive(int), default=1)
     parser.add_argument("--intra-gb-per-s", type=positive(float), default=PCIE3_GB_PER_S,
                         help="between two GPUs of a node (PCIe 3.0 x16: about 10; NVLink: "
@@ -899,8 +910,32 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cluster_from(args, gbit: float) -> Cluster:
-    return Cluster(gbit, args.latency_us, args.gpus_per_node, args.intra_gb_per_s,
+    latency_us = 5.0 if args.latency_us is None else args.latency_us
+    return Cluster(gbit, latency_us, args.gpus_per_node, args.intra_gb_per_s,
                    args.intra_latency_us, args.reduce_gb_per_s)
+
+
+# Rank 0's INFO line on the links the engine measured at start (engine/executor.py).
+MEASURED_LINKS = re.compile(
+    r"links between the (?P<nodes>\d+) nodes(?: \((?P<local>\d+) ranks per node exchanging at "
+    r"once\), each)?: latency (?P<latency>[\d.e+]+) us, (?P<gbit>[\d.e+]+) Gbit/s")
+
+
+def measured_links(log_path: str) -> tuple[float, float, int]:
+    """(latency in us, the node's Gbit/s, ranks per node) from the last line in which an
+    engine logged the links it measured (``MPIDDP_LOG_LEVEL=info``). With several ranks per
+    node each measured its share of the node's interface, all exchanging at once: the node's
+    rate is that times the ranks."""
+    with open(log_path, errors="replace") as log:
+        found = [m for m in map(MEASURED_LINKS.search, log) if m]
+    if not found:
+        raise SystemExit(
+            f"{log_path}: no line 'mpiddp: links between the N nodes ...'. Rank 0 logs it when "
+            "a job spans nodes: run one with MPIDDP_LOG_LEVEL=info and without "
+            "MPIDDP_RING_THRESHOLD (setting it skips the measurement)")
+    last = found[-1]
+    local = int(last["local"] or 1)
+    return float(last["latency"]), float(last["gbit"]) * local, local
 
 
 if __name__ == "__main__":

@@ -254,6 +254,33 @@ def test_horovod_and_predict_print_their_tables(capsys):
         assert f"argument {bad[0]}: must" in capsys.readouterr().err
 
 
+def test_predict_takes_the_links_from_an_engine_log(tmp_path, capsys):
+    """The INFO line rank 0 logs at start (engine/executor.py): with several ranks per node
+    each measured its share of the interface, so the node's rate is that times the ranks."""
+    log = tmp_path / "job.log"
+    log.write_text(
+        "[mpiddp INFO] mpiddp: links between the 2 nodes: latency 10 us, 1.22 Gbit/s; ...\n"
+        "[mpiddp INFO] mpiddp: links between the 2 nodes (4 ranks per node exchanging at "
+        "once), each: latency 28 us, 12.5 Gbit/s; transfers across nodes of 30 KiB ...\n")
+    args = ["predict", "--links-from", str(log), "--step-s", "0.2", "--nodes", "2"]
+    model.main(args)
+    out = capsys.readouterr().out
+    assert "latency 28 us, 50 Gbit/s per node (4 rank(s) per node" in out    # the last line
+    assert "50 Gbit/s" in out and "network latency 28 us" in out
+    model.main(args + ["--gbit", "100", "--latency-us", "3"])       # given values stay
+    out = capsys.readouterr().out.split("\n\n", 1)[1]
+    assert "100 Gbit/s" in out and "network latency 3 us" in out
+    # The same model with the values typed in gives the same table.
+    model.main(["predict", "--gbit", "50", "--latency-us", "28", "--step-s", "0.2",
+                "--nodes", "2"])
+    typed = capsys.readouterr().out
+    model.main(args)
+    assert capsys.readouterr().out.split("\n\n", 1)[1] == typed
+    log.write_text("[mpiddp INFO] mpiddp initialised: rank 0 of 2\n")
+    with pytest.raises(SystemExit, match="MPIDDP_LOG_LEVEL=info"):
+        model.main(args)
+
+
 def test_validate_nodes_fits_the_node_link_and_recovers_the_model(tmp_path, capsys):
     shm = LinkCosts(2e-6, 1 / 4e9, model.HOST_REDUCE_SECONDS_PER_BYTE)
     network = LinkCosts.from_rate(0.2, 40.0, 7.0)
