@@ -5,8 +5,8 @@ optimizer state bitwise equal to the standard path's after every kind of step (S
 momentum, nesterov and weight decay, Adam, AdamW, an LR scheduler, two backward passes per
 step, fp16/bf16 compression), no stale read of a parameter before the next forward, the
 fallback for a gradient read before ``step()``, refusals, the setting, the cycle budget for
-device memory (measured, agreed, raised on every rank), ``join()``, and a stall surfacing from
-the next forward.
+device memory (measured, agreed, raised on every rank), a torch.compile'd forward (the
+standard path from then on), ``join()``, and a stall surfacing from the next forward.
 """
 import pytest
 
@@ -20,8 +20,8 @@ BITWISE = {"sgd-momentum-nesterov-wd", "adam", "adamw", "sgd+scheduler", "adam+2
 @pytest.fixture(scope="module")
 def two_ranks():
     result = run_mpi("forward_overlap_worker.py", 2,
-                     "bitwise,stale,fallback,refusals,setting,device_budget,join",
-                     timeout=150)
+                     "bitwise,stale,fallback,refusals,setting,device_budget,compiled,join",
+                     timeout=180)
     assert_ok(result)
     return result
 
@@ -76,6 +76,12 @@ def test_device_memorys_budget_is_measured_agreed_and_raised_on_every_rank(two_r
     # host's 1 MiB on one node, and the engine's budget rose to it.
     run, = reported(two_ranks, "device budget")
     assert run["pieces"] > run["before"] == 1 << 20, run
+
+
+def test_a_compiled_forward_ends_overlap_and_stays_equal(two_ranks):
+    # torch.compile (backend aot_eager: no C compiler needed) after 3 overlapped steps.
+    run, = reported(two_ranks, "compiled")
+    assert run["deferred_steps"] == 3, run
 
 
 @pytest.mark.parametrize("launch", ["two_ranks", "four_ranks"])

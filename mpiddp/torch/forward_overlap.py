@@ -24,7 +24,9 @@ function and tensor method on a watched tensor, in a module's forward or anywher
 (functional use, tied or shared weights, ``state_dict()``, ``torch.no_grad()`` inference,
 saving). What it cannot see is completed at the next safe point: the optimizer's own
 ``synchronize()``, ``state_dict()``, ``load_state_dict()``, ``add_param_group()``, the next
-backward (a parameter no forward used), and ``mpiddp.shutdown()``.
+backward (a parameter no forward used), and ``mpiddp.shutdown()``. Inside torch.compile'd
+code it sees nothing at run time (Dynamo traces it into the graph): the first compiled region
+completes what is deferred and ends overlap for good (``_entering_compiled_code``).
 """
 from __future__ import annotations
 
@@ -45,6 +47,12 @@ from .gradient_sync import GradientSync, Round
 from .overlap_trial import OverlapTrial
 
 log = logging.getLogger("mpiddp")
+
+# True while torch.compile traces (a constant in the traced code); torch.compiler has it
+# from torch 2.3, torch._dynamo before.
+_compiling = getattr(torch.compiler, "is_compiling", None)
+if _compiling is None:
+    from torch._dynamo import is_compiling as _compiling
 
 _live: "weakref.WeakSet[ForwardOverlap]" = weakref.WeakSet()
 
@@ -332,6 +340,20 @@ class ForwardOverlap:
                           process_set=self.sync.process_set)
         return float(times[0]), float(times[1])
 
+    def stop_for_compiled_code(self) -> None:
+        """torch.compile'd code runs the forward (``_entering_compiled_code``): complete what
+        is deferred and keep to the standard path from the next step on, said once."""
+        self.complete()
+        for guard in self.guards.values():
+            guard.inert = True
+        self.trial = None
+        with self._internal():
+            self._set_enabled(False)
+        log.warning("mpiddp forward overlap (%s): a torch.compile'd region runs the forward; "
+                    "a compiled graph reads every parameter inside it, where no update can be "
+                    "made just before its use, so this optimizer steps on the standard path "
+                    "from now on (the reductions still overlap backward)", self.sync.prefix)
+
     def update_is_deferred(self, param) -> bool:
         return self.deferred is not None and id(param) in self.deferred.params
 
@@ -354,8 +376,17 @@ class _Guard(TorchFunctionMode):
     def __init__(self, overlap: ForwardOverlap):
         super().__init__()
         self.overlap = weakref.ref(overlap)
+        self.inert = False       # a compiled region met: the standard path from then on
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        # torch.compile traces this method into its graphs, where nothing runs per call:
+        # the first compiled region ends forward overlap (_entering_compiled_code), and the
+        # graphs traced after that (Dynamo guards on ``inert``) pass every call through.
+        if self.inert:
+            return func(*args, **(kwargs or {}))
+        if _compiling():
+            _entering_compiled_code(self)
+            return func(*args, **(kwargs or {}))
         overlap = self.overlap()
         if overlap is None:
             return func(*args, **(kwargs or {}))
@@ -367,6 +398,21 @@ class _Guard(TorchFunctionMode):
             if hits:
                 overlap.touched(hits, getattr(func, "__name__", str(func)))
         return func(*args, **(kwargs or {}))
+
+
+@torch.compiler.disable
+def _entering_compiled_code(guard: _Guard) -> None:
+    """Run (not traced: a graph break) where torch.compile'd code first meets the guard, before
+    the compiled region's first torch call: a compiled graph reads every parameter inside
+    itself, where no update can be made just before its use. So the deferred update, if
+    any, completes now, and the optimizer steps on the standard path from now on (every rank
+    compiles at the same point of the script)."""
+    if guard.inert:
+        return
+    guard.inert = True
+    overlap = guard.overlap()
+    if overlap is not None:
+        overlap.stop_for_compiled_code()
 
 
 def _watched_in(values, watched: dict) -> list:

@@ -317,7 +317,37 @@ def check_device_budget():
        expected=max(before, device_priority_cycle_bytes(fixed, per_byte)))
 
 
-CHECKS = {"device_budget": check_device_budget,
+def check_compiled_forward_ends_overlap():
+    """torch.compile traces the guard's torch function mode into its graphs, where no update
+    can be made just before a parameter's use (the crash this replaces: Dynamo failing
+    inside the traced update). Three overlapped steps, then the same model compiled: the
+    deferred update completes before the compiled region's first call, the optimizer keeps
+    to the standard path from then on, the parameters and state stay bitwise equal to the
+    standard path's, and once switched no step breaks a graph or compiles again."""
+    from torch._dynamo.utils import counters
+
+    data = batches(29) * 2                     # 8 steps: 3 eager, 5 compiled
+    runs = []
+    for overlap in (True, False):
+        model, opt, _ = make(OPTIMIZERS["adam"], overlap)
+        compiled = torch.compile(model, backend="aot_eager")
+        train(model, opt, None, data[:3])
+        train(compiled, opt, None, data[3:4])
+        settled = (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
+        train(compiled, opt, None, data[4:])
+        after = (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"])
+        runs.append((model, opt, settled, after))
+    (model, opt, settled, after), standard = runs[0], runs[1]
+    equal_state(standard[:2], (model, opt))
+    schedule = opt._mpiddp.schedule
+    assert not schedule.enabled and schedule.deferred is None and schedule.deferred_steps == 3
+    assert all(guard.inert for guard in schedule.guards.values())
+    assert settled == after, f"graph breaks, graphs after the switch: {settled} -> {after}"
+    ok("compiled", deferred_steps=schedule.deferred_steps, graph_breaks=after[0],
+       graphs=after[1])
+
+
+CHECKS = {"device_budget": check_device_budget, "compiled": check_compiled_forward_ends_overlap,
           "auto": check_auto_switches_in_step_and_stays_bitwise_equal,
           "stall": check_stall_surfaces_in_the_next_forward, "bitwise": check_bitwise,
           "stale": check_reads_are_never_stale, "fallback": check_fallback_for_clipping_and_amp,
