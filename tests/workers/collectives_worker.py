@@ -7,6 +7,7 @@ exits non-zero (aborting the job) on the first failure.
 import functools
 import os
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -410,7 +411,10 @@ def check_grouped_and_sparse():
     dense[RANK % 10] = RANK + 1.0
     dense[9] = 1.0                               # a row every rank touches
     for op in (mpiddp.Average, mpiddp.Sum):
-        got = mpiddp.sparse_allreduce_async(dense.to_sparse(), name=f"sp.{op.name}", op=op)()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")      # a warning on every job would be noise
+            got = mpiddp.sparse_allreduce_async(dense.to_sparse(), name=f"sp.{op.name}",
+                                                op=op)()
         assert got.is_sparse and torch.allclose(got.to_dense(), mpiddp.allreduce(dense, op=op))
     # DistributedOptimizer: sparse embedding gradients, reduced sparse (default) or dense.
     for as_dense in (False, True):
