@@ -339,6 +339,11 @@ def check_compiled_forward_ends_overlap():
         runs.append((model, opt, settled, after))
     (model, opt, settled, after), standard = runs[0], runs[1]
     equal_state(standard[:2], (model, opt))
+    # Each rank trained on its own batches: equal parameters everywhere mean the compiled
+    # steps were averaged (the gradient hooks fired outside the compiled graphs).
+    flat = torch.cat([p.detach().reshape(-1) for p in standard[0].parameters()])
+    everyone = mpiddp.allgather(flat[None], name="compiled_replicas")
+    assert all(torch.equal(row, everyone[0]) for row in everyone), "replicas differ"
     schedule = opt._mpiddp.schedule
     assert not schedule.enabled and schedule.deferred is None and schedule.deferred_steps == 3
     assert all(guard.inert for guard in schedule.guards.values())
