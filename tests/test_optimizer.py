@@ -14,7 +14,7 @@ ALL = ("equivalence,unused,clip,compression,two_optimizers,mismatch,state,misuse
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    result = run_mpi("optimizer_worker.py", 2, ALL + ",overlap", timeout=120)
+    result = run_mpi("optimizer_worker.py", 2, ALL + ",overlap,compiled", timeout=150)
     assert_ok(result)
     return result
 
@@ -140,3 +140,8 @@ def test_last_layer_is_reduced_while_backward_runs(two_ranks):
     # Every step but the first (new names negotiate through rank 0); a noisy machine may
     # miss one more.
     assert all(n >= run["steps"] - 2 for n in run["overlapped"]), run
+
+
+def test_torch_compiled_model_and_training_step_match_one_process(two_ranks):
+    expect(two_ranks, "torch.compile'd model: matches one process")
+    expect(two_ranks, "torch.compile'd step: matches one process")

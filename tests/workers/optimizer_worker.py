@@ -906,9 +906,34 @@ def unfreeze():
        f"8, with a live LR scheduler: matches one process (max_diff={diff:.1e})")
 
 
+def compiled():
+    """torch.compile (backend aot_eager: no C compiler needed): a compiled model, and a whole
+    training step compiled at once (Dynamo breaks its graph where mpiddp waits on the engine
+    and runs that eagerly), each against one process on the concatenated batch."""
+    reference = train_reference(OPTIMIZERS["sgd"])
+    for form in ("model", "step"):
+        model = mlp()
+        opt = mpiddp.DistributedOptimizer(OPTIMIZERS["sgd"](model.parameters()),
+                                          named_parameters=model.named_parameters())
+        forward = torch.compile(model, backend="aot_eager") if form == "model" else model
+
+        def train_step(x, y):
+            opt.zero_grad()
+            F.cross_entropy(forward(x), y).backward()
+            opt.step()
+
+        run = torch.compile(train_step, backend="aot_eager") if form == "step" else train_step
+        for step in range(STEPS):
+            x, y = batch(step, SIZE * B)
+            run(my_slice(x, B), my_slice(y, B))
+        diff = assert_close_to_reference(model, reference, f"compiled {form}", tol=2e-5)
+        assert_identical_everywhere(model, f"compiled.{form}")
+        ok(f"torch.compile'd {form}: matches one process (max_diff={diff:.1e})")
+
+
 GROUPS = {name: globals()[name] for name in (
     "equivalence", "overlap", "unused", "clip", "compression", "two_optimizers", "mismatch",
-    "state", "misuse", "scheduler", "closure", "amp", "join", "unfreeze")}
+    "state", "misuse", "scheduler", "closure", "amp", "join", "unfreeze", "compiled")}
 
 if __name__ == "__main__":
     started = time.perf_counter()
