@@ -20,7 +20,8 @@ BITWISE = {"sgd-momentum-nesterov-wd", "adam", "adamw", "sgd+scheduler", "adam+2
 @pytest.fixture(scope="module")
 def two_ranks():
     result = run_mpi("forward_overlap_worker.py", 2,
-                     "bitwise,stale,fallback,refusals,setting,device_budget,compiled,join",
+                     "bitwise,stale,fallback,refusals,setting,device_budget,compiled,"
+                     "inference,dropped,join",
                      timeout=180)
     assert_ok(result)
     return result
@@ -82,6 +83,16 @@ def test_a_compiled_forward_ends_overlap_and_stays_equal(two_ranks):
     # torch.compile (backend aot_eager: no C compiler needed) after 3 overlapped steps.
     run, = reported(two_ranks, "compiled")
     assert run["deferred_steps"] == 3, run
+
+
+def test_validation_in_inference_mode_between_steps(two_ranks):
+    run, = reported(two_ranks, "inference mode between steps")
+    assert run["deferred_steps"] == STEPS, run
+
+
+def test_a_dropped_optimizers_deferred_update_lands_and_it_is_released(two_ranks):
+    run, = reported(two_ranks, "a dropped optimizer's update lands")
+    assert run["released"] == [True, True], run
 
 
 @pytest.mark.parametrize("launch", ["two_ranks", "four_ranks"])

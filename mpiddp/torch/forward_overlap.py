@@ -55,13 +55,19 @@ if _compiling is None:
     from torch._dynamo import is_compiling as _compiling
 
 _live: "weakref.WeakSet[ForwardOverlap]" = weakref.WeakSet()
+# Schedules holding a deferred update, held here until it has run: a script may drop its
+# optimizer right after step() (to build another for the next phase), and the update must
+# still land before the parameters are next used, not vanish with the optimizer.
+_pending: "set[ForwardOverlap]" = set()
 
 
 class DeferredStep:
-    """A ``step()`` that has not run yet: the hyperparameters of every param group at the
-    time of the call, and the parameters still to update."""
+    """A ``step()`` that has not run yet: the optimizer (kept alive until it has run), the
+    hyperparameters of every param group at the time of the call, and the parameters still
+    to update."""
 
     def __init__(self, optimizer):
+        self.optimizer = optimizer
         self.options = [{k: v for k, v in group.items() if k != "params"}
                         for group in optimizer.param_groups]
         self.params: dict[int, torch.Tensor] = {}
@@ -76,7 +82,10 @@ class ForwardOverlap:
 
     def __init__(self, sync: GradientSync, optimizer_step: Callable[[], object],
                  auto: bool = False):
-        self.sync = sync
+        # Weak: the sync holds this schedule, and a cycle would keep a dropped optimizer's
+        # hooks submitting gradients until the garbage collector ran, at a different time
+        # on each rank. (A deferred update keeps it all alive through ``_pending``.)
+        self._sync = weakref.ref(sync)
         # auto: an OverlapTrial switches overlap on and off in the first steps, then decides.
         self.enabled = True
         self.trial = (OverlapTrial(self._agree, sync.prefix,
@@ -114,6 +123,10 @@ class ForwardOverlap:
 
     def attach(self, optimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
+
+    @property
+    def sync(self) -> GradientSync:
+        return self._sync()
 
     @property
     def optimizer(self):
@@ -174,6 +187,7 @@ class ForwardOverlap:
         if self.round is None:
             return False
         self.deferred = DeferredStep(self.optimizer)
+        _pending.add(self)
         self.deferred_steps += 1
         watched = {}                # built apart: reading .grad is a watched torch call
         with self._internal():
@@ -225,7 +239,9 @@ class ForwardOverlap:
         every other parameter whose reduction is already done is updated in the same call."""
         if self.round is None and self.deferred is None:
             return
-        with self._internal():
+        # As step() would have run: not in the caller's inference mode (a first step there
+        # would make the optimizer's state inference tensors no later step may update).
+        with self._internal(), torch.inference_mode(False):
             if self.deferred is None:             # before step(): averaged gradients only
                 round_, self.round, self.watched = self.round, None, {}
                 round_.finish()
@@ -269,6 +285,7 @@ class ForwardOverlap:
                         param.grad.zero_()
         if not deferred.params:
             self.deferred, self.round, self.watched = None, None, {}
+            _pending.discard(self)      # the last use of the optimizer it may have held
 
     def _step_on(self, params: list) -> None:
         """Run the wrapped optimizer's step on ``params`` only, with the hyperparameters
@@ -291,6 +308,7 @@ class ForwardOverlap:
     def _abandon(self) -> None:
         """A reduction failed: nothing deferred can be applied; the error is raised."""
         self.deferred, self.round, self.watched = None, None, {}
+        _pending.discard(self)
 
     # ---- the guard ----------------------------------------------------------------------
     def touched(self, params: list, what: str) -> None:

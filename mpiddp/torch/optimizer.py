@@ -463,6 +463,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     for name, param in named:
         owner = getattr(param, OWNER_ATTR, None)
         if owner is not None and owner() is not None:
+            # A forward-overlap update still deferred lands before another optimizer takes
+            # the parameter over; one the script dropped is released by it.
+            _complete_overlap(owner())
+        if owner is not None and owner() is not None:
             raise ValueError(
                 f"parameter '{name}' already belongs to another live DistributedOptimizer "
                 f"({owner().prefix}); a gradient must be reduced by one optimizer only")

@@ -352,7 +352,62 @@ def check_compiled_forward_ends_overlap():
        graphs=after[1])
 
 
+def check_inference_mode_between_steps():
+    """Validation under torch.inference_mode() after every step: the deferred update runs in
+    that forward, but as step() would have, outside inference mode (Adam's state, created at
+    its first step, must not be inference tensors that the next step cannot update)."""
+    data = batches(31)
+    runs = []
+    for overlap in (False, True):
+        model, opt, _ = make(OPTIMIZERS["adam"], overlap)
+
+        def validate(step, model=model):
+            with torch.inference_mode():
+                model(data[0][0])
+        train(model, opt, None, data, read=validate)
+        runs.append((model, opt))
+    equal_state(*runs)
+    state = runs[1][1].state_dict()["state"]
+    assert not any(v.is_inference() for st in state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor))
+    ok("inference mode between steps", deferred_steps=runs[1][1]._mpiddp.schedule.deferred_steps)
+
+
+def check_a_dropped_optimizer_still_updates():
+    """A script drops its optimizer right after step() and builds another for the next
+    phase (Adam, then SGD): the dropped one's deferred update lands before the new one
+    takes the parameters over (it vanished with the optimizer, or failed on it), and the
+    dropped optimizer is released then, without the garbage collector (whose timing differs
+    between ranks), so its gradient hooks are gone on every rank at the same point."""
+    import gc
+    import weakref
+
+    data = batches(37)
+    finals, released = [], []
+    gc.disable()
+    try:
+        for overlap in (False, True):
+            model, opt, _ = make(OPTIMIZERS["adam"], overlap)
+            train(model, opt, None, data[:2])
+            old = weakref.ref(opt._mpiddp)
+            del opt
+            opt = mpiddp.DistributedOptimizer(OPTIMIZERS["sgd-momentum-nesterov-wd"](
+                model.parameters()), named_parameters=model.named_parameters(),
+                overlap_forward=overlap)
+            released.append(old() is None)
+            train(model, opt, None, data[2:])
+            finals.append((model, opt))
+    finally:
+        gc.enable()
+    for (name, p), q in zip(finals[0][0].named_parameters(), finals[1][0].parameters()):
+        assert torch.equal(p, q), f"{name} differs: max {float((p - q).abs().max())}"
+    assert released == [True, True], released
+    ok("a dropped optimizer's update lands", released=released)
+
+
 CHECKS = {"device_budget": check_device_budget, "compiled": check_compiled_forward_ends_overlap,
+          "inference": check_inference_mode_between_steps,
+          "dropped": check_a_dropped_optimizer_still_updates,
           "auto": check_auto_switches_in_step_and_stays_bitwise_equal,
           "stall": check_stall_surfaces_in_the_next_forward, "bitwise": check_bitwise,
           "stale": check_reads_are_never_stale, "fallback": check_fallback_for_clipping_and_amp,
