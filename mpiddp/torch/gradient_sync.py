@@ -363,7 +363,9 @@ class Round:
     later) and the first error is raised."""
 
     def __init__(self, sync: GradientSync, items: dict, usage, usage_handle, position: dict):
-        self.sync = sync
+        # Weak: forward overlap's schedule holds the round, the sync holds the schedule; a
+        # cycle would keep a dropped optimizer's gradient hooks alive until the collector ran.
+        self._sync = weakref.ref(sync)
         self.items: dict[torch.Tensor, Pending] = dict(items)   # not written back yet
         self.usage, self.usage_handle, self.position = usage, usage_handle, position
         self.usage_known = False
@@ -388,17 +390,18 @@ class Round:
             chosen = list(self.items.items())
         else:
             chosen = [(p, self.items[p]) for p in params if p in self.items]
+        sync = self._sync()     # alive: whoever finishes a round holds its optimizer
         with torch.no_grad():
             for param, item in chosen:
                 if not item.local_zeros:
-                    self.error = self.sync._write_back(param, item, None, self.error)
+                    self.error = sync._write_back(param, item, None, self.error)
                     del self.items[param]
             if any(item.local_zeros for _, item in chosen) or not self.items:
                 self._wait_usage()      # needed for zeros; and nothing stays in flight
             for param, item in chosen:
                 if item.local_zeros:
                     used = self.error is None and bool(self.usage[self.position[param]])
-                    self.error = self.sync._write_back(param, item, used, self.error)
+                    self.error = sync._write_back(param, item, used, self.error)
                     del self.items[param]
         if self.error is not None and params is not None and self.items:
             self.finish()               # the first error ends the whole round

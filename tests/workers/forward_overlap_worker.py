@@ -397,11 +397,20 @@ def check_a_dropped_optimizer_still_updates():
             released.append(old() is None)
             train(model, opt, None, data[2:])
             finals.append((model, opt))
+        # Dropped after a backward, before its step (reductions in flight): released too.
+        model, opt = finals[1]
+        x, y = data[0]
+        torch.nn.CrossEntropyLoss()(model(x), y).backward()
+        assert opt._mpiddp.schedule.round is not None, "no round in flight"
+        old = weakref.ref(opt._mpiddp)
+        finals[1] = (model, None)
+        del opt
+        released.append(old() is None)
     finally:
         gc.enable()
     for (name, p), q in zip(finals[0][0].named_parameters(), finals[1][0].parameters()):
         assert torch.equal(p, q), f"{name} differs: max {float((p - q).abs().max())}"
-    assert released == [True, True], released
+    assert released == [True, True, True], released
     ok("a dropped optimizer's update lands", released=released)
 
 
