@@ -361,16 +361,17 @@ class ForwardOverlap:
     def stop_for_compiled_code(self) -> None:
         """torch.compile'd code runs the forward (``_entering_compiled_code``): complete what
         is deferred and keep to the standard path from the next step on, said once."""
-        self.complete()
+        sync = self.sync     # held: completing may drop a dropped optimizer's last reference
         for guard in self.guards.values():
             guard.inert = True
         self.trial = None
         with self._internal():
             self._set_enabled(False)
+        self.complete()
         log.warning("mpiddp forward overlap (%s): a torch.compile'd region runs the forward; "
                     "a compiled graph reads every parameter inside it, where no update can be "
                     "made just before its use, so this optimizer steps on the standard path "
-                    "from now on (the reductions still overlap backward)", self.sync.prefix)
+                    "from now on (the reductions still overlap backward)", sync.prefix)
 
     def update_is_deferred(self, param) -> bool:
         return self.deferred is not None and id(param) in self.deferred.params
