@@ -33,7 +33,8 @@ status=0
 cd "$ROOT"
 
 if [ "${MPS:-0}" = 1 ]; then
-  command -v nvidia-cuda-mps-control >/dev/null || { echo "MPS=1: no nvidia-cuda-mps-control"; exit 1; }
+  command -v nvidia-cuda-mps-control >/dev/null ||
+    { echo "MPS=1: no nvidia-cuda-mps-control"; exit 1; }
   MPS_DIR="$(mktemp -d "${TMPDIR:-/tmp}/mpiddp-mps.XXXXXX")"
   export CUDA_MPS_PIPE_DIRECTORY="$MPS_DIR/pipe" CUDA_MPS_LOG_DIRECTORY="$MPS_DIR/log"
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
