@@ -291,6 +291,12 @@ class AlgorithmChoice:
     def cross_ring_threshold(self) -> int:
         return self.hierarchical.cross_ring_threshold
 
+    @property
+    def hierarchical_allowed(self) -> bool:
+        """Whether the hierarchical all-reduce may carry buffers: its setting is not off and
+        the layout suits it (several nodes, the same number of ranks, more than one, each)."""
+        return self.hierarchical_setting != "0" and self.hierarchical.applies(self.topology)
+
     def configure(self, setting: str, ring_threshold: Optional[int] = None,
                   hierarchical: Optional[str] = None) -> None:
         """Switch at run time (``set_allreduce_algorithm``, autotune; at an agreed point of the
@@ -318,7 +324,7 @@ class AlgorithmChoice:
             return self.recursive_doubling
         native_limit = self.sockets_native_limit if host else self.ring_threshold
         by_size = self.native if nbytes <= native_limit else self.own_algorithm(nbytes)
-        if self.hierarchical_setting != "0" and self.hierarchical.applies(self.topology) and \
+        if self.hierarchical_allowed and \
                 (self.hierarchical_setting == "1" or by_size is not self.native):
             return self.hierarchical
         return by_size

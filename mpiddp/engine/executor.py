@@ -289,7 +289,7 @@ class Executor:
         if choice.link is None:
             return
         own = "the ring"
-        if choice.hierarchical_setting != "0" and choice.hierarchical.applies(self.topology):
+        if choice.hierarchical_allowed:
             own = "the hierarchical all-reduce"
         elif choice.halving_doubling_limit:
             own = (f"halving-doubling (the ring from "

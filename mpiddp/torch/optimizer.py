@@ -466,10 +466,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             # A forward-overlap update still deferred lands before another optimizer takes
             # the parameter over; one the script dropped is released by it.
             _complete_overlap(owner())
-        if owner is not None and owner() is not None:
-            raise ValueError(
-                f"parameter '{name}' already belongs to another live DistributedOptimizer "
-                f"({owner().prefix}); a gradient must be reduced by one optimizer only")
+            if owner() is not None:
+                raise ValueError(
+                    f"parameter '{name}' already belongs to another live DistributedOptimizer "
+                    f"({owner().prefix}); a gradient must be reduced by one optimizer only")
     if not bucket_cap_mb >= 0:
         raise ValueError(f"bucket_cap_mb must be >= 0, not {bucket_cap_mb!r}")
     sync = GradientSync(next(_optimizer_index), compression, backward_passes_per_step, op,

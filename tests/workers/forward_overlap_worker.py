@@ -6,10 +6,12 @@ optimizer state) to be bitwise equal after every step, read in the ways a traini
 reads them. Run by tests/test_forward_overlap.py at 2, 3 and 4 ranks.
 """
 import functools
+import gc
 import logging
 import os
 import sys
 import warnings
+import weakref
 
 import torch
 
@@ -379,9 +381,6 @@ def check_a_dropped_optimizer_still_updates():
     takes the parameters over (it vanished with the optimizer, or failed on it), and the
     dropped optimizer is released then, without the garbage collector (whose timing differs
     between ranks), so its gradient hooks are gone on every rank at the same point."""
-    import gc
-    import weakref
-
     data = batches(37)
     finals, released = [], []
     gc.disable()
