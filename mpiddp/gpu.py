@@ -10,12 +10,15 @@ program initialised CUDA before ``init()`` (``torch.cuda.set_device``, a CUDA te
 current device is kept: that was the program's choice.
 
 CUDA tensors must live on the engine device; ``check_tensor_device`` says so at submission.
-Nothing here imports CuPy, and torch.cuda is only asked questions that work on CPU builds.
+Ranks that end up on one physical GPU (every rank on GPU 0 after a wrong
+``CUDA_VISIBLE_DEVICES``, more ranks than GPUs) take turns on it; ``warn_about_shared_devices``
+names them once per job. Nothing here imports CuPy, and torch.cuda is only asked questions
+that work on CPU builds.
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 from .buffers import set_default_device
 from . import local_device
@@ -105,6 +108,72 @@ def setup(settings, local_rank: int, cuda=None) -> str:
         line += "; device buffers are staged through pinned host memory"
     log.info(line)
     return line
+
+
+def device_identity(cuda=None) -> Optional[str]:
+    """The engine device's UUID as CUDA reports it (the same for every process and every
+    ``CUDA_VISIBLE_DEVICES`` numbering of one physical GPU, or MIG instance), or None without
+    an engine device or where the driver does not say."""
+    if _engine_device is None:
+        return None
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda
+    try:
+        return str(cuda.get_device_properties(_engine_device).uuid)
+    except Exception:           # an old driver or build without it: no check, not a failure
+        return None
+
+
+def _rank_ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    parts, start = [], None
+    for i, rank in enumerate(ranks):
+        if start is None:
+            start = rank
+        if i + 1 == len(ranks) or ranks[i + 1] != rank + 1:
+            parts.append(str(start) if start == rank else f"{start}-{rank}")
+            start = None
+    return ", ".join(parts)
+
+
+def shared_devices_report(identities: Sequence, shown: int = 4) -> Optional[str]:
+    """What to tell the user when ranks share a physical GPU, or None when none do.
+    ``identities[r]``: rank r's (host, engine device index, UUID), or None (no GPU, or no
+    UUID)."""
+    by_uuid: dict[str, list[int]] = {}
+    for rank, identity in enumerate(identities):
+        if identity is not None and identity[2]:
+            by_uuid.setdefault(identity[2], []).append(rank)
+    shared = [ranks for ranks in by_uuid.values() if len(ranks) > 1]
+    if not shared:
+        return None
+    groups = []
+    for ranks in shared[:shown]:
+        host, index, uuid = identities[ranks[0]]
+        groups.append(f"ranks {_rank_ranges(ranks)} on {host} use one GPU "
+                      f"(cuda:{index}, {uuid})")
+    if len(shared) > shown:
+        groups.append(f"and {len(shared) - shown} more GPUs shared alike")
+    return ("several ranks share a GPU: " + "; ".join(groups) + ". Ranks sharing a GPU take "
+            "turns on it (each switch between their CUDA contexts costs time). Give each rank "
+            "its own GPU (one rank per GPU, CUDA_VISIBLE_DEVICES per rank or all devices "
+            "visible; srun --gpus-per-task=1), or run the ranks under CUDA MPS if the sharing "
+            "is meant; training on the CPU only: CUDA_VISIBLE_DEVICES= hides the GPUs "
+            "(docs/gpu.md, \"One GPU per rank\")")
+
+
+def warn_about_shared_devices(comm, host: str, cuda=None) -> Optional[str]:
+    """A collective of ``comm`` (called by ``init()`` after ``setup``): gather every rank's
+    GPU identity; rank 0 logs a warning naming the ranks that share a physical GPU. Returns
+    the warning (on every rank), or None."""
+    uuid = device_identity(cuda)
+    mine = None if uuid is None else (host, _engine_device, uuid)
+    report = shared_devices_report(comm.allgather(mine))
+    if report is not None and comm.Get_rank() == 0:
+        log.warning(report)
+    return report
 
 
 def reset() -> None:

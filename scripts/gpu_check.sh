@@ -68,8 +68,11 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), CuPy {cupy.__vers
       f"mpi4py {mpi4py.__version__}, GPUs {torch.cuda.device_count()}")
 print(MPI.Get_library_version().splitlines()[0])
 print("CUDA-aware probe:", cuda_aware.probe())
+print("cuda:0 UUID:", torch.cuda.get_device_properties(0).uuid)
 EOF
   echo "mpiexec: $(command -v mpiexec)"
+  # two ranks on a one-GPU machine share it: init() should say so (docs/gpu.md)
+  timeout -k 10 60 mpiexec -n 2 python3 -c "import mpiddp; mpiddp.init(); mpiddp.shutdown()"
 } 2>&1 | tee "$OUTDIR/machine.txt"
 
 if part tests; then

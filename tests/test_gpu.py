@@ -462,6 +462,83 @@ def test_setup_reports_one_line(clean_gpu_state):
     assert cuda_aware.mpi_cuda_aware() is False
 
 
+def test_ranks_sharing_a_gpu_are_grouped_by_uuid():
+    same = "GPU-a"
+    identities = [("n1", 0, same), ("n1", 0, same), None, ("n1", 0, same), ("n2", 0, "GPU-b"),
+                  ("n2", 1, "GPU-c"), ("n2", 1, "GPU-c"), ("n3", 0, None)]
+    report = gpu.shared_devices_report(identities)
+    assert report.startswith("several ranks share a GPU: ranks 0-1, 3 on n1 use one GPU "
+                             "(cuda:0, GPU-a); ranks 5-6 on n2 use one GPU (cuda:1, GPU-c). "), \
+        report
+    assert "CUDA MPS" in report and "\n" not in report
+    # one GPU each, CPU-only ranks, no UUID: nothing to say
+    assert gpu.shared_devices_report([("n1", 0, "a"), ("n1", 1, "b"), None]) is None
+    assert gpu.shared_devices_report([None, None, ("n1", 0, None), ("n1", 0, None)]) is None
+    # a job where every node is misconfigured: the first few GPUs, then a count
+    many = [(f"n{r // 2}", 0, f"uuid-{r // 2}") for r in range(20)]
+    report = gpu.shared_devices_report(many, shown=2)
+    assert "ranks 0-1 on n0" in report and "ranks 2-3 on n1" in report, report
+    assert "ranks 4-5" not in report and "and 8 more GPUs shared alike" in report, report
+
+
+class _PropertiesCuda(FakeCuda):
+    """FakeCuda whose devices report UUIDs (torch's ``_CUuuid`` is a str()-able object)."""
+
+    def __init__(self, count, uuids, **kwargs):
+        super().__init__(count, **kwargs)
+        self.uuids = uuids
+
+    def get_device_properties(self, index):
+        uuid = self.uuids[index]
+        if isinstance(uuid, Exception):
+            raise uuid
+        return type("Properties", (), {"uuid": type("U", (), {"__str__": lambda _: uuid})()})
+
+
+class _GatherComm:
+    """A communicator stand-in: allgather returns the other ranks' given values with ours."""
+
+    def __init__(self, rank, others):
+        self.rank, self.others, self.sent = rank, others, []
+
+    def Get_rank(self):
+        return self.rank
+
+    def allgather(self, value):
+        self.sent.append(value)
+        everyone = list(self.others)
+        everyone.insert(self.rank, value)
+        return everyone
+
+
+def test_shared_gpu_warning_gathers_every_rank_and_rank_0_logs(clean_gpu_state, caplog):
+    cuda = _PropertiesCuda(2, ["u0", "u1"])
+    gpu.select_device(1, cuda)
+    assert gpu.device_identity(cuda) == "u1"
+    comm = _GatherComm(0, [("h", 1, "u1")])      # rank 1 chose the same device
+    with caplog.at_level("WARNING", logger="mpiddp"):
+        report = gpu.warn_about_shared_devices(comm, "h", cuda)
+    assert comm.sent == [("h", 1, "u1")]
+    assert report.startswith("several ranks share a GPU: ranks 0-1 on h use one GPU (cuda:1, u1)")
+    assert [r.getMessage() for r in caplog.records] == [report]
+    caplog.clear()
+    comm = _GatherComm(1, [("h", 1, "u1")])      # the same job seen from rank 1: no log line
+    with caplog.at_level("WARNING", logger="mpiddp"):
+        assert gpu.warn_about_shared_devices(comm, "h", cuda) == report
+    assert not caplog.records
+
+
+def test_shared_gpu_check_without_a_gpu_or_a_uuid(clean_gpu_state):
+    comm = _GatherComm(0, [None])
+    assert gpu.warn_about_shared_devices(comm, "h", FakeCuda(0)) is None
+    assert comm.sent == [None]                  # still a collective: every rank takes part
+    cuda = _PropertiesCuda(1, [RuntimeError("no uuid on this driver")])
+    gpu.select_device(0, cuda)
+    assert gpu.device_identity(cuda) is None
+    comm = _GatherComm(0, [None])
+    assert gpu.warn_about_shared_devices(comm, "h", cuda) is None and comm.sent == [None]
+
+
 # ---- mixed CPU and GPU tensors ------------------------------------------------------------
 def test_cpu_gpu_mismatch_of_one_name_is_reported():
     requests = {0: Request("w", ALLREDUCE, "float32", (4,), device="cpu"),
@@ -500,6 +577,9 @@ def test_every_collective_on_cuda_matches_reference(nprocs, cuda_aware_setting):
     result = run_mpi("gpu_worker.py", nprocs, "collectives", timeout=420, env=env)
     assert_ok(result)
     assert "DONE" in result.output
+    # init() names ranks that share a GPU (by the device's UUID), once, on rank 0
+    shared = result.output.count("several ranks share a GPU: ranks 0")
+    assert shared == (1 if nprocs > torch.cuda.device_count() else 0), result.output
 
 
 @needs_gpu

@@ -196,6 +196,21 @@ def test_three_ranks_on_fake_gpus_touch_only_their_own():
     assert_ok(result, expect_lines=3)
     devices = re.findall(r"OK rank \d on cuda:(\d)", result.output)
     assert sorted(devices) == ["0", "1", "2"], result.output
+    assert "share a GPU" not in result.output, result.output
+
+
+def test_ranks_sharing_a_gpu_are_named_once():
+    """Two ranks on the one fake GPU: the engine works as it does with a GPU each, and
+    init() warns once (rank 0) naming both ranks and the device's UUID."""
+    result = run_mpi("gpu_fake_device_worker.py", 2, timeout=240,
+                     env={"MPIDDP_CUDA_AWARE": "0", "FAKE_GPU_COUNT": "1"})
+    assert_ok(result, expect_lines=2)
+    assert sorted(re.findall(r"OK rank \d on cuda:(\d)", result.output)) == ["0", "0"]
+    warnings = re.findall(r"\[mpiddp WARNING\] several ranks share a GPU: (.*)", result.output)
+    assert len(warnings) == 1, result.output
+    assert warnings[0].startswith("ranks 0-1 on ") and \
+        "(cuda:0, 00000000-0000-0000-0000-000000000000)" in warnings[0], warnings[0]
+    assert "CUDA MPS" in warnings[0] and "CUDA_VISIBLE_DEVICES" in warnings[0], warnings[0]
 
 
 # ---- defect 6: events on the right streams, waits that block ----------------------------------

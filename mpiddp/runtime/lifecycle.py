@@ -68,6 +68,7 @@ class Runtime:
         layout.cross.Free()
         topology = layout.topology
         gpu.setup(settings, topology.local_rank)   # device selection before any CUDA call
+        gpu.warn_about_shared_devices(comm, MPI.Get_processor_name())
         runtime = cls(comm, settings, topology, start_engine(comm, settings), ABORT_HOOKS)
         if not settings.abort_on_exception:
             ABORT_HOOKS.remove()

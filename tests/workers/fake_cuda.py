@@ -718,6 +718,16 @@ def fake_empty(gpu: FakeGPU, real_empty):
     return empty
 
 
+class FakeUUID:
+    """torch's ``_CUuuid``: its ``str()`` is the UUID."""
+
+    def __init__(self, text: str):
+        self._text = text
+
+    def __str__(self) -> str:
+        return self._text
+
+
 def torch_cuda_functions(gpu: FakeGPU) -> dict:
     """The torch.cuda attributes the fake replaces (name -> value)."""
     def set_device(device):
@@ -731,8 +741,15 @@ def torch_cuda_functions(gpu: FakeGPU) -> dict:
         gpu.touch(index, "torch.cuda.Stream")
         return FakeStream(gpu, index, "torch-stream")
 
+    def get_device_properties(device=None):
+        # One fake machine: device k is the same physical GPU in every process.
+        index = _device_index(gpu, device)
+        return types.SimpleNamespace(name=f"Fake GPU {index}",
+                                     uuid=FakeUUID(f"00000000-0000-0000-0000-{index:012x}"))
+
     return {
         "is_available": lambda: gpu.count > 0,
+        "get_device_properties": get_device_properties,
         "device_count": lambda: gpu.count,
         "is_initialized": lambda: gpu.initialized,
         "current_device": gpu.current,

@@ -1,6 +1,7 @@
 """The engine on fake GPUs (tests/workers/fake_cuda.py), one node, local rank k on cuda:k of
-as many devices as ranks: no thread of rank k may touch any other device, no buffer may be
-read before the event guarding it, no host wait may spin.
+as many devices as ranks (or of FAKE_GPU_COUNT devices, ranks sharing them round-robin: k on
+cuda:k % count): no thread of rank k may touch any other device, no buffer may be read before
+the event guarding it, no host wait may spin.
 
 Runs through ``mpiddp.init()`` (device selection before MPI_Init and at init), the
 coordinator and watchdog threads, the executor, DeviceBackend and the staging communicator
@@ -20,7 +21,9 @@ import fake_cuda
 LOCAL = int(os.environ.get("MPI_LOCALRANKID", os.environ.get(
     "OMPI_COMM_WORLD_LOCAL_RANK", os.environ.get("PMI_RANK", "0"))))
 SIZE = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
-GPU = fake_cuda.FakeGPU(SIZE, allowed=LOCAL)
+COUNT = int(os.environ.get("FAKE_GPU_COUNT", SIZE))
+DEVICE = LOCAL % COUNT
+GPU = fake_cuda.FakeGPU(COUNT, allowed=DEVICE)
 cupy = fake_cuda.install(GPU)           # before mpiddp: it picks the device at import
 
 import mpiddp  # noqa: E402
@@ -30,7 +33,7 @@ from mpiddp.engine.request import ALLGATHER, ALLREDUCE, BROADCAST, Entry, Reques
 from mpiddp.transport import staging  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-assert GPU.current() == LOCAL, f"import mpiddp left cuda:{GPU.current()} current"
+assert GPU.current() == DEVICE, f"import mpiddp left cuda:{GPU.current()} current"
 # Every staged MPI call is checked against the fake's ordering (pinned slots).
 transport.device_comm = lambda comm, aware, copier, *a: staging.device_comm(
     fake_cuda.CheckingComm(comm, GPU), aware, copier, *a)
@@ -111,12 +114,12 @@ else:
 
 mpiddp.shutdown()
 GPU.check_clean()
-assert set(GPU.touched) == {LOCAL}, f"rank {rank} touched {GPU.touched}"
-threads = GPU.touched[LOCAL]
+assert set(GPU.touched) == {DEVICE}, f"rank {rank} touched {GPU.touched}"
+threads = GPU.touched[DEVICE]
 assert any("coordinator" in t for t in threads), threads
-if MPI.Query_thread() == MPI.THREAD_MULTIPLE and LOCAL != 0:
+if MPI.Query_thread() == MPI.THREAD_MULTIPLE and DEVICE != 0:
     # the watchdog runs, and made cuda:k current (on cuda:0 it was current already)
     assert any("watchdog" in t for t in threads), threads
 assert GPU.spin_waits == 0, f"{GPU.spin_waits} host waits spun a core"
-print(f"OK rank {rank} on cuda:{LOCAL}, threads {sorted(threads)}", flush=True)
+print(f"OK rank {rank} on cuda:{DEVICE}, threads {sorted(threads)}", flush=True)
 sys.exit(0)
