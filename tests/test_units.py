@@ -757,6 +757,39 @@ def test_a_cycle_spins_only_while_its_partners_answer_within_the_spin(monkeypatc
     assert policy.spin_pays
 
 
+def test_inbox_hands_over_everything_and_its_waits_end():
+    """engine/inbox.py: items come out in order, all at once; ``take(None)`` never waits; a
+    timed take with nothing to take returns empty after about its timeout, also after items
+    were taken (the state in which CPython 3.11-3.12's ``SimpleQueue.get(timeout=...)`` could
+    wait forever); a put from another thread ends a wait at once, also a put made between
+    two takes (no wake-up lost); a put while a wake-up is pending is fine."""
+    import threading
+    import time
+
+    from mpiddp.engine.inbox import Inbox
+
+    inbox = Inbox()
+    assert inbox.take(None) == [] and inbox.drain() == []
+    inbox.put(1)
+    inbox.put_many([2, 3])
+    inbox.put(4)                            # rung twice before anyone looked
+    assert inbox.take(5.0) == [1, 2, 3, 4]
+    for _ in range(3):                      # nothing there: each timed take ends
+        start = time.perf_counter()
+        assert inbox.take(0.02) == []
+        assert 0.015 < time.perf_counter() - start < 2.0
+    inbox.put("between")                    # rung between two takes
+    start = time.perf_counter()
+    assert inbox.take(5.0) == ["between"] and time.perf_counter() - start < 1.0
+    timer = threading.Timer(0.05, inbox.put, args=("late",))
+    timer.start()
+    start = time.perf_counter()
+    assert inbox.take(10.0) == ["late"]     # woken by the put, not the timeout
+    assert time.perf_counter() - start < 5.0
+    timer.join()
+    assert inbox.take(0) == []
+
+
 def test_speculative_layout_and_sums():
     """engine/speculation.py: which cached all-reduces get a place (Sum or Average, host
     memory, a natively summed type, up to the budget in all, in slot order), what a rank

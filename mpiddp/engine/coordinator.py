@@ -9,7 +9,6 @@ to the executor. This module is only that shell: threads, the inbox, handles and
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import traceback
@@ -25,6 +24,7 @@ from .autotune import Autotuner, Retune
 from .channel import ControlChannel, MPIChannel
 from .executor import Executor
 from .handle import Handle
+from .inbox import Inbox
 from .liveness import Watchdog, launch_host
 from .protocol import CycleProtocol
 from .request import BARRIER, Entry, Request
@@ -103,7 +103,7 @@ class Engine:
         self.retunes: list[tuple[int, Retune]] = []
 
         self._lock = threading.Lock()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()   # entries and wake-up tokens
+        self._inbox = Inbox()                   # entries and wake-up tokens
         self._in_flight: set[str] = set()       # names submitted and not finished
         self._shutdown_reason: str | None = None  # set by shutdown() on this rank
         self._stopped_reason: str | None = None   # why the engine stopped (all ranks agree)
@@ -127,8 +127,7 @@ class Engine:
                 raise DuplicateNameError(f"the name '{twice}' appears twice in one grouped "
                                          f"submission on rank {self.rank}")
             self._in_flight.update(names)
-            for entry in entries:
-                self._inbox.put(entry)
+            self._inbox.put_many(entries)
         if self.timeline.enabled:
             for entry in entries:
                 self.timeline.record(entry.request.name, "submit", entry.submitted)
@@ -217,17 +216,10 @@ class Engine:
 
     def _collect(self) -> list[Entry]:
         """Wait for work as the policy says, then take everything submitted so far."""
-        protocol, inbox = self.protocol, self._inbox
-        items = []
+        protocol = self.protocol
         timeout = self.policy.timeout_for_work(bool(protocol.pending) or protocol.joined,
                                                protocol.joined)
-        if timeout is not None:
-            try:
-                items.append(inbox.get(timeout=timeout))
-            except queue.Empty:
-                pass
-        while not inbox.empty():            # this thread is the only consumer
-            items.append(inbox.get_nowait())
+        items = self._inbox.take(timeout)
         self.policy.entered(bool(items))
         return [item for item in items if item is not _WAKE]
 
@@ -329,10 +321,7 @@ class Engine:
         with self._lock:
             self._stopped_reason = reason
             leftovers = self.protocol.take_pending()
-            while not self._inbox.empty():
-                item = self._inbox.get_nowait()
-                if item is not _WAKE:
-                    leftovers.append(item)
+            leftovers += [item for item in self._inbox.drain() if item is not _WAKE]
             self._in_flight.clear()
             join_handle, self._join_handle = self._join_handle, None
         error_text = f"mpiddp has shut down before this collective finished: {reason}"

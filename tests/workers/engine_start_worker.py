@@ -9,16 +9,22 @@
 2. Once the engine has stopped, every communicator it made (its own duplicate, the
    watchdog's, the node-local and cross-node ones) is freed: a job that adds and removes
    process sets would otherwise run out of the MPI library's communicators (MPICH: 2048).
+3. A timed wait for work that overshoots its deadline (CPython 3.11-3.12) does not hang it.
 
 Prints 'OK <rank> ...' per check on every rank."""
+import queue
 import threading
 import time
 
+import numpy as np
 from mpi4py import MPI
 
 import checks
 from mpiddp.config import Settings
 from mpiddp.engine.coordinator import start_engine
+from mpiddp.engine.handle import Handle
+from mpiddp.engine.request import ALLREDUCE, Entry, Request
+from mpiddp.reduce_ops import ReduceOp
 
 COLLECTIVES = ("allgather", "Allgather", "allreduce", "Allreduce", "Iallreduce", "gather",
                "bcast", "Barrier", "Dup", "Split", "Split_type")
@@ -75,3 +81,45 @@ assert len(made) >= 4 and not kept, \
     f"rank {rank}: communicators {kept} of the {len(made)} the engine made are not freed"
 checks.ok(f"engine stop: the {len(made)} communicators it made are freed", rank=rank,
           every_rank=True)
+
+
+# 3. CPython 3.11 and 3.12's SimpleQueue.get(timeout=t) can wait without a deadline: when the
+#    queue's lock is free (the last get() returned an item) and the thread is descheduled
+#    past the deadline between its first try of the lock and its second (a busy node:
+#    DataLoader workers on every core, or more ranks than cores), it waits for the next put,
+#    however long. A coordinator that waited for work that way while its rank had pending
+#    work and no more submissions coming never entered the next cycle, and every rank hung
+#    (found with 33 ranks on 2 cores). The inbox here always overshoots in that state; the
+#    engine must not depend on a timed get returning.
+class DeadlineOvershootingQueue(queue.SimpleQueue):
+    lock_free = False
+
+    def get(self, block=True, timeout=None):
+        if block and timeout is not None and self.lock_free and self.empty():
+            time.sleep(timeout)            # descheduled past the deadline...
+            item = super().get()           # ...then waits for a put, however long
+        else:
+            try:
+                item = super().get(block, timeout)
+            except queue.Empty:
+                self.lock_free = False     # a timed-out get leaves the lock held
+                raise
+        self.lock_free = True              # a get that returns an item frees it
+        return item
+
+
+queue.SimpleQueue = DeadlineOvershootingQueue    # for every queue made from now on
+engine = start_engine(MPI.COMM_WORLD, Settings(cycle_time=5.0))
+for step in range(4):
+    # the ranks submit in turn, the other one waiting for work meanwhile
+    if step % 2 != rank:
+        time.sleep(0.1)
+    values = np.full(8, rank + 1.0, np.float32)
+    entry = Entry(Request(f"overshoot.{step}", ALLREDUCE, "float32", (8,), op=int(ReduceOp.SUM)),
+                  values, values, Handle(f"overshoot.{step}"))
+    [handle] = engine.submit_many([entry])
+    handle.wait(timeout=20)                # a hang is an error here, not a stuck test
+    assert np.all(values == 3.0), values
+engine.shutdown("test over")
+checks.ok("a timed wait for work that overshoots its deadline does not hang the engine",
+          rank=rank, every_rank=True)
