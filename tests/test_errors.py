@@ -143,6 +143,20 @@ def test_roll_calls_among_healthy_ranks_find_no_rank_missing():
     assert_ok(run_mpi("watchdog_worker.py", 3, "roll-calls", timeout=90), expect_lines=1)
 
 
+def test_a_coordinator_that_stops_cycling_is_named_and_ends_the_job():
+    # Every rank answers the roll calls, so none is lost; but rank 1's coordinator does not
+    # begin the cycle the others wait in (it stopped collecting with a collective pending).
+    # Rank 0 names it once, with its pending work and process id, and ends the job after
+    # MPIDDP_STALL_SHUTDOWN_TIME (recorded by the worker instead); nothing hangs silently.
+    result = run_mpi("watchdog_worker.py", 3, "frozen-coordinator", timeout=90,
+                     env={"MPIDDP_PEER_CHECK_TIME": "1", "MPIDDP_STALL_SHUTDOWN_TIME": "4"})
+    assert_ok(result, expect_lines=1)
+    warnings = [line for line in result.output.splitlines() if "have not begun cycle" in line]
+    assert len(warnings) == 1, result.output
+    assert "rank 1 on" in warnings[0] and "The job ends if this lasts 4 s" in warnings[0], \
+        warnings[0]
+
+
 def test_a_hung_test_job_prints_where_every_rank_was(tmp_path):
     # The harness's own promise: a job killed at its timeout first prints every thread's
     # stack on every rank, so a hang found in CI says where it hung.

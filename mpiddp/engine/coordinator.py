@@ -72,7 +72,9 @@ def start_engine(comm: MPI.Comm, settings: Settings) -> "Engine":
     if watchdog_comm is not None:
         engine.watchdog = watchdog = Watchdog(
             watchdog_comm, [n for n, _ in names], lambda: engine.stats.cycles,
-            settings.peer_check_time, launch_hosts=[h for _, h in names])
+            settings.peer_check_time, launch_hosts=[h for _, h in names],
+            position=lambda: (engine.cycles_begun, len(engine.protocol.pending)),
+            end_behind_after=settings.stall_shutdown_time)
         engine.on_stop.append(watchdog.stop)
     return engine
 
@@ -104,6 +106,7 @@ class Engine:
 
         self._lock = threading.Lock()
         self._inbox = Inbox()                   # entries and wake-up tokens
+        self.cycles_begun = 0                   # cycles whose agreement this rank entered
         self._in_flight: set[str] = set()       # names submitted and not finished
         self._shutdown_reason: str | None = None  # set by shutdown() on this rank
         self._stopped_reason: str | None = None   # why the engine stopped (all ranks agree)
@@ -233,6 +236,7 @@ class Engine:
             protocol.join()
         # Small cached all-reduces ride beside the negotiation (speculation.py).
         sums = self.speculation.begin(protocol.cache, protocol.pending)
+        self.cycles_begun += 1          # the watchdog's roll calls compare it across ranks
         reduced = channel.and_reduce(protocol.encode(shutdown_reason is not None),
                                      self.policy.wait, self.policy.spin, sums)
         bits = protocol.decode(reduced)

@@ -15,17 +15,26 @@ rank's watchdog thread gives from its own polling loop, whatever its coordinator
   are missing and on which hosts, and ends the job (``MPI_Abort``; if even that cannot reach
   the launcher, the process exits), so that no rank waits forever and the scheduler can
   requeue the job.
+* Everyone answers, but some ranks' coordinators have not begun the cycle the others wait
+  in (each answer carries its rank's count of cycles begun, its pending collectives and its
+  process id): their processes live, their coordinators do not cycle. A healthy coordinator
+  begins a cycle at least every heartbeat, so this is a defect (CPython 3.11-3.12's
+  ``SimpleQueue.get`` was one: ``inbox.py``) or a frozen thread. The lowest rank that is
+  not behind names them with what they hold, once, when a second roll call finds them still
+  behind; after ``MPIDDP_STALL_SHUTDOWN_TIME`` (unless 0) of it, it ends the job, so that
+  nothing hangs silently.
 
 The watchdog makes MPI calls from its own thread, so it runs only with
 ``MPI_THREAD_MULTIPLE``.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -36,6 +45,11 @@ POLL_SECONDS = 0.25         # how often the watchdog answers pings and looks at 
 ANSWER_SECONDS = 10.0       # how long a roll call waits for the answers
 EXIT_GRACE_SECONDS = 10.0   # MPI_Abort that cannot reach the launcher: exit after this
 PING, PONG = 1, 2           # message tags on the watchdog's own communicator
+# A pong: the ping's serial, then the answering rank's position (cycles begun, collectives
+# pending, process id).
+PONG_FIELDS = 4
+
+log = logging.getLogger("mpiddp")
 
 
 def describe_missing(missing: list[int], hosts: list[str]) -> str:
@@ -55,7 +69,9 @@ class Watchdog:
 
     def __init__(self, comm: MPI.Comm, hosts: list[str], progress: Callable[[], int],
                  stalled_after: float, on_lost: Callable[[str], None] | None = None,
-                 launch_hosts: list[str] | None = None):
+                 launch_hosts: list[str] | None = None,
+                 position: Optional[Callable[[], tuple[int, int]]] = None,
+                 end_behind_after: float = 0.0):
         self.comm = comm
         self.launch_hosts = launch_hosts or hosts
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -63,6 +79,14 @@ class Watchdog:
         self.progress = progress
         self.stalled_after = stalled_after
         self.on_lost = on_lost or end_job
+        # (cycles begun, collectives pending) of this rank's coordinator; the last roll
+        # call's answers: rank -> (cycles begun, pending, pid); 0: never end the job for
+        # ranks behind.
+        self.position = position or (lambda: (0, 0))
+        self.end_behind_after = end_behind_after
+        self.positions: dict[int, tuple[int, int, int]] = {}
+        self._behind_since: Optional[float] = None   # first roll call that found ranks behind
+        self._reported: Optional[list[int]] = None    # the ranks last warned of
         self._serial = 0
         # One receive posted per peer, never MPI_ANY_SOURCE: over TCP this MPICH's UCX
         # netmod lost wildcard matches (roll calls across 4 emulated nodes, every rank
@@ -89,19 +113,47 @@ class Watchdog:
     def _run(self) -> None:
         use_default_device()    # a CUDA-aware MPI may touch the current device: the rank's own
         last, since = self.progress(), time.monotonic()
+        stalled_since = since
         while not self._stop.wait(POLL_SECONDS):
             self._answer_pings()
             now, count = time.monotonic(), self.progress()
             if count != last:
-                last, since = count, now
+                last, since, stalled_since = count, now, now
+                self._behind_since = self._reported = None
             elif now - since >= self.stalled_after:
                 missing = self.roll_call()
                 if missing:
                     record_lost(sorted({self.launch_hosts[r] for r in missing}), self.rank,
                                 self.launch_hosts[self.rank])
-                    self.on_lost(self.report(missing, now - since))
+                    self.on_lost(self.report(missing, now - stalled_since))
                     return
-                since = time.monotonic()        # everyone is there: a slow operation
+                since = time.monotonic()        # everyone is there: a slow operation...
+                ending = self._check_behind(since, since - stalled_since)
+                if ending:                      # ...unless some coordinators do not cycle
+                    self.on_lost(ending)
+                    return
+
+    def _check_behind(self, now: float, stalled_for: float) -> Optional[str]:
+        """After a roll call everyone answered: warn of ranks behind (see the module
+        docstring); return the report to end the job with, once they have been behind for
+        ``end_behind_after``."""
+        behind = self.behind()
+        if not behind:
+            self._behind_since = self._reported = None
+            return None
+        if self._behind_since is None:      # not yet: a rank may have been caught in the
+            self._behind_since = now        # moment between two cycles
+            return None
+        if self.rank != min(set(range(self.size)) - set(behind)):
+            return None                     # one rank speaks for all
+        ending = 0 < self.end_behind_after <= now - self._behind_since
+        text = self.report_behind(behind, stalled_for, ending)
+        if ending:
+            return text
+        if self._reported != behind:
+            log.warning(text)
+            self._reported = behind
+        return None
 
     def _receive(self, into: np.ndarray, peer: int, tag: int) -> MPI.Request:
         return self.comm.Irecv([into[peer:peer + 1], MPI.INT64_T], peer, tag)
@@ -117,33 +169,70 @@ class Watchdog:
         """Answer every ping received so far with a pong carrying the ping's serial."""
         for index in MPI.Request.Testsome(self._ping_requests) or ():
             peer = self._peers[index]
-            answer = self._pings[peer:peer + 1].copy()
+            begun, pending = self.position()
+            answer = np.array([self._pings[peer], begun, pending, os.getpid()], np.int64)
             self._sends.append(self.comm.Isend([answer, MPI.INT64_T], peer, PONG))
             self._ping_requests[index] = self._receive(self._pings, peer, PING)
         self._sends = [r for r in self._sends if not r.Test()]
 
     def roll_call(self, answer_within: float = ANSWER_SECONDS) -> list[int]:
-        """Ping every other rank; return the ranks that did not answer in time."""
+        """Ping every other rank; return the ranks that did not answer in time. The answers'
+        positions (and this rank's) are left in ``positions``."""
         self._serial += 1
         ping = np.array([self._serial], np.int64)
         for peer in self._peers:
             self._sends.append(self.comm.Isend([ping, MPI.INT64_T], peer, PING))
-        pongs = np.zeros(self.size, np.int64)
-        requests = [self._receive(pongs, peer, PONG) for peer in self._peers]
+        pongs = np.zeros((self.size, PONG_FIELDS), np.int64)
+
+        def receive(peer: int) -> MPI.Request:
+            return self.comm.Irecv([pongs[peer], MPI.INT64_T], peer, PONG)
+
+        requests = [receive(peer) for peer in self._peers]
         waiting = set(self._peers)
         deadline = time.monotonic() + answer_within
         while waiting and time.monotonic() < deadline:
             for index in MPI.Request.Testsome(requests) or ():
                 peer = self._peers[index]
-                if int(pongs[peer]) == self._serial:
+                if int(pongs[peer, 0]) == self._serial:
                     waiting.discard(peer)       # its request stays complete (null)
                 else:                           # a late answer to an earlier call
-                    requests[index] = self._receive(pongs, peer, PONG)
+                    requests[index] = receive(peer)
             self._answer_pings()            # peers may be holding roll calls of their own
             if waiting:
                 time.sleep(0.01)
         self._cancel(requests)
+        self.positions = {peer: tuple(int(v) for v in pongs[peer, 1:])
+                          for peer in self._peers if peer not in waiting}
+        self.positions[self.rank] = (*self.position(), os.getpid())
         return sorted(waiting)
+
+    def behind(self) -> list[int]:
+        """The ranks of the last roll call whose coordinators have begun fewer cycles than
+        the most any rank has begun (the others wait for them in that cycle)."""
+        if not self.positions:
+            return []
+        furthest = max(begun for begun, _, _ in self.positions.values())
+        return sorted(r for r, (begun, _, _) in self.positions.items() if begun < furthest)
+
+    def report_behind(self, behind: list[int], stuck_for: float, ending: bool) -> str:
+        furthest = max(begun for begun, _, _ in self.positions.values())
+        held = "; ".join(
+            f"rank {r} on {self.hosts[r]} (pid {self.positions[r][2]}): cycle "
+            f"{self.positions[r][0]} begun, {self.positions[r][1]} collectives pending"
+            for r in behind[:8]) + (f"; and {len(behind) - 8} more" if len(behind) > 8 else "")
+        text = (f"mpiddp: no progress for {stuck_for:.0f} s. Every rank answers, but the "
+                f"coordinators of {len(behind)} rank(s) have not begun cycle {furthest}, in "
+                f"which the others wait: {held}. Their processes answer, but their coordinator "
+                "threads have not come back for the next cycle: a frozen thread, a very long "
+                "wait of theirs (a GPU that does not finish), or a defect in mpiddp (their "
+                "stacks: py-spy dump --pid PID).")
+        if ending:
+            return text + (f" Ending the job after {self.end_behind_after:.0f} s of this "
+                           "(MPIDDP_STALL_SHUTDOWN_TIME).")
+        if self.end_behind_after > 0:
+            return text + (f" The job ends if this lasts {self.end_behind_after:.0f} s "
+                           "(MPIDDP_STALL_SHUTDOWN_TIME).")
+        return text
 
     def report(self, missing: list[int], stuck_for: float) -> str:
         return (f"mpiddp: rank {self.rank} (on {self.hosts[self.rank]}) has made no progress "

@@ -1,6 +1,7 @@
 """The lost-peer watchdog among healthy ranks: it must never report one of them lost.
 
-Usage: watchdog_worker.py roll-calls | long-transfer. Prints 'OK ...' on rank 0.
+Usage: watchdog_worker.py roll-calls | long-transfer | frozen-coordinator. Prints 'OK ...'
+on rank 0.
 
 The watchdog (mpiddp/engine/liveness.py) holds a roll call when its rank's coordinator makes
 no progress. ``roll-calls``: each rank's watchdog is told that nothing progresses, so all of
@@ -8,12 +9,18 @@ them hold roll calls at once from their own threads, as in a real stall; none ma
 rank missing. ``long-transfer`` (with a short ``MPIDDP_PEER_CHECK_TIME``): an all-reduce that
 outlasts the check time, during which the watchdogs hold their roll calls; it must complete.
 Over TCP this MPICH lost the answers to wildcard receives: healthy ranks were reported lost
-and the job was ended.
+and the job was ended. ``frozen-coordinator`` (3 ranks, ``MPIDDP_PEER_CHECK_TIME=1``,
+``MPIDDP_STALL_SHUTDOWN_TIME=4``): rank 1's coordinator stops collecting once it has a
+collective pending (as CPython 3.11-3.12's ``SimpleQueue.get`` made it do); every rank still
+answers, so no rank is lost, but rank 0 must name rank 1 as behind (a warning, once) and end
+the job after the stall shutdown time; released, the collective completes.
 """
 import sys
+import threading
 import time
 
 import torch
+from mpi4py import MPI
 
 import mpiddp
 from mpiddp.runtime import current
@@ -52,6 +59,40 @@ if sys.argv[1] == "roll-calls":
     time.sleep(STALL_SECONDS)
     watchdog.progress, watchdog.stalled_after = progress, stalled_after
     done = "held at once"
+elif sys.argv[1] == "frozen-coordinator":
+    engine = current.require("watchdog test").engine
+    release = threading.Event()
+    if rank == 1:
+        take = engine._inbox.take
+
+        def freezing_take(timeout):
+            items = take(timeout)
+            if engine.protocol.pending and not release.is_set():
+                release.wait()          # pending work, and the coordinator collects no more
+            return items
+        engine._inbox.take = freezing_take
+        threading.Timer(9.0, release.set).start()
+    else:
+        time.sleep(0.5)                 # rank 1's name is pending before the others submit
+    try:
+        out = mpiddp.allreduce(torch.ones(4), name="frozen", op=mpiddp.Sum)
+        assert float(out[0]) == size, out
+        outcome = "completed"
+    except mpiddp.EngineShutdownError as exc:   # released after the stall shutdown time:
+        assert "MPIDDP_STALL_SHUTDOWN_TIME" in str(exc), exc    # the stall check ends it
+        outcome = "ended by the stall check"
+    everyone = MPI.COMM_WORLD.allgather((lost, outcome))     # the engine may have stopped
+    if rank == 0:
+        assert [len(reports) for reports, _ in everyone] == [1, 0, 0], everyone
+        report = everyone[0][0][0]
+        for needle in ("rank 1 on ", "have not begun cycle", "1 collectives pending", "pid ",
+                       "Ending the job after 4 s"):
+            assert needle in report, (needle, report)
+        assert "rank 0 on" not in report and "rank 2 on" not in report, report
+        print(f"OK rank 0 named the frozen coordinator of rank 1 and ended the job; released, "
+              f"the collective {outcome}", flush=True)
+    mpiddp.shutdown()
+    sys.exit(0)
 else:
     big = torch.ones(LONG_TRANSFER_FLOATS)
     start = time.monotonic()
