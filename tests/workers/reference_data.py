@@ -23,10 +23,18 @@ def data(rank, name, shape, dtype, op=mpiddp.Sum):
     elif dtype.is_floating_point:
         values = rng.uniform(-1, 1, size=shape)
     elif dtype == torch.uint8:
-        values = rng.integers(0, 20, size=shape)
+        values = rng.integers(0, _int_bound(dtype, 19) + 1, size=shape)
     else:
-        values = rng.integers(-10, 11, size=shape)
+        bound = _int_bound(dtype, 10)
+        values = rng.integers(-bound, bound + 1, size=shape)
     return torch.from_numpy(np.asarray(values)).to(dtype)
+
+
+def _int_bound(dtype, high):
+    """The largest magnitude, up to ``high``, whose sum over every rank fits ``dtype`` (int8:
+    10 up to 12 ranks, 3 at 32; integer sums wrap, as MPI's and Horovod's do)."""
+    ranks = mpiddp.size() if mpiddp.is_initialized() else 1
+    return max(1, min(high, torch.iinfo(dtype).max // ranks))
 
 
 def as64(tensor):
