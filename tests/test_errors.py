@@ -151,7 +151,8 @@ def test_a_coordinator_that_stops_cycling_is_named_and_ends_the_job():
     result = run_mpi("watchdog_worker.py", 3, "frozen-coordinator", timeout=90,
                      env={"MPIDDP_PEER_CHECK_TIME": "1", "MPIDDP_STALL_SHUTDOWN_TIME": "4"})
     assert_ok(result, expect_lines=1)
-    warnings = [line for line in result.output.splitlines() if "have not begun cycle" in line]
+    warnings = [line for line in result.output.splitlines()
+                if "wait for work instead of beginning cycle" in line]
     assert len(warnings) == 1, result.output
     assert "rank 1 on" in warnings[0] and "The job ends if this lasts 4 s" in warnings[0], \
         warnings[0]

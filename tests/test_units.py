@@ -790,6 +790,24 @@ def test_inbox_hands_over_everything_and_its_waits_end():
     assert inbox.take(0) == []
 
 
+def test_watchdog_names_only_coordinators_waiting_for_work_behind_the_others():
+    """engine/liveness.py: behind = began fewer cycles than the furthest rank *and* waits for
+    work of its own (a stuck coordinator); a rank still busy in the previous cycle's long
+    transfer (a huge broadcast on a slow link, its root already in the next cycle) is not."""
+    import types
+
+    from mpiddp.engine.liveness import Watchdog
+
+    def behind(positions):     # rank -> (cycles begun, waiting for work, pending, pid)
+        return Watchdog.behind(types.SimpleNamespace(positions=positions))
+
+    assert behind({}) == []
+    assert behind({0: (7, 0, 1, 10), 1: (6, 1, 1, 11), 2: (7, 0, 1, 12)}) == [1]
+    assert behind({0: (7, 0, 0, 10), 1: (6, 0, 0, 11), 2: (6, 0, 0, 12)}) == []  # transfers
+    assert behind({0: (7, 1, 0, 10), 1: (7, 1, 0, 11)}) == []    # idle together: heartbeat
+    assert behind({0: (9, 0, 2, 10), 1: (8, 1, 2, 11), 2: (8, 1, 0, 12)}) == [1, 2]
+
+
 def test_speculative_layout_and_sums():
     """engine/speculation.py: which cached all-reduces get a place (Sum or Average, host
     memory, a natively summed type, up to the budget in all, in slot order), what a rank

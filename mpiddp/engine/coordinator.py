@@ -73,7 +73,8 @@ def start_engine(comm: MPI.Comm, settings: Settings) -> "Engine":
         engine.watchdog = watchdog = Watchdog(
             watchdog_comm, [n for n, _ in names], lambda: engine.stats.cycles,
             settings.peer_check_time, launch_hosts=[h for _, h in names],
-            position=lambda: (engine.cycles_begun, len(engine.protocol.pending)),
+            position=lambda: (engine.cycles_begun, engine.waiting_for_work,
+                              len(engine.protocol.pending)),
             end_behind_after=settings.stall_shutdown_time)
         engine.on_stop.append(watchdog.stop)
     return engine
@@ -107,6 +108,7 @@ class Engine:
         self._lock = threading.Lock()
         self._inbox = Inbox()                   # entries and wake-up tokens
         self.cycles_begun = 0                   # cycles whose agreement this rank entered
+        self.waiting_for_work = False           # in the inbox's wait (both: the watchdog)
         self._in_flight: set[str] = set()       # names submitted and not finished
         self._shutdown_reason: str | None = None  # set by shutdown() on this rank
         self._stopped_reason: str | None = None   # why the engine stopped (all ranks agree)
@@ -222,7 +224,9 @@ class Engine:
         protocol = self.protocol
         timeout = self.policy.timeout_for_work(bool(protocol.pending) or protocol.joined,
                                                protocol.joined)
+        self.waiting_for_work = True
         items = self._inbox.take(timeout)
+        self.waiting_for_work = False
         self.policy.entered(bool(items))
         return [item for item in items if item is not _WAKE]
 

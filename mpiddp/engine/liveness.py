@@ -15,14 +15,15 @@ rank's watchdog thread gives from its own polling loop, whatever its coordinator
   are missing and on which hosts, and ends the job (``MPI_Abort``; if even that cannot reach
   the launcher, the process exits), so that no rank waits forever and the scheduler can
   requeue the job.
-* Everyone answers, but some ranks' coordinators have not begun the cycle the others wait
-  in (each answer carries its rank's count of cycles begun, its pending collectives and its
-  process id): their processes live, their coordinators do not cycle. A healthy coordinator
-  begins a cycle at least every heartbeat, so this is a defect (CPython 3.11-3.12's
-  ``SimpleQueue.get`` was one: ``inbox.py``) or a frozen thread. The lowest rank that is
-  not behind names them with what they hold, once, when a second roll call finds them still
-  behind; after ``MPIDDP_STALL_SHUTDOWN_TIME`` (unless 0) of it, it ends the job, so that
-  nothing hangs silently.
+* Everyone answers, but some ranks' coordinators wait for work of their own while the others
+  wait for them in the next cycle (each answer carries its rank's count of cycles begun,
+  whether its coordinator is waiting for work, its pending collectives and its process id).
+  A healthy coordinator waits for work at most a heartbeat before it begins a cycle, so this
+  is a defect (CPython 3.11-3.12's ``SimpleQueue.get`` was one: ``inbox.py``). A rank still
+  busy in the previous cycle's transfers (a huge broadcast on a slow link) is not behind in
+  this sense. The lowest rank that is not behind names them with what they hold, once, when
+  a second roll call finds them still behind; after ``MPIDDP_STALL_SHUTDOWN_TIME`` (unless
+  0) of it, it ends the job, so that nothing hangs silently.
 
 The watchdog makes MPI calls from its own thread, so it runs only with
 ``MPI_THREAD_MULTIPLE``.
@@ -45,9 +46,9 @@ POLL_SECONDS = 0.25         # how often the watchdog answers pings and looks at 
 ANSWER_SECONDS = 10.0       # how long a roll call waits for the answers
 EXIT_GRACE_SECONDS = 10.0   # MPI_Abort that cannot reach the launcher: exit after this
 PING, PONG = 1, 2           # message tags on the watchdog's own communicator
-# A pong: the ping's serial, then the answering rank's position (cycles begun, collectives
-# pending, process id).
-PONG_FIELDS = 4
+# A pong: the ping's serial, then the answering rank's position (cycles begun, waiting for
+# work (0/1), collectives pending, process id).
+PONG_FIELDS = 5
 
 log = logging.getLogger("mpiddp")
 
@@ -70,7 +71,7 @@ class Watchdog:
     def __init__(self, comm: MPI.Comm, hosts: list[str], progress: Callable[[], int],
                  stalled_after: float, on_lost: Callable[[str], None] | None = None,
                  launch_hosts: list[str] | None = None,
-                 position: Optional[Callable[[], tuple[int, int]]] = None,
+                 position: Optional[Callable[[], tuple[int, int, int]]] = None,
                  end_behind_after: float = 0.0):
         self.comm = comm
         self.launch_hosts = launch_hosts or hosts
@@ -79,12 +80,12 @@ class Watchdog:
         self.progress = progress
         self.stalled_after = stalled_after
         self.on_lost = on_lost or end_job
-        # (cycles begun, collectives pending) of this rank's coordinator; the last roll
-        # call's answers: rank -> (cycles begun, pending, pid); 0: never end the job for
-        # ranks behind.
-        self.position = position or (lambda: (0, 0))
+        # (cycles begun, waiting for work, collectives pending) of this rank's coordinator;
+        # the last roll call's answers: rank -> that and the pid; end_behind_after 0: never
+        # end the job for ranks behind.
+        self.position = position or (lambda: (0, 0, 0))
         self.end_behind_after = end_behind_after
-        self.positions: dict[int, tuple[int, int, int]] = {}
+        self.positions: dict[int, tuple[int, int, int, int]] = {}
         self._behind_since: Optional[float] = None   # first roll call that found ranks behind
         self._reported: Optional[list[int]] = None    # the ranks last warned of
         self._serial = 0
@@ -169,8 +170,7 @@ class Watchdog:
         """Answer every ping received so far with a pong carrying the ping's serial."""
         for index in MPI.Request.Testsome(self._ping_requests) or ():
             peer = self._peers[index]
-            begun, pending = self.position()
-            answer = np.array([self._pings[peer], begun, pending, os.getpid()], np.int64)
+            answer = np.array([self._pings[peer], *self.position(), os.getpid()], np.int64)
             self._sends.append(self.comm.Isend([answer, MPI.INT64_T], peer, PONG))
             self._ping_requests[index] = self._receive(self._pings, peer, PING)
         self._sends = [r for r in self._sends if not r.Test()]
@@ -207,25 +207,27 @@ class Watchdog:
         return sorted(waiting)
 
     def behind(self) -> list[int]:
-        """The ranks of the last roll call whose coordinators have begun fewer cycles than
-        the most any rank has begun (the others wait for them in that cycle)."""
+        """The ranks of the last roll call whose coordinators wait for work of their own,
+        having begun fewer cycles than the most any rank has begun (the others wait for them
+        in that cycle)."""
         if not self.positions:
             return []
-        furthest = max(begun for begun, _, _ in self.positions.values())
-        return sorted(r for r, (begun, _, _) in self.positions.items() if begun < furthest)
+        furthest = max(position[0] for position in self.positions.values())
+        return sorted(r for r, (begun, waiting, _, _) in self.positions.items()
+                      if begun < furthest and waiting)
 
     def report_behind(self, behind: list[int], stuck_for: float, ending: bool) -> str:
-        furthest = max(begun for begun, _, _ in self.positions.values())
+        """The warning (and with ``ending``, the job's end) naming the ranks behind."""
+        furthest = max(position[0] for position in self.positions.values())
         held = "; ".join(
-            f"rank {r} on {self.hosts[r]} (pid {self.positions[r][2]}): cycle "
-            f"{self.positions[r][0]} begun, {self.positions[r][1]} collectives pending"
+            f"rank {r} on {self.hosts[r]} (pid {self.positions[r][3]}): cycle "
+            f"{self.positions[r][0]} begun, {self.positions[r][2]} collectives pending"
             for r in behind[:8]) + (f"; and {len(behind) - 8} more" if len(behind) > 8 else "")
         text = (f"mpiddp: no progress for {stuck_for:.0f} s. Every rank answers, but the "
-                f"coordinators of {len(behind)} rank(s) have not begun cycle {furthest}, in "
-                f"which the others wait: {held}. Their processes answer, but their coordinator "
-                "threads have not come back for the next cycle: a frozen thread, a very long "
-                "wait of theirs (a GPU that does not finish), or a defect in mpiddp (their "
-                "stacks: py-spy dump --pid PID).")
+                f"coordinators of {len(behind)} rank(s) wait for work instead of beginning "
+                f"cycle {furthest}, in which the others wait for them: {held}. A coordinator "
+                "waits for work a heartbeat at most: this is a defect in mpiddp (their stacks: "
+                "py-spy dump --pid PID).")
         if ending:
             return text + (f" Ending the job after {self.end_behind_after:.0f} s of this "
                            "(MPIDDP_STALL_SHUTDOWN_TIME).")

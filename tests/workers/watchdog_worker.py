@@ -85,7 +85,8 @@ elif sys.argv[1] == "frozen-coordinator":
     if rank == 0:
         assert [len(reports) for reports, _ in everyone] == [1, 0, 0], everyone
         report = everyone[0][0][0]
-        for needle in ("rank 1 on ", "have not begun cycle", "1 collectives pending", "pid ",
+        for needle in ("rank 1 on ", "wait for work instead of beginning cycle",
+                       "1 collectives pending", "pid ",
                        "Ending the job after 4 s"):
             assert needle in report, (needle, report)
         assert "rank 0 on" not in report and "rank 2 on" not in report, report
