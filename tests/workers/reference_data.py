@@ -4,6 +4,7 @@ import zlib
 
 import numpy as np
 import torch
+from mpi4py import MPI
 
 import mpiddp
 
@@ -33,7 +34,7 @@ def data(rank, name, shape, dtype, op=mpiddp.Sum):
 def _int_bound(dtype, high):
     """The largest magnitude, up to ``high``, whose sum over every rank fits ``dtype`` (int8:
     10 up to 12 ranks, 3 at 32; integer sums wrap, as MPI's and Horovod's do)."""
-    ranks = mpiddp.size() if mpiddp.is_initialized() else 1
+    ranks = MPI.COMM_WORLD.Get_size()       # also in workers that do not call mpiddp.init()
     return max(1, min(high, torch.iinfo(dtype).max // ranks))
 
 
