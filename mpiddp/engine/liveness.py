@@ -65,6 +65,12 @@ def describe_missing(missing: list[int], hosts: list[str]) -> str:
     return "; ".join(parts)
 
 
+def furthest_begun(positions: dict) -> int:
+    """The most cycles any rank of a roll call has begun (``positions``: rank -> (cycles
+    begun, waiting for work, pending, pid))."""
+    return max(position[0] for position in positions.values())
+
+
 class Watchdog:
     """Roll calls when the coordinator makes no progress; ends the job on lost ranks."""
 
@@ -157,6 +163,7 @@ class Watchdog:
         return None
 
     def _receive(self, into: np.ndarray, peer: int, tag: int) -> MPI.Request:
+        """Receive into row ``peer`` of ``into`` (one value, or a pong's fields)."""
         return self.comm.Irecv([into[peer:peer + 1], MPI.INT64_T], peer, tag)
 
     @staticmethod
@@ -183,11 +190,7 @@ class Watchdog:
         for peer in self._peers:
             self._sends.append(self.comm.Isend([ping, MPI.INT64_T], peer, PING))
         pongs = np.zeros((self.size, PONG_FIELDS), np.int64)
-
-        def receive(peer: int) -> MPI.Request:
-            return self.comm.Irecv([pongs[peer], MPI.INT64_T], peer, PONG)
-
-        requests = [receive(peer) for peer in self._peers]
+        requests = [self._receive(pongs, peer, PONG) for peer in self._peers]
         waiting = set(self._peers)
         deadline = time.monotonic() + answer_within
         while waiting and time.monotonic() < deadline:
@@ -196,7 +199,7 @@ class Watchdog:
                 if int(pongs[peer, 0]) == self._serial:
                     waiting.discard(peer)       # its request stays complete (null)
                 else:                           # a late answer to an earlier call
-                    requests[index] = receive(peer)
+                    requests[index] = self._receive(pongs, peer, PONG)
             self._answer_pings()            # peers may be holding roll calls of their own
             if waiting:
                 time.sleep(0.01)
@@ -212,13 +215,13 @@ class Watchdog:
         in that cycle)."""
         if not self.positions:
             return []
-        furthest = max(position[0] for position in self.positions.values())
+        furthest = furthest_begun(self.positions)
         return sorted(r for r, (begun, waiting, _, _) in self.positions.items()
                       if begun < furthest and waiting)
 
     def report_behind(self, behind: list[int], stuck_for: float, ending: bool) -> str:
         """The warning (and with ``ending``, the job's end) naming the ranks behind."""
-        furthest = max(position[0] for position in self.positions.values())
+        furthest = furthest_begun(self.positions)
         held = "; ".join(
             f"rank {r} on {self.hosts[r]} (pid {self.positions[r][3]}): cycle "
             f"{self.positions[r][0]} begun, {self.positions[r][2]} collectives pending"
