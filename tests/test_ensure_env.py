@@ -1,0 +1,43 @@
+"""scripts/ensure_env.sh with MPIDDP_NO_INSTALL=1: an environment used as it is, never installed
+into (machines with no package index), and a clear refusal where it lacks mpiddp's needs."""
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def source_ensure_env(env_dir: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MPIDDP_NO_INSTALL="1", MPIDDP_VENV=str(env_dir))
+    return subprocess.run(
+        ["bash", "-c", 'source scripts/ensure_env.sh && echo "python: $(command -v python)"'],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_an_environment_without_mpiddps_needs_is_refused_by_name(tmp_path: Path):
+    bare = tmp_path / "bare"
+    venv.create(bare, with_pip=False)
+    result = source_ensure_env(bare)
+    assert result.returncode != 0
+    assert f"{bare} lacks torch mpi4py numpy" in result.stderr
+    assert not (bare / ".mpiddp-stamp").exists()
+    missing = source_ensure_env(tmp_path / "nowhere")
+    assert missing.returncode != 0
+    assert "no environment at" in missing.stderr
+
+
+def test_the_running_environment_is_used_as_it_is(tmp_path: Path):
+    prefix = Path(sys.prefix)   # the suite's own environment: torch, mpi4py and numpy
+    if not os.access(prefix / "bin" / "python", os.X_OK):
+        pytest.skip("the suite does not run in a virtual environment")
+    stamp = prefix / ".mpiddp-stamp"
+    before = stamp.stat().st_mtime_ns if stamp.exists() else None
+    result = source_ensure_env(prefix)
+    assert result.returncode == 0, result.stderr
+    assert f"python: {prefix}/bin/python" in result.stdout
+    assert "installing" not in result.stderr
+    assert (stamp.stat().st_mtime_ns if stamp.exists() else None) == before
