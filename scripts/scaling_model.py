@@ -56,7 +56,7 @@ from mpiddp.collectives.algorithms import AlgorithmChoice  # noqa: E402
 from mpiddp.collectives.cost_model import (ENGINE_CYCLE_S,  # noqa: E402
                                            HOST_REDUCE_SECONDS_PER_BYTE,
                                            NATIVE_SHORT_BYTES, LinkCosts,
-                                           device_priority_cycle_bytes,
+                                           device_priority_cycle_bytes, gradient_cycle_bytes,
                                            halving_doubling_seconds, hierarchical_seconds,
                                            native_seconds, priority_cycle_bytes,
                                            recursive_doubling_seconds,
@@ -231,12 +231,15 @@ class Job:
                                 self.over_sockets, tuple(self.step_overhead().items()))
 
     def cycle_budget(self) -> int:
-        """Forward overlap's cycle budget as the engine sizes it: from the links (host
-        memory); on a device at least what makes a cycle's fixed cost a small share of its
-        transfer (``device_priority_cycle_bytes`` of the modelled cycle)."""
-        budget = priority_cycle_bytes(self.nodes, self.link)
+        """Forward overlap's cycle budget as the engine sizes it: in host memory for the
+        step's gradients from the links (``gradient_cycle_bytes``); on a device at least
+        what makes a cycle's fixed cost a small share of its transfer
+        (``device_priority_cycle_bytes`` of the modelled cycle), and at least the links-only
+        budget."""
         if not self.on_device:
-            return budget
+            gradients = sum(sum(tensor_bytes(self, layer)) for layer in self.layers)
+            return gradient_cycle_bytes(self.nodes, self.link, gradients)
+        budget = priority_cycle_bytes(self.nodes, self.link)
         fixed = self.cycle_s([4])
         per_byte = (self.cycle_s([CYCLE_PROBE_BYTES]) - fixed) / CYCLE_PROBE_BYTES
         return max(budget, device_priority_cycle_bytes(fixed, per_byte))

@@ -90,6 +90,10 @@ class RecordingExecutor:
         self.speculation_bytes = speculation_bytes         # and the engine this
         self.log: list = []          # (name, error or None), in execution order
 
+    def gradient_cycle_bytes(self, gradient_bytes):
+        """No links measured: the budget the engine started with."""
+        return self.priority_cycle_bytes
+
     def knobs(self):
         """What a real executor reports for autotune: every knob applies."""
         return Knobs(fusion_threshold=1 << 20, cycle_time=2.0, ring_threshold=1 << 21,

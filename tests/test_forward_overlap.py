@@ -20,7 +20,7 @@ BITWISE = {"sgd-momentum-nesterov-wd", "adam", "adamw", "sgd+scheduler", "adam+2
 @pytest.fixture(scope="module")
 def two_ranks():
     result = run_mpi("forward_overlap_worker.py", 2,
-                     "bitwise,stale,fallback,refusals,setting,device_budget,compiled,"
+                     "bitwise,stale,fallback,refusals,setting,device_budget,host_budget,compiled,"
                      "inference,dropped,join",
                      timeout=180)
     assert_ok(result)
@@ -77,6 +77,13 @@ def test_device_memorys_budget_is_measured_agreed_and_raised_on_every_rank(two_r
     # host's 1 MiB on one node, and the engine's budget rose to it.
     run, = reported(two_ranks, "device budget")
     assert run["pieces"] > run["before"] == 1 << 20, run
+
+
+def test_host_memorys_cycles_are_sized_for_the_gradients_and_fitted_on_every_rank(two_ranks):
+    # The links' rule stood in for (one node measures none): pieces of a quarter of the
+    # gradients' bytes, the engine's 1 MiB budget fitted down to them.
+    run, = reported(two_ranks, "host budget")
+    assert run["fitted"] == run["wire"] // 4 < run["before"] == 1 << 20, run
 
 
 def test_a_compiled_forward_ends_overlap_and_stays_equal(two_ranks):

@@ -115,6 +115,14 @@ def test_an_all_reduce_longer_than_the_peer_check_completes(cluster):
     assert_ok(result, expect_lines=1)
 
 
+def test_forward_overlap_sizes_its_cycles_from_the_links_across_nodes(cluster):
+    # Net's few KB of gradients on 1 Gbit/s: the least, 256 KiB, below the links-only 1 MiB.
+    result = run_on_cluster("2x1", "forward_overlap_worker.py", "sized", timeout=120)
+    assert_ok(result)
+    run, = reported(result, "sized across nodes")
+    assert run["nodes"] == 2 and run["pieces"] == 256 << 10 < run["links_only"], run
+
+
 def test_training_equivalence_across_nodes(cluster):
     result = run_on_cluster("2x2", "optimizer_worker.py", "equivalence", timeout=300)
     assert_ok(result)

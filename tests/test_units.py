@@ -449,6 +449,49 @@ def test_forward_overlaps_cycle_budget_follows_the_measured_links():
     assert priority_cycle_bytes(1, LinkCosts.from_rate(10, 6)) == least
 
 
+def test_forward_overlaps_cycles_are_sized_for_the_steps_gradients():
+    from mpiddp.collectives.cost_model import (ENGINE_CYCLE_S, GRADIENT_CYCLE_MIN_BYTES,
+                                               PRIORITY_CYCLE_MAX_BYTES, LinkCosts,
+                                               gradient_cycle_bytes, priority_cycle_bytes)
+
+    kib, mib = 1 << 10, 1 << 20
+    resnet50 = 102_000_000               # float32 gradients a step
+    # The emulated cluster's simulated ResNet-50 (light: 20x smaller tensors on 200 Mbit/s;
+    # heavy: 4x smaller on 1 Gbit/s), with the latencies the engine measured there: at 8
+    # nodes on 200 Mbit/s 512 KiB (1 MiB, the links-only budget, was 1.2x slower, 256 KiB
+    # 4% faster), at 2 nodes 256 KiB (1 MiB 1.1x slower); at 2 nodes on 1 Gbit/s 1 MiB, as
+    # before; at 16 nodes on 1 Gbit/s with a core per rank 1 MiB (87% efficiency).
+    light, heavy = resnet50 // 20, resnet50 // 4
+    assert gradient_cycle_bytes(8, LinkCosts.from_rate(0.2, 300), light) == 512 * kib
+    assert gradient_cycle_bytes(2, LinkCosts.from_rate(0.2, 20), light) == 256 * kib
+    assert gradient_cycle_bytes(2, LinkCosts.from_rate(1.0, 20), heavy) == mib
+    assert gradient_cycle_bytes(16, LinkCosts.from_rate(1.0, 50), heavy) == mib
+    # The rule: F G / B + B s least at B = sqrt(G F / s), to the nearest power of two.
+    for ranks, link, grads in ((4, LinkCosts.from_rate(10, 20), resnet50),
+                               (64, LinkCosts.from_rate(25, 10), 4 * resnet50)):
+        budget = gradient_cycle_bytes(ranks, link, grads)
+        fixed = ENGINE_CYCLE_S + 2 * math.ceil(math.log2(ranks)) * link.latency_s
+        per_byte = 2 * (ranks - 1) / ranks * link.seconds_per_byte
+
+        def added(nbytes):
+            return fixed * grads / nbytes + nbytes * per_byte
+        assert budget & (budget - 1) == 0
+        assert added(budget) <= min(added(budget / 2), added(budget * 2))
+    # More gradients or a larger fixed cost: larger cycles; a faster link: larger too.
+    link = LinkCosts.from_rate(10, 20)
+    assert gradient_cycle_bytes(16, link, resnet50) < gradient_cycle_bytes(16, link, 16 * resnet50)
+    assert gradient_cycle_bytes(16, LinkCosts.from_rate(10, 5), resnet50) <= \
+        gradient_cycle_bytes(16, LinkCosts.from_rate(10, 500), resnet50)
+    assert gradient_cycle_bytes(16, LinkCosts.from_rate(1, 20), resnet50) < \
+        gradient_cycle_bytes(16, LinkCosts.from_rate(100, 20), resnet50)
+    # Bounds; nothing measured (one node) or nothing to reduce: the links-only budget.
+    assert gradient_cycle_bytes(2, LinkCosts.from_rate(0.01, 1), 1000) == GRADIENT_CYCLE_MIN_BYTES
+    assert gradient_cycle_bytes(2, LinkCosts.from_rate(400, 500), 10 ** 12) == \
+        PRIORITY_CYCLE_MAX_BYTES
+    assert gradient_cycle_bytes(1, None, resnet50) == priority_cycle_bytes(1, None)
+    assert gradient_cycle_bytes(4, link, 0) == priority_cycle_bytes(4, link)
+
+
 def test_device_memorys_cycle_budget_follows_the_measured_allreduce():
     from mpiddp.collectives.cost_model import (PRIORITY_CYCLE_MAX_BYTES,
                                                PRIORITY_CYCLE_MIN_BYTES,

@@ -79,6 +79,10 @@ PRIORITY_CYCLE_TOLERANCE = 0.03
 # 2 nodes on 1 Gbit/s when forward overlap was built (docs/benchmarks.md, "Forward overlap").
 PRIORITY_CYCLE_MIN_BYTES = 1 << 20
 PRIORITY_CYCLE_MAX_BYTES = 64 << 20
+# Forward overlap's cycles sized for a known step's gradients (``gradient_cycle_bytes``): the
+# least. 128 KiB cycles were slower than 256 KiB ones at 8 nodes on 200 Mbit/s (37 cycles a
+# step; docs/benchmarks.md, "Forward overlap's cycles sized for the step's gradients").
+GRADIENT_CYCLE_MIN_BYTES = 256 << 10
 
 
 @dataclass(frozen=True)
@@ -306,6 +310,28 @@ def priority_cycle_bytes(ranks: int, link: Optional[LinkCosts],
     fixed = ENGINE_CYCLE_S + 2 * log2_steps(ranks) * link.latency_s
     budget = fixed / tolerated_seconds_per_byte(ranks, link, tolerance)
     return power_of_two_between(budget, PRIORITY_CYCLE_MIN_BYTES, PRIORITY_CYCLE_MAX_BYTES)
+
+
+def gradient_cycle_bytes(ranks: int, link: Optional[LinkCosts], gradient_bytes: int) -> int:
+    """Forward overlap's cycle budget where it reduces ``gradient_bytes`` of gradients (on
+    the wire) each step, across ``ranks`` nodes: the size that minimises what cycles add to
+    the step. Each cycle costs a fixed ``ENGINE_CYCLE_S`` and a negotiation (a round trip
+    per level of its recursive doubling), ``gradient_bytes / budget`` times a step; and the
+    most urgent gradient, the first layer's, ready last, waits for the cycle in flight,
+    whose transfer grows with the budget. ``F G / B + B s`` is least at
+    ``B = sqrt(G F / s)`` (``s``: a byte's wire time in a bandwidth-optimal all-reduce),
+    rounded to the nearest power of two (a factor of 1.4 off costs 6% of the least), from
+    ``GRADIENT_CYCLE_MIN_BYTES`` to ``PRIORITY_CYCLE_MAX_BYTES``. Slow links and small models
+    get small cycles (256 KiB on 200 Mbit/s at 8 nodes, where 1 MiB was 1.2x slower), fast
+    links and large models large ones. Nothing measured (one node), or no gradients: the
+    links-only budget (``priority_cycle_bytes``)."""
+    if link is None or ranks < 2 or link.seconds_per_byte <= 0 or gradient_bytes <= 0:
+        return priority_cycle_bytes(ranks, link)
+    fixed = ENGINE_CYCLE_S + 2 * log2_steps(ranks) * link.latency_s
+    per_byte = tolerated_seconds_per_byte(ranks, link, 1.0)
+    best = math.sqrt(gradient_bytes * fixed / per_byte)
+    nearest = 1 << max(0, round(math.log2(best)))
+    return min(max(nearest, GRADIENT_CYCLE_MIN_BYTES), PRIORITY_CYCLE_MAX_BYTES)
 
 
 def device_priority_cycle_bytes(cycle_s: float, seconds_per_byte: float,

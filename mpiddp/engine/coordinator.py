@@ -41,7 +41,8 @@ _WAKE = object()   # inbox token: "look at the flags" (join, shutdown)
 PEER_LOST_GRACE_SECONDS = 5.0
 
 # make_executor(stats, timeline, complete) -> an object with run(responses, entries),
-# knobs(), retune(knobs), close() and priority_cycle_bytes.
+# knobs(), retune(knobs), close(), gradient_cycle_bytes(gradient_bytes) and
+# priority_cycle_bytes.
 ExecutorFactory = Callable[[EngineStats, Timeline, Callable[..., None]], object]
 
 
@@ -89,9 +90,10 @@ class Engine:
         self.timeline = Timeline(bool(settings.timeline))
         self.executor = make_executor(self.stats, self.timeline, self._complete)
         # The cycle budget and the speculative bytes as the executor resolved them (unset:
-        # sized from the measured links; forward overlap may then raise the budget for
-        # gradients in device memory, torch/cycle_budget.py).
+        # sized from the measured links; forward overlap then fits the budget to its pieces,
+        # sized for its gradients, torch/cycle_budget.py).
         self.cycle_budget_sized = settings.priority_cycle_bytes is None
+        self.fitted_pieces = 0          # the largest piece forward overlap asked to fit
         self.settings = settings = replace(
             settings, priority_cycle_bytes=self.executor.priority_cycle_bytes,
             speculation_bytes=self.executor.speculation_bytes)
@@ -145,16 +147,23 @@ class Engine:
                       action=action)
         return self.submit_many([entry])[0]
 
-    def raise_priority_cycle_bytes(self, budget: int) -> Handle:
-        """Raise the cycle budget of prioritized all-reduces to ``budget`` bytes (kept where
-        it is larger, or 0: unlimited) at the same point of the agreed order on every rank.
-        A collective: a barrier every rank submits with the same ``budget``."""
+    def gradient_cycle_bytes(self, gradient_bytes: int) -> int:
+        """Forward overlap's cycle budget for ``gradient_bytes`` of gradients a step, from the
+        links this engine measured (``cost_model.gradient_cycle_bytes``): the same on every
+        rank, whose links are measured together."""
+        return self.executor.gradient_cycle_bytes(gradient_bytes)
+
+    def fit_priority_cycle_bytes(self, pieces: int) -> Handle:
+        """Forward overlap cuts gradients into ``pieces``-byte pieces: make the cycle budget of
+        prioritized all-reduces the largest piece size asked of this engine (replacing the
+        budget sized from the links alone, so that a cycle carries a piece), at the same
+        point of the agreed order on every rank. A collective: a barrier every rank submits
+        with the same ``pieces``."""
         def apply():
-            current = self.settings.priority_cycle_bytes
-            if current and budget > current:
-                self.settings = replace(self.settings, priority_cycle_bytes=budget)
-                self.protocol.settings = self.settings
-        return self.barrier(f"mpiddp.priority_cycle_bytes.{budget}", action=apply)
+            self.fitted_pieces = max(self.fitted_pieces, pieces)
+            self.settings = replace(self.settings, priority_cycle_bytes=self.fitted_pieces)
+            self.protocol.settings = self.settings
+        return self.barrier(f"mpiddp.priority_cycle_bytes.{pieces}", action=apply)
 
     def join(self) -> Handle:
         with self._lock:

@@ -23,8 +23,9 @@ from mpi4py import MPI
 from ..buffers import backend_for
 from ..buffers.dtypes import DType, dtype_named, identity_value
 from ..collectives.algorithms import AUTO, AlgorithmChoice, Links
-from ..collectives.cost_model import (LinkCosts, describe_threshold, measure_link_costs,
-                                      priority_cycle_bytes, speculation_bytes)
+from ..collectives.cost_model import (LinkCosts, describe_threshold, gradient_cycle_bytes,
+                                      measure_link_costs, priority_cycle_bytes,
+                                      speculation_bytes)
 from ..collectives.native import allgatherv, alltoallv, broadcast
 from ..collectives.ring import chunk_bounds, ring_reduce_scatter
 from ..collectives.topology import node_layout
@@ -274,6 +275,11 @@ class Executor:
         if self.rank == 0 and link is not None:
             self._log_links(link)
         self._links: dict = {}
+
+    def gradient_cycle_bytes(self, gradient_bytes: int) -> int:
+        """Forward overlap's cycle budget for ``gradient_bytes`` of gradients a step across
+        these nodes (``cost_model.gradient_cycle_bytes``)."""
+        return gradient_cycle_bytes(self.topology.cross_size, self.link, gradient_bytes)
 
     def _log_links(self, link: LinkCosts) -> None:
         """Rank 0: the measured links, how transfers wait on them, and the thresholds the

@@ -1,7 +1,11 @@
-"""Forward overlap's cycle budget for gradients in device memory, measured on the job.
+"""Forward overlap's cycle budget, sized for the job's gradients.
 
-The engine sizes its cycles of prioritized all-reduces (forward overlap's pieces) for host
-memory, from the links (``collectives/cost_model.py``, ``priority_cycle_bytes``). A cycle of
+Where the user has not set ``MPIDDP_PRIORITY_CYCLE_BYTES``, forward overlap cuts gradients
+into pieces sized for them and makes the engine's cycles of prioritized all-reduces carry one
+piece (``keep_engine_budget``). For gradients in host memory, the pieces are sized from the
+links the engine measured and the gradients' bytes a step (``host_piece_bytes``:
+``cost_model.gradient_cycle_bytes``, few cycles' fixed costs against a short wait for the cycle
+in flight). A cycle of
 device buffers also waits for kernels and staging copies: on an H200 shared by two ranks a
 one-element all-reduce of a CUDA tensor took ~0.74 ms against ~0.09 ms in host memory, and
 forward overlap in the host's 1 MiB cycles ran ResNet-18 at 0.55x the standard path's speed
@@ -81,10 +85,26 @@ def device_piece_bytes(params: list, prefix: str, process_set, engine) -> int | 
     return pieces
 
 
-def keep_engine_budget(engine, pieces: int) -> None:
-    """Raise ``engine``'s cycle budget to ``pieces`` where it is lower, so that a cycle carries
-    a whole piece and the more urgent ones before it. A collective: call it at the same
-    point on every rank, once per engine (``init()`` starts every engine from the settings)."""
+def host_piece_bytes(gradient_bytes: int, engine) -> int | None:
+    """Forward overlap's piece size for ``gradient_bytes`` of gradients a step (on the wire)
+    in host memory, where mpiddp sizes the cycles: from the links ``engine`` measured; the
+    same on every rank. None where the user's budget applies."""
     budget = engine.settings.priority_cycle_bytes
-    if engine.cycle_budget_sized and budget and pieces > budget:
-        engine.raise_priority_cycle_bytes(pieces).wait()
+    if not engine.cycle_budget_sized or not budget:
+        return None
+    pieces = engine.gradient_cycle_bytes(gradient_bytes)
+    if engine.rank == 0 and pieces != budget:
+        log.info("mpiddp: forward overlap reduces %.3g MB of gradients a step, so its cycles "
+                 "carry up to %d KiB (the links alone: %d KiB)", gradient_bytes / 1e6,
+                 pieces >> 10, budget >> 10)
+    return pieces
+
+
+def keep_engine_budget(engine, pieces: int) -> None:
+    """Make ``engine``'s cycle budget the largest piece size asked of it, so that a cycle
+    carries a whole piece (and no more than forward overlap sized it for). A collective:
+    call it at the same point on every rank, once per engine (``init()`` starts every engine
+    from the settings)."""
+    if engine.cycle_budget_sized and engine.settings.priority_cycle_bytes and \
+            pieces != engine.settings.priority_cycle_bytes:
+        engine.fit_priority_cycle_bytes(pieces).wait()

@@ -42,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 from .. import runtime
 from ..reduce_ops import ReduceOp
 from .collectives import allreduce
-from .cycle_budget import device_piece_bytes, keep_engine_budget
+from .cycle_budget import device_piece_bytes, host_piece_bytes, keep_engine_budget
 from .gradient_sync import GradientSync, Round
 from .overlap_trial import OverlapTrial
 
@@ -108,14 +108,16 @@ class ForwardOverlap:
         # where reads are seen. Checked at the end of backward, which may run on an
         # autograd device thread that cannot tell which thread called backward().
         self.forward_guarded = False
-        # Pieces as large as a cycle's budget of prioritized bytes (the engine's: unset, it is
-        # sized from the measured links): one piece per cycle. Gradients in device memory:
-        # pieces sized from a measured device all-reduce, and the engine's budget raised to
-        # them, on every engine this optimizer steps on (cycle_budget.py).
+        # Pieces as large as a cycle's budget of prioritized bytes, one piece per cycle: where
+        # mpiddp sizes the budget (the user set none), pieces sized for this optimizer's
+        # gradients, in host memory from the measured links, in device memory from a
+        # measured device all-reduce, and the engine's budget fitted to them, on every
+        # engine this optimizer steps on (cycle_budget.py).
         engine = runtime.engine_for(sync.process_set, "DistributedOptimizer()")[0]
-        self.device_pieces = device_piece_bytes(sync.params, sync.prefix, sync.process_set,
-                                                engine)
-        sync.piece_bytes = self.device_pieces or engine.settings.priority_cycle_bytes
+        self.sized_pieces = device_piece_bytes(sync.params, sync.prefix, sync.process_set,
+                                               engine) or \
+            host_piece_bytes(sync.wire_bytes(), engine)
+        sync.piece_bytes = self.sized_pieces or engine.settings.priority_cycle_bytes
         self.budget_engine = None
         self._keep_engine_budget(engine)
         self.adopt_new_params()
@@ -178,7 +180,7 @@ class ForwardOverlap:
         if self.deferred is not None:              # step() twice without a forward between
             self.complete()
         self.guard_this_thread()
-        if self.device_pieces:
+        if self.sized_pieces:
             self._keep_engine_budget(
                 runtime.engine_for(self.sync.process_set, "DistributedOptimizer.step()")[0])
         if self.trial is not None:
@@ -205,11 +207,11 @@ class ForwardOverlap:
         return True
 
     def _keep_engine_budget(self, engine) -> None:
-        """Device-sized pieces: the first time this optimizer meets ``engine`` (after an
-        ``init()``, at the same step on every rank), raise its cycle budget to them."""
-        if self.device_pieces and engine is not self.budget_engine:
+        """Sized pieces: the first time this optimizer meets ``engine`` (after an ``init()``,
+        at the same step on every rank), fit its cycle budget to them."""
+        if self.sized_pieces and engine is not self.budget_engine:
             self.budget_engine = engine
-            keep_engine_budget(engine, self.device_pieces)
+            keep_engine_budget(engine, self.sized_pieces)
 
     @contextlib.contextmanager
     def _internal(self):

@@ -150,6 +150,15 @@ class GradientSync:
         self.priorities: dict[torch.Tensor, int] = {}
         self.piece_bytes = 0          # with priorities: gradients are cut into such pieces
 
+    def wire_bytes(self) -> int:
+        """The bytes a step's gradients of the hooked parameters take on the wire (a built-in
+        cast's dtype where one applies): what forward overlap's cycles are sized for."""
+        wire = self.wire_casts.wire_dtype
+        def itemsize(param):
+            cast = wire is not None and param.dtype.is_floating_point and param.dtype != wire
+            return torch.finfo(wire).bits // 8 if cast else param.element_size()
+        return sum(param.numel() * itemsize(param) for param in self.params)
+
     # ---- registration -------------------------------------------------------------------
     def add(self, named: list[tuple[str, torch.Tensor]]) -> None:
         for name, param in named:

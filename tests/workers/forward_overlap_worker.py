@@ -275,7 +275,7 @@ def check_device_budget():
     """Forward overlap's cycle budget for device memory (torch/cycle_budget.py), with host
     memory posing as the device: the ranks measure the all-reduce and agree, the pieces and
     the engine's budget are raised together on every rank (or the ranks would cut
-    different pieces and stall), a lower budget leaves it, a new engine (shutdown, init)
+    different pieces and stall), smaller pieces asked later leave it, a new engine (shutdown, init)
     gets the raised budget at the next step, and training stays bitwise equal to the
     standard path throughout."""
     from mpiddp import runtime
@@ -303,7 +303,7 @@ def check_device_budget():
     assert after == max(before, pieces) == engine.protocol.settings.priority_cycle_bytes, \
         (before, pieces, after)
     assert mpiddp.allgather_object(pieces, name="pieces") == [pieces] * SIZE
-    engine.raise_priority_cycle_bytes(before).wait()
+    engine.fit_priority_cycle_bytes(before).wait()
     assert engine.settings.priority_cycle_bytes == after
     mpiddp.shutdown()
     mpiddp.init()
@@ -317,6 +317,87 @@ def check_device_budget():
     ok("device budget", before=before, pieces=pieces, fixed_us=round(fixed * 1e6),
        ns_per_byte=round(per_byte * 1e9, 3),
        expected=max(before, device_priority_cycle_bytes(fixed, per_byte)))
+
+
+def check_host_budget():
+    """Forward overlap's cycles sized for its gradients in host memory (torch/cycle_budget.py,
+    ``cost_model.gradient_cycle_bytes``), the links' rule stood in for (one node measures no
+    links): each optimizer asks for its gradients' bytes on the wire (halved by fp16
+    compression), its pieces are the size given, the engine's budget is fitted down to them
+    and raised by a second optimizer's larger pieces, the same on every rank; a new engine
+    (shutdown, init) is fitted at the next step; training stays bitwise equal throughout."""
+    from mpiddp import runtime
+    from mpiddp.engine.coordinator import Engine
+
+    asked = []
+
+    def sized(engine, gradient_bytes):
+        asked.append(gradient_bytes)
+        return max(16, gradient_bytes // 4)        # Net's largest tensors are cut
+    real = Engine.gradient_cycle_bytes
+    Engine.gradient_cycle_bytes = sized
+    mpiddp.shutdown()           # a new engine: nothing fitted by the checks before this one
+    mpiddp.init()
+    try:
+        engine = runtime.engine_for(None, "check_host_budget")[0]
+        before = engine.settings.priority_cycle_bytes
+        half = (make(OPTIMIZERS["adamw"], False, mpiddp.Compression.fp16),
+                make(OPTIMIZERS["adamw"], True, mpiddp.Compression.fp16))
+        fitted_half = engine.settings.priority_cycle_bytes
+        full = make(OPTIMIZERS["adam"], False), make(OPTIMIZERS["adam"], True)
+        wire = sum(p.numel() * 4 for p in full[1][0].parameters())
+        pieces = (half[1][1]._mpiddp.piece_bytes, full[1][1]._mpiddp.piece_bytes)
+        assert asked == [wire // 2, wire], (asked, wire)
+        assert pieces == (wire // 8, wire // 4) and fitted_half == wire // 8, pieces
+        fitted = engine.settings.priority_cycle_bytes
+        assert fitted == wire // 4 < before == 1 << 20, (fitted, before)
+        assert engine.protocol.settings.priority_cycle_bytes == fitted
+        for standard, overlap in (half, full):
+            data = batches(25)
+            train(*standard, data)
+            train(*overlap, data)
+            equal_state(standard, overlap)
+        assert mpiddp.allgather_object(fitted, name="fitted") == [fitted] * SIZE
+        mpiddp.shutdown()
+        mpiddp.init()
+        engine = runtime.engine_for(None, "check_host_budget")[0]
+        assert engine.settings.priority_cycle_bytes == before
+        for standard, overlap in (half, full):
+            data = batches(26)
+            train(*standard, data)
+            train(*overlap, data)
+            equal_state(standard, overlap)
+        assert engine.settings.priority_cycle_bytes == fitted, "a new engine kept its budget"
+    finally:
+        Engine.gradient_cycle_bytes = real
+    mpiddp.shutdown()           # the checks after this one: engines sized as they would be
+    mpiddp.init()
+    ok("host budget", before=before, wire=wire, fitted=fitted)
+
+
+def check_sized_across_nodes():
+    """Across nodes (the links measured at start): forward overlap's pieces are sized for the
+    optimizer's gradients by the links' rule, the engine's budget is fitted to them, the
+    same on every rank, and training stays bitwise equal (tests/test_multinode.py)."""
+    from mpiddp import runtime
+    from mpiddp.collectives.cost_model import gradient_cycle_bytes
+
+    engine = runtime.engine_for(None, "check_sized_across_nodes")[0]
+    link, nodes = engine.executor.link, engine.executor.topology.cross_size
+    assert link is not None and nodes > 1, "the ranks do not span nodes"
+    links_only = engine.settings.priority_cycle_bytes
+    standard, overlap = make(OPTIMIZERS["adam"], False), make(OPTIMIZERS["adam"], True)
+    sync = overlap[1]._mpiddp
+    pieces = gradient_cycle_bytes(nodes, link, sync.wire_bytes())
+    assert sync.piece_bytes == pieces == engine.settings.priority_cycle_bytes, \
+        (sync.piece_bytes, pieces, engine.settings.priority_cycle_bytes)
+    assert mpiddp.allgather_object(pieces, name="sized_pieces") == [pieces] * SIZE
+    data = batches(27)
+    train(*standard, data)
+    train(*overlap, data)
+    equal_state(standard, overlap)
+    ok("sized across nodes", nodes=nodes, pieces=pieces, links_only=links_only,
+       wire=sync.wire_bytes())
 
 
 def check_compiled_forward_ends_overlap():
@@ -413,7 +494,9 @@ def check_a_dropped_optimizer_still_updates():
     ok("a dropped optimizer's update lands", released=released)
 
 
-CHECKS = {"device_budget": check_device_budget, "compiled": check_compiled_forward_ends_overlap,
+CHECKS = {"device_budget": check_device_budget, "host_budget": check_host_budget,
+          "sized": check_sized_across_nodes,
+          "compiled": check_compiled_forward_ends_overlap,
           "inference": check_inference_mode_between_steps,
           "dropped": check_a_dropped_optimizer_still_updates,
           "auto": check_auto_switches_in_step_and_stays_bitwise_equal,
