@@ -153,17 +153,17 @@ class Engine:
         rank, whose links are measured together."""
         return self.executor.gradient_cycle_bytes(gradient_bytes)
 
-    def fit_priority_cycle_bytes(self, pieces: int) -> Handle:
-        """Forward overlap cuts gradients into ``pieces``-byte pieces: make the cycle budget of
-        prioritized all-reduces the largest piece size asked of this engine (replacing the
-        budget sized from the links alone, so that a cycle carries a piece), at the same
-        point of the agreed order on every rank. A collective: a barrier every rank submits
-        with the same ``pieces``."""
+    def fit_priority_cycle_bytes(self, pieces: int, owner: str) -> Handle:
+        """Forward overlap (of the optimizer ``owner``) cuts gradients into ``pieces``-byte
+        pieces: make the cycle budget of prioritized all-reduces the largest piece size asked
+        of this engine (replacing the budget sized from the links alone, so that a cycle
+        carries a piece), at the same point of the agreed order on every rank. A
+        collective: a barrier every rank submits with the same ``pieces``."""
         def apply():
             self.fitted_pieces = max(self.fitted_pieces, pieces)
             self.settings = replace(self.settings, priority_cycle_bytes=self.fitted_pieces)
             self.protocol.settings = self.settings
-        return self.barrier(f"mpiddp.priority_cycle_bytes.{pieces}", action=apply)
+        return self.barrier(f"mpiddp.priority_cycle_bytes.{owner}.{pieces}", action=apply)
 
     def join(self) -> Handle:
         with self._lock:

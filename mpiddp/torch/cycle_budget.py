@@ -2,10 +2,11 @@
 
 Where the user has not set ``MPIDDP_PRIORITY_CYCLE_BYTES``, forward overlap cuts gradients
 into pieces sized for them and makes the engine's cycles of prioritized all-reduces carry one
-piece (``keep_engine_budget``). For gradients in host memory, the pieces are sized from the
-links the engine measured and the gradients' bytes a step (``host_piece_bytes``:
-``cost_model.gradient_cycle_bytes``, few cycles' fixed costs against a short wait for the cycle
-in flight). A cycle of
+piece (``Engine.fit_priority_cycle_bytes``). For gradients in host memory, the pieces are
+sized from the links the engine measured and the gradients' bytes a step
+(``host_piece_bytes``: ``cost_model.gradient_cycle_bytes``, few cycles' fixed costs against a
+short wait for the cycle in flight), at the first submission on each engine
+(``ForwardOverlap``). A cycle of
 device buffers also waits for kernels and staging copies: on an H200 shared by two ranks a
 one-element all-reduce of a CUDA tensor took ~0.74 ms against ~0.09 ms in host memory, and
 forward overlap in the host's 1 MiB cycles ran ResNet-18 at 0.55x the standard path's speed
@@ -100,11 +101,11 @@ def host_piece_bytes(gradient_bytes: int, engine) -> int | None:
     return pieces
 
 
-def keep_engine_budget(engine, pieces: int) -> None:
-    """Make ``engine``'s cycle budget the largest piece size asked of it, so that a cycle
-    carries a whole piece (and no more than forward overlap sized it for). A collective:
-    call it at the same point on every rank, once per engine (``init()`` starts every engine
-    from the settings)."""
-    if engine.cycle_budget_sized and engine.settings.priority_cycle_bytes and \
-            pieces != engine.settings.priority_cycle_bytes:
-        engine.fit_priority_cycle_bytes(pieces).wait()
+def keep_engine_budget(engine, pieces: int, owner: str) -> None:
+    """Raise ``engine``'s cycle budget to device-sized ``pieces`` where it is lower, so that a
+    cycle carries a whole piece. A collective of the optimizer ``owner``: call it at the same
+    point on every rank, once per engine (``init()`` starts every engine from the
+    settings)."""
+    budget = engine.settings.priority_cycle_bytes
+    if engine.cycle_budget_sized and budget and pieces > budget:
+        engine.fit_priority_cycle_bytes(pieces, owner).wait()

@@ -108,18 +108,20 @@ class ForwardOverlap:
         # where reads are seen. Checked at the end of backward, which may run on an
         # autograd device thread that cannot tell which thread called backward().
         self.forward_guarded = False
-        # Pieces as large as a cycle's budget of prioritized bytes, one piece per cycle: where
-        # mpiddp sizes the budget (the user set none), pieces sized for this optimizer's
-        # gradients, in host memory from the measured links, in device memory from a
-        # measured device all-reduce, and the engine's budget fitted to them, on every
-        # engine this optimizer steps on (cycle_budget.py).
+        # Pieces as large as a cycle's budget of prioritized bytes, one piece per cycle. Where
+        # mpiddp sizes the budget (the user set none), the pieces are sized for this
+        # optimizer's gradients and the engine's budget fitted to them, on every engine it
+        # steps on (cycle_budget.py): in device memory from a device all-reduce measured
+        # now; in host memory from each engine's links, at the first submission there.
         engine = runtime.engine_for(sync.process_set, "DistributedOptimizer()")[0]
-        self.sized_pieces = device_piece_bytes(sync.params, sync.prefix, sync.process_set,
-                                               engine) or \
-            host_piece_bytes(sync.wire_bytes(), engine)
-        sync.piece_bytes = self.sized_pieces or engine.settings.priority_cycle_bytes
+        self.device_pieces = device_piece_bytes(sync.params, sync.prefix, sync.process_set,
+                                                engine)
+        sync.piece_bytes = self.device_pieces or engine.settings.priority_cycle_bytes
         self.budget_engine = None
-        self._keep_engine_budget(engine)
+        if self.device_pieces:
+            self._keep_engine_budget(engine)
+        else:
+            sync.before_prioritized_flush = self._size_host_pieces
         self.adopt_new_params()
         _live.add(self)
 
@@ -180,7 +182,7 @@ class ForwardOverlap:
         if self.deferred is not None:              # step() twice without a forward between
             self.complete()
         self.guard_this_thread()
-        if self.sized_pieces:
+        if self.device_pieces:
             self._keep_engine_budget(
                 runtime.engine_for(self.sync.process_set, "DistributedOptimizer.step()")[0])
         if self.trial is not None:
@@ -207,11 +209,25 @@ class ForwardOverlap:
         return True
 
     def _keep_engine_budget(self, engine) -> None:
-        """Sized pieces: the first time this optimizer meets ``engine`` (after an ``init()``,
-        at the same step on every rank), fit its cycle budget to them."""
-        if self.sized_pieces and engine is not self.budget_engine:
+        """Device-sized pieces: the first time this optimizer meets ``engine`` (after an
+        ``init()``, at the same step on every rank), fit its cycle budget to them."""
+        if self.device_pieces and engine is not self.budget_engine:
             self.budget_engine = engine
-            keep_engine_budget(engine, self.sized_pieces)
+            keep_engine_budget(engine, self.device_pieces, self.sync.prefix)
+
+    def _size_host_pieces(self) -> None:
+        """Gradients in host memory, at each prioritized submission: the first on an engine
+        (after every ``init()``) sizes the pieces for the gradients from that engine's links
+        and fits its budget to them, by a barrier submitted ahead of them and not waited for
+        (every rank submits the same at the same point: its first gradients there)."""
+        engine = runtime.engine_for(self.sync.process_set, "DistributedOptimizer")[0]
+        if engine is self.budget_engine:
+            return
+        self.budget_engine = engine
+        pieces = host_piece_bytes(self.sync.wire_bytes(), engine)
+        if pieces:
+            self.sync.piece_bytes = pieces
+            engine.fit_priority_cycle_bytes(pieces, self.sync.prefix)
 
     @contextlib.contextmanager
     def _internal(self):

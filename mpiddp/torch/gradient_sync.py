@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -149,6 +149,9 @@ class GradientSync:
         # param -> all-reduce priority (1 = most urgent); empty: no priorities (standard path)
         self.priorities: dict[torch.Tensor, int] = {}
         self.piece_bytes = 0          # with priorities: gradients are cut into such pieces
+        # Called before prioritized gradients are submitted (forward overlap sizes the pieces
+        # for the engine they go to).
+        self.before_prioritized_flush: Optional[Callable[[], None]] = None
 
     def wire_bytes(self) -> int:
         """The bytes a step's gradients of the hooked parameters take on the wire (a built-in
@@ -254,6 +257,8 @@ class GradientSync:
         the handles of the ``extra`` entries."""
         if not self.bucket and not extra:
             return []
+        if self.priorities and self.before_prioritized_flush is not None:
+            self.before_prioritized_flush()
         entries, items = [], []      # items: (Pending, how many entries it has)
         for param in self.bucket:
             item = self.pending[param]

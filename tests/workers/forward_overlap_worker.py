@@ -303,7 +303,7 @@ def check_device_budget():
     assert after == max(before, pieces) == engine.protocol.settings.priority_cycle_bytes, \
         (before, pieces, after)
     assert mpiddp.allgather_object(pieces, name="pieces") == [pieces] * SIZE
-    engine.fit_priority_cycle_bytes(before).wait()
+    engine.fit_priority_cycle_bytes(before, "check").wait()
     assert engine.settings.priority_cycle_bytes == after
     mpiddp.shutdown()
     mpiddp.init()
@@ -322,10 +322,10 @@ def check_device_budget():
 def check_host_budget():
     """Forward overlap's cycles sized for its gradients in host memory (torch/cycle_budget.py,
     ``cost_model.gradient_cycle_bytes``), the links' rule stood in for (one node measures no
-    links): each optimizer asks for its gradients' bytes on the wire (halved by fp16
-    compression), its pieces are the size given, the engine's budget is fitted down to them
-    and raised by a second optimizer's larger pieces, the same on every rank; a new engine
-    (shutdown, init) is fitted at the next step; training stays bitwise equal throughout."""
+    links): at its first submission each optimizer asks for its gradients' bytes on the wire
+    (halved by fp16 compression), its pieces are the size given, the engine's budget is
+    fitted down to them and raised by a second optimizer's larger pieces, the same on every
+    rank; a new engine (shutdown, init) is sized again; training stays bitwise equal."""
     from mpiddp import runtime
     from mpiddp.engine.coordinator import Engine
 
@@ -343,20 +343,23 @@ def check_host_budget():
         before = engine.settings.priority_cycle_bytes
         half = (make(OPTIMIZERS["adamw"], False, mpiddp.Compression.fp16),
                 make(OPTIMIZERS["adamw"], True, mpiddp.Compression.fp16))
-        fitted_half = engine.settings.priority_cycle_bytes
         full = make(OPTIMIZERS["adam"], False), make(OPTIMIZERS["adam"], True)
+        assert asked == [] and engine.settings.priority_cycle_bytes == before, asked
         wire = sum(p.numel() * 4 for p in full[1][0].parameters())
-        pieces = (half[1][1]._mpiddp.piece_bytes, full[1][1]._mpiddp.piece_bytes)
-        assert asked == [wire // 2, wire], (asked, wire)
-        assert pieces == (wire // 8, wire // 4) and fitted_half == wire // 8, pieces
-        fitted = engine.settings.priority_cycle_bytes
-        assert fitted == wire // 4 < before == 1 << 20, (fitted, before)
-        assert engine.protocol.settings.priority_cycle_bytes == fitted
+        budgets = []
         for standard, overlap in (half, full):
             data = batches(25)
             train(*standard, data)
             train(*overlap, data)
             equal_state(standard, overlap)
+            budgets.append(engine.settings.priority_cycle_bytes)
+        pieces = (half[1][1]._mpiddp.piece_bytes, full[1][1]._mpiddp.piece_bytes)
+        assert asked == [wire // 2, wire], (asked, wire)
+        assert pieces == (wire // 8, wire // 4) and budgets == [wire // 8, wire // 4], \
+            (pieces, budgets)
+        fitted = budgets[-1]
+        assert fitted < before == 1 << 20 and \
+            engine.protocol.settings.priority_cycle_bytes == fitted, (fitted, before)
         assert mpiddp.allgather_object(fitted, name="fitted") == [fitted] * SIZE
         mpiddp.shutdown()
         mpiddp.init()
@@ -367,6 +370,7 @@ def check_host_budget():
             train(*standard, data)
             train(*overlap, data)
             equal_state(standard, overlap)
+        assert asked == [wire // 2, wire] * 2, asked
         assert engine.settings.priority_cycle_bytes == fitted, "a new engine kept its budget"
     finally:
         Engine.gradient_cycle_bytes = real
@@ -389,13 +393,13 @@ def check_sized_across_nodes():
     standard, overlap = make(OPTIMIZERS["adam"], False), make(OPTIMIZERS["adam"], True)
     sync = overlap[1]._mpiddp
     pieces = gradient_cycle_bytes(nodes, link, sync.wire_bytes())
-    assert sync.piece_bytes == pieces == engine.settings.priority_cycle_bytes, \
-        (sync.piece_bytes, pieces, engine.settings.priority_cycle_bytes)
-    assert mpiddp.allgather_object(pieces, name="sized_pieces") == [pieces] * SIZE
     data = batches(27)
     train(*standard, data)
     train(*overlap, data)
     equal_state(standard, overlap)
+    assert sync.piece_bytes == pieces == engine.settings.priority_cycle_bytes, \
+        (sync.piece_bytes, pieces, engine.settings.priority_cycle_bytes)
+    assert mpiddp.allgather_object(pieces, name="sized_pieces") == [pieces] * SIZE
     ok("sized across nodes", nodes=nodes, pieces=pieces, links_only=links_only,
        wire=sync.wire_bytes())
 
