@@ -72,18 +72,18 @@ def test_the_setting_turns_it_on_for_an_unchanged_script(two_ranks, three_ranks)
     assert [r["on"] for r in reported(three_ranks, "setting")] == [True]
 
 
-def test_device_memorys_budget_is_measured_agreed_and_raised_on_every_rank(two_ranks):
+def test_device_memorys_budget_is_measured_agreed_and_carried_on_every_rank(two_ranks):
     # Host memory poses as the device (no GPU here): the measured budget is above the
-    # host's 1 MiB on one node, and the engine's budget rose to it.
+    # host's 1 MiB on one node, and the pieces' requests carry it on every engine.
     run, = reported(two_ranks, "device budget")
     assert run["pieces"] > run["before"] == 1 << 20, run
 
 
-def test_host_memorys_cycles_are_sized_for_the_gradients_and_fitted_on_every_rank(two_ranks):
+def test_host_memorys_cycles_are_sized_for_the_gradients_on_every_rank(two_ranks):
     # The links' rule stood in for (one node measures none): pieces of a quarter of the
-    # gradients' bytes, the engine's 1 MiB budget fitted down to them.
+    # gradients' bytes, their requests carrying that as their cycles' budget.
     run, = reported(two_ranks, "host budget")
-    assert run["fitted"] == run["wire"] // 4 < run["before"] == 1 << 20, run
+    assert run["pieces"] == run["wire"] // 4 < run["before"] == 1 << 20, run
 
 
 def test_a_compiled_forward_ends_overlap_and_stays_equal(two_ranks):

@@ -375,6 +375,30 @@ def test_urgent_allreduces_overtake_less_urgent_ones_within_the_cycle_budget():
     assert all(not p.pending for p in ranks)
 
 
+def test_prioritized_requests_carry_their_cycles_budget():
+    """Requests that carry a cycle budget (forward overlap's sized pieces) cut cycles there
+    instead of at the engine's setting: the largest among the ready ones, the agreed
+    request's (rank 0's here: rank 1 asks for more), the same cut on every rank."""
+    settings = replace(TEST_SETTINGS, priority_cycle_bytes=4096)
+    ranks = [CycleProtocol(r, 2, settings) for r in range(2)]
+
+    def cycle():
+        results, _ = cycle_by_hand(ranks)
+        assert [r.name for r in results[0].ready] == [r.name for r in results[1].ready]
+        return [r.name for r in results[0].ready]
+
+    for p in ranks:
+        asked = 1024 if p.rank == 0 else 8192
+        p.add([entry(f"piece{i}", shape=(256,), priority=i, cycle_bytes=asked)
+               for i in (1, 2, 3, 4)])
+    assert cycle() == ["piece1"]        # 1 KiB a cycle, not the setting's 4 KiB
+    for p in ranks:
+        p.add([entry("big", shape=(512,), priority=9, cycle_bytes=2048)])
+    assert cycle() == ["piece2", "piece3"]      # 2 KiB: the largest ready budget
+    assert cycle() == ["piece4", "big"]
+    assert all(not p.pending for p in ranks)
+
+
 def test_input_rejected_on_one_rank_fails_on_every_rank():
     """Rank 0 rejects its input (it submits the request marked invalid instead of raising
     alone); every rank gets the agreed error naming rank 0 and its reason, nobody waits."""

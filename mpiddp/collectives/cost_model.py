@@ -322,8 +322,8 @@ def gradient_cycle_bytes(ranks: int, link: Optional[LinkCosts], gradient_bytes: 
     ``B = sqrt(G F / s)`` (``s``: a byte's wire time in a bandwidth-optimal all-reduce),
     rounded to the nearest power of two (a factor of 1.4 off costs 6% of the least), from
     ``GRADIENT_CYCLE_MIN_BYTES`` to ``PRIORITY_CYCLE_MAX_BYTES``. Slow links and small models
-    get small cycles (256 KiB on 200 Mbit/s at 8 nodes, where 1 MiB was 1.2x slower), fast
-    links and large models large ones. Nothing measured (one node), or no gradients: the
+    get small cycles (on 200 Mbit/s at 8 emulated nodes 256-512 KiB were best for a 5 MB
+    model, 1 MiB 1.2x slower), fast links and large models large ones. Nothing measured (one node), or no gradients: the
     links-only budget (``priority_cycle_bytes``)."""
     if link is None or ranks < 2 or link.seconds_per_byte <= 0 or gradient_bytes <= 0:
         return priority_cycle_bytes(ranks, link)

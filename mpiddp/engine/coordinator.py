@@ -90,10 +90,9 @@ class Engine:
         self.timeline = Timeline(bool(settings.timeline))
         self.executor = make_executor(self.stats, self.timeline, self._complete)
         # The cycle budget and the speculative bytes as the executor resolved them (unset:
-        # sized from the measured links; forward overlap then fits the budget to its pieces,
-        # sized for its gradients, torch/cycle_budget.py).
+        # sized from the measured links; forward overlap's requests then carry a budget of
+        # their own, sized for its gradients: Request.cycle_bytes, torch/cycle_budget.py).
         self.cycle_budget_sized = settings.priority_cycle_bytes is None
-        self.fitted_pieces = 0          # the largest piece forward overlap asked to fit
         self.settings = settings = replace(
             settings, priority_cycle_bytes=self.executor.priority_cycle_bytes,
             speculation_bytes=self.executor.speculation_bytes)
@@ -152,18 +151,6 @@ class Engine:
         links this engine measured (``cost_model.gradient_cycle_bytes``): the same on every
         rank, whose links are measured together."""
         return self.executor.gradient_cycle_bytes(gradient_bytes)
-
-    def fit_priority_cycle_bytes(self, pieces: int, owner: str) -> Handle:
-        """Forward overlap (of the optimizer ``owner``) cuts gradients into ``pieces``-byte
-        pieces: make the cycle budget of prioritized all-reduces the largest piece size asked
-        of this engine (replacing the budget sized from the links alone, so that a cycle
-        carries a piece), at the same point of the agreed order on every rank. A
-        collective: a barrier every rank submits with the same ``pieces``."""
-        def apply():
-            self.fitted_pieces = max(self.fitted_pieces, pieces)
-            self.settings = replace(self.settings, priority_cycle_bytes=self.fitted_pieces)
-            self.protocol.settings = self.settings
-        return self.barrier(f"mpiddp.priority_cycle_bytes.{owner}.{pieces}", action=apply)
 
     def join(self) -> Handle:
         with self._lock:

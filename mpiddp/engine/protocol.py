@@ -17,8 +17,9 @@ A cycle, on every rank:
    that cycle, so all switch at the same point of the order.
 5. ``conclude()``: cached ready names and the plan's responses, in that order, become the
    ``CycleResult`` that every rank executes identically. Prioritized all-reduces
-   (``Request.priority > 0``) go last, most urgent first, up to ``priority_cycle_bytes``; the
-   rest stay pending for the next cycle. Every rank computes the same cut from the same agreed
+   (``Request.priority > 0``) go last, most urgent first, up to the largest budget their
+   requests carry (``Request.cycle_bytes``), else ``priority_cycle_bytes``; the rest stay
+   pending for the next cycle. Every rank computes the same cut from the same agreed
    list, so the ranks never disagree on what runs.
 """
 from __future__ import annotations
@@ -333,7 +334,10 @@ class CycleProtocol:
             return r.request.priority and r.request.kind == ALLREDUCE and r.error is None
         plain = [r for r in ready if not urgent(r)]
         by_urgency = sorted(filter(urgent, ready), key=lambda r: r.request.priority)
-        budget = self.settings.priority_cycle_bytes
+        # The requests' own budget (the largest among them: a cycle carries a whole piece of
+        # each), else the engine's.
+        budget = max(r.request.cycle_bytes for r in by_urgency) if by_urgency else 0
+        budget = budget or self.settings.priority_cycle_bytes
         taken, used = [], 0
         for response in by_urgency:
             request = response.request

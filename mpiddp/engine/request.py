@@ -48,6 +48,11 @@ class Request(NamedTuple):
     # and the rest wait one cycle so that more urgent ones submitted meanwhile overtake them
     # (forward overlap: the next forward needs the first layers' gradients first).
     priority: int = 0
+    # Prioritized all-reduces: the most bytes of them one cycle runs, carried by the request
+    # (forward overlap's pieces, sized for its gradients: torch/cycle_budget.py); 0: the
+    # engine's Settings.priority_cycle_bytes. The agreed request's value counts, so every
+    # rank cuts a cycle at the same place.
+    cycle_bytes: int = 0
 
     @property
     def device_type(self) -> str:

@@ -1,9 +1,10 @@
 """Forward overlap's cycle budget, sized for the job's gradients.
 
 Where the user has not set ``MPIDDP_PRIORITY_CYCLE_BYTES``, forward overlap cuts gradients
-into pieces sized for them and makes the engine's cycles of prioritized all-reduces carry one
-piece (``Engine.fit_priority_cycle_bytes``). For gradients in host memory, the pieces are
-sized from the links the engine measured and the gradients' bytes a step
+into pieces sized for them, and each piece's request carries that size as its cycle's budget
+(``Request.cycle_bytes``: the engine's cycles of prioritized all-reduces carry one piece; the
+agreed request's value, so nothing else needs agreeing). For gradients in host memory, the
+pieces are sized from the links the engine measured and the gradients' bytes a step
 (``host_piece_bytes``: ``cost_model.gradient_cycle_bytes``, few cycles' fixed costs against a
 short wait for the cycle in flight), at the first submission on each engine
 (``ForwardOverlap``). A cycle of
@@ -99,13 +100,3 @@ def host_piece_bytes(gradient_bytes: int, engine) -> int | None:
                  "carry up to %d KiB (the links alone: %d KiB)", gradient_bytes / 1e6,
                  pieces >> 10, budget >> 10)
     return pieces
-
-
-def keep_engine_budget(engine, pieces: int, owner: str) -> None:
-    """Raise ``engine``'s cycle budget to device-sized ``pieces`` where it is lower, so that a
-    cycle carries a whole piece. A collective of the optimizer ``owner``: call it at the same
-    point on every rank, once per engine (``init()`` starts every engine from the
-    settings)."""
-    budget = engine.settings.priority_cycle_bytes
-    if engine.cycle_budget_sized and budget and pieces > budget:
-        engine.fit_priority_cycle_bytes(pieces, owner).wait()

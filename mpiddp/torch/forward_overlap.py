@@ -42,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 from .. import runtime
 from ..reduce_ops import ReduceOp
 from .collectives import allreduce
-from .cycle_budget import device_piece_bytes, host_piece_bytes, keep_engine_budget
+from .cycle_budget import device_piece_bytes, host_piece_bytes
 from .gradient_sync import GradientSync, Round
 from .overlap_trial import OverlapTrial
 
@@ -110,17 +110,16 @@ class ForwardOverlap:
         self.forward_guarded = False
         # Pieces as large as a cycle's budget of prioritized bytes, one piece per cycle. Where
         # mpiddp sizes the budget (the user set none), the pieces are sized for this
-        # optimizer's gradients and the engine's budget fitted to them, on every engine it
-        # steps on (cycle_budget.py): in device memory from a device all-reduce measured
-        # now; in host memory from each engine's links, at the first submission there.
+        # optimizer's gradients and carry their cycle budget with them (Request.cycle_bytes,
+        # cycle_budget.py): in device memory from a device all-reduce measured now, in host
+        # memory from the links of each engine, at the first submission there.
         engine = runtime.engine_for(sync.process_set, "DistributedOptimizer()")[0]
         self.device_pieces = device_piece_bytes(sync.params, sync.prefix, sync.process_set,
                                                 engine)
         sync.piece_bytes = self.device_pieces or engine.settings.priority_cycle_bytes
-        self.budget_engine = None
-        if self.device_pieces:
-            self._keep_engine_budget(engine)
-        else:
+        sync.cycle_bytes = self.device_pieces or 0
+        self.sized_engine = None
+        if not self.device_pieces:
             sync.before_prioritized_flush = self._size_host_pieces
         self.adopt_new_params()
         _live.add(self)
@@ -182,9 +181,6 @@ class ForwardOverlap:
         if self.deferred is not None:              # step() twice without a forward between
             self.complete()
         self.guard_this_thread()
-        if self.device_pieces:
-            self._keep_engine_budget(
-                runtime.engine_for(self.sync.process_set, "DistributedOptimizer.step()")[0])
         if self.trial is not None:
             with self._internal():
                 self._set_enabled(self.trial.on_step())   # for the next step
@@ -208,26 +204,17 @@ class ForwardOverlap:
         self.sync.marks.record("step_end")
         return True
 
-    def _keep_engine_budget(self, engine) -> None:
-        """Device-sized pieces: the first time this optimizer meets ``engine`` (after an
-        ``init()``, at the same step on every rank), fit its cycle budget to them."""
-        if self.device_pieces and engine is not self.budget_engine:
-            self.budget_engine = engine
-            keep_engine_budget(engine, self.device_pieces, self.sync.prefix)
-
     def _size_host_pieces(self) -> None:
         """Gradients in host memory, at each prioritized submission: the first on an engine
-        (after every ``init()``) sizes the pieces for the gradients from that engine's links
-        and fits its budget to them, by a barrier submitted ahead of them and not waited for
-        (every rank submits the same at the same point: its first gradients there)."""
+        (after every ``init()``) sizes the pieces, and the cycles that carry them, for the
+        gradients from that engine's links (the same on every rank; nothing to agree)."""
         engine = runtime.engine_for(self.sync.process_set, "DistributedOptimizer")[0]
-        if engine is self.budget_engine:
+        if engine is self.sized_engine:
             return
-        self.budget_engine = engine
+        self.sized_engine = engine
         pieces = host_piece_bytes(self.sync.wire_bytes(), engine)
         if pieces:
-            self.sync.piece_bytes = pieces
-            engine.fit_priority_cycle_bytes(pieces, self.sync.prefix)
+            self.sync.piece_bytes = self.sync.cycle_bytes = pieces
 
     @contextlib.contextmanager
     def _internal(self):

@@ -149,18 +149,24 @@ class GradientSync:
         # param -> all-reduce priority (1 = most urgent); empty: no priorities (standard path)
         self.priorities: dict[torch.Tensor, int] = {}
         self.piece_bytes = 0          # with priorities: gradients are cut into such pieces
+        self.cycle_bytes = 0          # ... and a cycle runs this many bytes of them (0: the
+                                      # engine's budget; forward overlap's sized pieces)
         # Called before prioritized gradients are submitted (forward overlap sizes the pieces
         # for the engine they go to).
         self.before_prioritized_flush: Optional[Callable[[], None]] = None
 
     def wire_bytes(self) -> int:
-        """The bytes a step's gradients of the hooked parameters take on the wire (a built-in
-        cast's dtype where one applies): what forward overlap's cycles are sized for."""
+        """The bytes a step's gradients take on the wire (a built-in cast's dtype where one
+        applies): what forward overlap's cycles are sized for. Every parameter that requires
+        a gradient now, hooked or not yet adopted (unfrozen since the last round): the same
+        on every rank whichever hook submits first."""
         wire = self.wire_casts.wire_dtype
         def itemsize(param):
             cast = wire is not None and param.dtype.is_floating_point and param.dtype != wire
             return torch.finfo(wire).bits // 8 if cast else param.element_size()
-        return sum(param.numel() * itemsize(param) for param in self.params)
+        params = self.params + [param for _, param in self.frozen]
+        params = [param for param in params if param.requires_grad]
+        return sum(param.numel() * itemsize(param) for param in params)
 
     # ---- registration -------------------------------------------------------------------
     def add(self, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -268,7 +274,8 @@ class GradientSync:
             for k, piece in enumerate(pieces):
                 entries.append(allreduce_request_(
                     piece, name if len(pieces) == 1 else f"{name}#{k}", self.op,
-                    self.prescale, self.postscale, priority=priority, ready_event=item.ready))
+                    self.prescale, self.postscale, priority=priority,
+                    cycle_bytes=self.cycle_bytes if priority else 0, ready_event=item.ready))
             items.append((item, len(pieces)))
         self.bucket = []
         self.bucket_bytes = 0

@@ -229,7 +229,7 @@ def submit_checked(engine, kind: str, names: list[str], build: Callable[[], Buil
 
 def allreduce_request_(tensor: torch.Tensor, name: str, op: ReduceOp | int = ReduceOp.AVERAGE,
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       priority: int = 0,
+                       priority: int = 0, cycle_bytes: int = 0,
                        ready_event: Optional["torch.cuda.Event"] = None) -> Entry:
     """Check ``tensor`` and describe an in-place all-reduce of it named ``name``, without
     submitting it: a building block for framework glue (``DistributedOptimizer``) that
@@ -244,6 +244,8 @@ def allreduce_request_(tensor: torch.Tensor, name: str, op: ReduceOp | int = Red
         postscale_factor: multiply the result by this (floating-point only). Default 1.0.
         priority: 0 (default) runs in submission order; > 0 lets the engine run it by
             urgency, 1 first (the same on every rank; see ``Request.priority``).
+        cycle_bytes: with a priority, the most bytes of prioritized all-reduces a cycle
+            runs (``Request.cycle_bytes``); 0 (default): ``MPIDDP_PRIORITY_CYCLE_BYTES``.
         ready_event: for a CUDA tensor, a ``torch.cuda.Event`` recorded on the stream that
             produced it, where it was produced (a gradient's hook); default None: recorded
             now on the current stream.
@@ -263,7 +265,8 @@ def allreduce_request_(tensor: torch.Tensor, name: str, op: ReduceOp | int = Red
     entry = allreduce_entry(tensor, tensor, name, ReduceOp(op), prescale_factor,
                             postscale_factor, ready_event)
     if priority:
-        entry.request = entry.request._replace(priority=int(priority))
+        entry.request = entry.request._replace(priority=int(priority),
+                                               cycle_bytes=int(cycle_bytes))
     return entry
 
 

@@ -271,13 +271,24 @@ def check_auto_switches_in_step_and_stays_bitwise_equal():
        deferred_steps=schedule.deferred_steps)
 
 
+def agreed_cycle_bytes(engine, sync) -> set:
+    """The cycle budgets the engine's agreed (cached) requests for ``sync``'s gradients
+    carry (``Request.cycle_bytes``), whole or as pieces."""
+    cache, found = engine.protocol.cache, set()
+    for name in sync.names.values():
+        for candidate in (name, f"{name}#0"):
+            slot = cache.slot_of(candidate)
+            if slot is not None:
+                found.add(cache.response(slot).request.cycle_bytes)
+    return found
+
+
 def check_device_budget():
     """Forward overlap's cycle budget for device memory (torch/cycle_budget.py), with host
-    memory posing as the device: the ranks measure the all-reduce and agree, the pieces and
-    the engine's budget are raised together on every rank (or the ranks would cut
-    different pieces and stall), smaller pieces asked later leave it, a new engine (shutdown, init)
-    gets the raised budget at the next step, and training stays bitwise equal to the
-    standard path throughout."""
+    memory posing as the device: the ranks measure the all-reduce and agree, the pieces are
+    cut to that size on every rank (or the ranks would cut different pieces and stall) and
+    their requests carry it as their cycles' budget, on a new engine (shutdown, init) too,
+    the engine's own budget untouched; training stays bitwise equal to the standard path."""
     from mpiddp import runtime
     from mpiddp.collectives.cost_model import device_priority_cycle_bytes
     from mpiddp.torch import cycle_budget
@@ -294,26 +305,21 @@ def check_device_budget():
         overlap = make(OPTIMIZERS["adam"], True)
     finally:
         cycle_budget.device_of = real_device_of
-    pieces = overlap[1]._mpiddp.piece_bytes
-    data = batches(23)
-    train(*standard, data)
-    train(*overlap, data)
-    equal_state(standard, overlap)
-    after = engine.settings.priority_cycle_bytes
-    assert after == max(before, pieces) == engine.protocol.settings.priority_cycle_bytes, \
-        (before, pieces, after)
+    sync = overlap[1]._mpiddp
+    pieces = sync.piece_bytes
+    assert sync.cycle_bytes == pieces > before, (sync.cycle_bytes, pieces, before)
     assert mpiddp.allgather_object(pieces, name="pieces") == [pieces] * SIZE
-    engine.fit_priority_cycle_bytes(before, "check").wait()
-    assert engine.settings.priority_cycle_bytes == after
-    mpiddp.shutdown()
-    mpiddp.init()
-    engine = runtime.engine_for(None, "check_device_budget")[0]
-    assert engine.settings.priority_cycle_bytes == before
-    data = batches(24)
-    train(*standard, data)
-    train(*overlap, data)
-    equal_state(standard, overlap)
-    assert engine.settings.priority_cycle_bytes == after, "a new engine kept the host budget"
+    for seed in (23, 24):
+        if seed == 24:
+            mpiddp.shutdown()
+            mpiddp.init()
+            engine = runtime.engine_for(None, "check_device_budget")[0]
+        data = batches(seed)
+        train(*standard, data)
+        train(*overlap, data)
+        equal_state(standard, overlap)
+        assert agreed_cycle_bytes(engine, sync) == {pieces}, agreed_cycle_bytes(engine, sync)
+        assert engine.settings.priority_cycle_bytes == before
     ok("device budget", before=before, pieces=pieces, fixed_us=round(fixed * 1e6),
        ns_per_byte=round(per_byte * 1e9, 3),
        expected=max(before, device_priority_cycle_bytes(fixed, per_byte)))
@@ -322,10 +328,10 @@ def check_device_budget():
 def check_host_budget():
     """Forward overlap's cycles sized for its gradients in host memory (torch/cycle_budget.py,
     ``cost_model.gradient_cycle_bytes``), the links' rule stood in for (one node measures no
-    links): at its first submission each optimizer asks for its gradients' bytes on the wire
-    (halved by fp16 compression), its pieces are the size given, the engine's budget is
-    fitted down to them and raised by a second optimizer's larger pieces, the same on every
-    rank; a new engine (shutdown, init) is sized again; training stays bitwise equal."""
+    links): at its first submission on an engine each optimizer asks for its gradients'
+    bytes on the wire (halved by fp16 compression), cuts pieces of the size given and its
+    requests carry it as their cycles' budget, the same on every rank; a new engine
+    (shutdown, init) sizes again; training stays bitwise equal."""
     from mpiddp import runtime
     from mpiddp.engine.coordinator import Engine
 
@@ -336,69 +342,64 @@ def check_host_budget():
         return max(16, gradient_bytes // 4)        # Net's largest tensors are cut
     real = Engine.gradient_cycle_bytes
     Engine.gradient_cycle_bytes = sized
-    mpiddp.shutdown()           # a new engine: nothing fitted by the checks before this one
-    mpiddp.init()
     try:
         engine = runtime.engine_for(None, "check_host_budget")[0]
         before = engine.settings.priority_cycle_bytes
         half = (make(OPTIMIZERS["adamw"], False, mpiddp.Compression.fp16),
                 make(OPTIMIZERS["adamw"], True, mpiddp.Compression.fp16))
         full = make(OPTIMIZERS["adam"], False), make(OPTIMIZERS["adam"], True)
-        assert asked == [] and engine.settings.priority_cycle_bytes == before, asked
+        assert asked == [], asked
         wire = sum(p.numel() * 4 for p in full[1][0].parameters())
-        budgets = []
-        for standard, overlap in (half, full):
-            data = batches(25)
-            train(*standard, data)
-            train(*overlap, data)
-            equal_state(standard, overlap)
-            budgets.append(engine.settings.priority_cycle_bytes)
-        pieces = (half[1][1]._mpiddp.piece_bytes, full[1][1]._mpiddp.piece_bytes)
-        assert asked == [wire // 2, wire], (asked, wire)
-        assert pieces == (wire // 8, wire // 4) and budgets == [wire // 8, wire // 4], \
-            (pieces, budgets)
-        fitted = budgets[-1]
-        assert fitted < before == 1 << 20 and \
-            engine.protocol.settings.priority_cycle_bytes == fitted, (fitted, before)
-        assert mpiddp.allgather_object(fitted, name="fitted") == [fitted] * SIZE
-        mpiddp.shutdown()
-        mpiddp.init()
-        engine = runtime.engine_for(None, "check_host_budget")[0]
-        assert engine.settings.priority_cycle_bytes == before
-        for standard, overlap in (half, full):
-            data = batches(26)
-            train(*standard, data)
-            train(*overlap, data)
-            equal_state(standard, overlap)
-        assert asked == [wire // 2, wire] * 2, asked
-        assert engine.settings.priority_cycle_bytes == fitted, "a new engine kept its budget"
+        syncs = half[1][1]._mpiddp, full[1][1]._mpiddp
+        for seed in (25, 26):
+            if seed == 26:
+                mpiddp.shutdown()
+                mpiddp.init()
+                engine = runtime.engine_for(None, "check_host_budget")[0]
+            for standard, overlap in (half, full):
+                data = batches(seed)
+                train(*standard, data)
+                train(*overlap, data)
+                equal_state(standard, overlap)
+            assert [(s.piece_bytes, s.cycle_bytes) for s in syncs] == \
+                [(wire // 8, wire // 8), (wire // 4, wire // 4)], wire
+            assert [agreed_cycle_bytes(engine, s) for s in syncs] == [{wire // 8}, {wire // 4}]
+            assert engine.settings.priority_cycle_bytes == before == 1 << 20
+        assert asked == [wire // 2, wire] * 2, (asked, wire)
+        pieces = syncs[1].piece_bytes
+        assert mpiddp.allgather_object(pieces, name="host_pieces") == [pieces] * SIZE
     finally:
         Engine.gradient_cycle_bytes = real
     mpiddp.shutdown()           # the checks after this one: engines sized as they would be
     mpiddp.init()
-    ok("host budget", before=before, wire=wire, fitted=fitted)
+    ok("host budget", before=before, wire=wire, pieces=pieces)
 
 
 def check_sized_across_nodes():
     """Across nodes (the links measured at start): forward overlap's pieces are sized for the
-    optimizer's gradients by the links' rule, the engine's budget is fitted to them, the
-    same on every rank, and training stays bitwise equal (tests/test_multinode.py)."""
+    optimizer's gradients by the links' rule, for this many nodes, and carried as the
+    cycles' budget, the same on every rank; training stays bitwise equal
+    (tests/test_multinode.py)."""
     from mpiddp import runtime
-    from mpiddp.collectives.cost_model import gradient_cycle_bytes
+    from mpiddp.collectives.cost_model import GRADIENT_CYCLE_MIN_BYTES, gradient_cycle_bytes
 
     engine = runtime.engine_for(None, "check_sized_across_nodes")[0]
     link, nodes = engine.executor.link, engine.executor.topology.cross_size
-    assert link is not None and nodes > 1, "the ranks do not span nodes"
+    assert link is not None and nodes == SIZE, "one rank per node expected"
     links_only = engine.settings.priority_cycle_bytes
+    # The engine's rule for a large model (above the least): this many nodes, these links.
+    large = 1 << 30
+    assert engine.gradient_cycle_bytes(large) == gradient_cycle_bytes(SIZE, link, large) > \
+        GRADIENT_CYCLE_MIN_BYTES
     standard, overlap = make(OPTIMIZERS["adam"], False), make(OPTIMIZERS["adam"], True)
     sync = overlap[1]._mpiddp
-    pieces = gradient_cycle_bytes(nodes, link, sync.wire_bytes())
     data = batches(27)
     train(*standard, data)
     train(*overlap, data)
     equal_state(standard, overlap)
-    assert sync.piece_bytes == pieces == engine.settings.priority_cycle_bytes, \
-        (sync.piece_bytes, pieces, engine.settings.priority_cycle_bytes)
+    pieces = gradient_cycle_bytes(nodes, link, sync.wire_bytes())
+    assert sync.piece_bytes == sync.cycle_bytes == pieces, (sync.piece_bytes, pieces)
+    assert agreed_cycle_bytes(engine, sync) == {pieces}
     assert mpiddp.allgather_object(pieces, name="sized_pieces") == [pieces] * SIZE
     ok("sized across nodes", nodes=nodes, pieces=pieces, links_only=links_only,
        wire=sync.wire_bytes())
