@@ -351,6 +351,13 @@ def test_protocol_alone_encodes_and_agrees_without_threads():
     assert [r.name for r in results[0].ready] == [r.name for r in results[1].ready]
 
 
+def ready_names(ranks) -> list:
+    """One cycle by hand: the names every rank runs (the same on each)."""
+    results, _ = cycle_by_hand(ranks)
+    assert [r.name for r in results[0].ready] == [r.name for r in results[1].ready]
+    return [r.name for r in results[0].ready]
+
+
 def test_urgent_allreduces_overtake_less_urgent_ones_within_the_cycle_budget():
     """Three prioritized 1 KiB all-reduces and a budget of 1 KiB: one runs per cycle, most
     urgent first; one submitted later with a higher urgency overtakes those still waiting.
@@ -358,20 +365,15 @@ def test_urgent_allreduces_overtake_less_urgent_ones_within_the_cycle_budget():
     settings = replace(TEST_SETTINGS, priority_cycle_bytes=1024)
     ranks = [CycleProtocol(r, 2, settings) for r in range(2)]
 
-    def cycle():
-        results, _ = cycle_by_hand(ranks)
-        assert [r.name for r in results[0].ready] == [r.name for r in results[1].ready]
-        return [r.name for r in results[0].ready]
-
     for p in ranks:
         p.add([entry(f"layer{i}", shape=(256,), priority=i) for i in (3, 2, 1)]
               + [entry("plain", shape=(1024,))])
-    assert cycle() == ["plain", "layer1"]
+    assert ready_names(ranks) == ["plain", "layer1"]
     for p in ranks:
         p.add([entry("layer0", shape=(256,), priority=1)])
-    assert cycle() == ["layer0"]
-    assert cycle() == ["layer2"]
-    assert cycle() == ["layer3"]
+    assert ready_names(ranks) == ["layer0"]
+    assert ready_names(ranks) == ["layer2"]
+    assert ready_names(ranks) == ["layer3"]
     assert all(not p.pending for p in ranks)
 
 
@@ -382,20 +384,15 @@ def test_prioritized_requests_carry_their_cycles_budget():
     settings = replace(TEST_SETTINGS, priority_cycle_bytes=4096)
     ranks = [CycleProtocol(r, 2, settings) for r in range(2)]
 
-    def cycle():
-        results, _ = cycle_by_hand(ranks)
-        assert [r.name for r in results[0].ready] == [r.name for r in results[1].ready]
-        return [r.name for r in results[0].ready]
-
     for p in ranks:
         asked = 1024 if p.rank == 0 else 8192
         p.add([entry(f"piece{i}", shape=(256,), priority=i, cycle_bytes=asked)
                for i in (1, 2, 3, 4)])
-    assert cycle() == ["piece1"]        # 1 KiB a cycle, not the setting's 4 KiB
+    assert ready_names(ranks) == ["piece1"]        # 1 KiB a cycle, not the setting's 4 KiB
     for p in ranks:
         p.add([entry("big", shape=(512,), priority=9, cycle_bytes=2048)])
-    assert cycle() == ["piece2", "piece3"]      # 2 KiB: the largest ready budget
-    assert cycle() == ["piece4", "big"]
+    assert ready_names(ranks) == ["piece2", "piece3"]      # 2 KiB: the largest ready budget
+    assert ready_names(ranks) == ["piece4", "big"]
     assert all(not p.pending for p in ranks)
 
 
