@@ -292,6 +292,12 @@ def power_of_two_between(nbytes: float, least: int, most: int) -> int:
     return 1 << int(math.log2(min(max(nbytes, least), most)))
 
 
+def cycle_fixed_seconds(ranks: int, link: LinkCosts) -> float:
+    """An engine cycle's fixed cost across ``ranks`` nodes: its own work (``ENGINE_CYCLE_S``)
+    and the negotiation, a round trip per level of its recursive doubling."""
+    return ENGINE_CYCLE_S + 2 * log2_steps(ranks) * link.latency_s
+
+
 def priority_cycle_bytes(ranks: int, link: Optional[LinkCosts],
                          tolerance: float = PRIORITY_CYCLE_TOLERANCE) -> int:
     """Forward overlap's cycle budget across ``ranks`` nodes (``MPIDDP_PRIORITY_CYCLE_BYTES``
@@ -307,8 +313,7 @@ def priority_cycle_bytes(ranks: int, link: Optional[LinkCosts],
     least."""
     if link is None or ranks < 2 or link.seconds_per_byte <= 0:
         return PRIORITY_CYCLE_MIN_BYTES
-    fixed = ENGINE_CYCLE_S + 2 * log2_steps(ranks) * link.latency_s
-    budget = fixed / tolerated_seconds_per_byte(ranks, link, tolerance)
+    budget = cycle_fixed_seconds(ranks, link) / tolerated_seconds_per_byte(ranks, link, tolerance)
     return power_of_two_between(budget, PRIORITY_CYCLE_MIN_BYTES, PRIORITY_CYCLE_MAX_BYTES)
 
 
@@ -323,13 +328,12 @@ def gradient_cycle_bytes(ranks: int, link: Optional[LinkCosts], gradient_bytes: 
     rounded to the nearest power of two (a factor of 1.4 off costs 6% of the least), from
     ``GRADIENT_CYCLE_MIN_BYTES`` to ``PRIORITY_CYCLE_MAX_BYTES``. Slow links and small models
     get small cycles (on 200 Mbit/s at 8 emulated nodes 256-512 KiB were best for a 5 MB
-    model, 1 MiB 1.2x slower), fast links and large models large ones. Nothing measured (one node), or no gradients: the
-    links-only budget (``priority_cycle_bytes``)."""
+    model, 1 MiB 1.2x slower), fast links and large models large ones. Nothing measured
+    (one node), or no gradients: the links-only budget (``priority_cycle_bytes``)."""
     if link is None or ranks < 2 or link.seconds_per_byte <= 0 or gradient_bytes <= 0:
         return priority_cycle_bytes(ranks, link)
-    fixed = ENGINE_CYCLE_S + 2 * log2_steps(ranks) * link.latency_s
     per_byte = tolerated_seconds_per_byte(ranks, link, 1.0)
-    best = math.sqrt(gradient_bytes * fixed / per_byte)
+    best = math.sqrt(gradient_bytes * cycle_fixed_seconds(ranks, link) / per_byte)
     nearest = 1 << max(0, round(math.log2(best)))
     return min(max(nearest, GRADIENT_CYCLE_MIN_BYTES), PRIORITY_CYCLE_MAX_BYTES)
 

@@ -159,11 +159,15 @@ class WireCasts:
         self.wire_dtype = compression.wire_dtype if builtin else None
         self.buffers: dict = {}     # key (the parameter) -> its wire tensor
 
+    def casts(self, dtype: torch.dtype) -> bool:
+        """Whether gradients of ``dtype`` travel cast to ``wire_dtype``."""
+        return self.wire_dtype is not None and dtype.is_floating_point \
+            and dtype != self.wire_dtype
+
     def cast(self, key, grad: torch.Tensor):
         """``grad`` cast into ``key``'s wire tensor, or None where no reused cast applies
         (other compressors, and gradients that are not cast)."""
-        if self.wire_dtype is None or not grad.dtype.is_floating_point \
-                or grad.dtype == self.wire_dtype:
+        if not self.casts(grad.dtype):
             return None
         wire = self.buffers.get(key)
         if wire is None or wire.shape != grad.shape or wire.device != grad.device:

@@ -160,10 +160,10 @@ class GradientSync:
         applies): what forward overlap's cycles are sized for. Every parameter that requires
         a gradient now, hooked or not yet adopted (unfrozen since the last round): the same
         on every rank whichever hook submits first."""
-        wire = self.wire_casts.wire_dtype
+        casts = self.wire_casts
         def itemsize(param):
-            cast = wire is not None and param.dtype.is_floating_point and param.dtype != wire
-            return torch.finfo(wire).bits // 8 if cast else param.element_size()
+            return casts.wire_dtype.itemsize if casts.casts(param.dtype) \
+                else param.element_size()
         params = self.params + [param for _, param in self.frozen]
         params = [param for param in params if param.requires_grad]
         return sum(param.numel() * itemsize(param) for param in params)
@@ -275,7 +275,7 @@ class GradientSync:
                 entries.append(allreduce_request_(
                     piece, name if len(pieces) == 1 else f"{name}#{k}", self.op,
                     self.prescale, self.postscale, priority=priority,
-                    cycle_bytes=self.cycle_bytes if priority else 0, ready_event=item.ready))
+                    cycle_bytes=self.cycle_bytes, ready_event=item.ready))
             items.append((item, len(pieces)))
         self.bucket = []
         self.bucket_bytes = 0
