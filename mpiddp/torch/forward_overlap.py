@@ -118,7 +118,7 @@ class ForwardOverlap:
                                                 engine)
         sync.piece_bytes = self.device_pieces or engine.settings.priority_cycle_bytes
         sync.cycle_bytes = self.device_pieces or 0
-        self.sized_engine = None
+        self.sized_for = None                     # (engine, parameters reduced) sized for
         if not self.device_pieces:
             sync.before_prioritized_flush = self._size_host_pieces
         self.adopt_new_params()
@@ -206,12 +206,15 @@ class ForwardOverlap:
 
     def _size_host_pieces(self) -> None:
         """Gradients in host memory, at each prioritized submission: the first on an engine
-        (after every ``init()``) sizes the pieces, and the cycles that carry them, for the
-        gradients from that engine's links (the same on every rank; nothing to agree)."""
+        (after every ``init()``), and the first after parameters joined the reduction
+        (``add_param_group``, gradual unfreezing: hooked at a round's start, on every rank
+        alike), sizes the pieces, and the cycles that carry them, for the gradients from that
+        engine's links (the same on every rank; nothing to agree)."""
         engine = runtime.engine_for(self.sync.process_set, "DistributedOptimizer")[0]
-        if engine is self.sized_engine:
+        key = (engine, len(self.sync.params))
+        if key == self.sized_for:
             return
-        self.sized_engine = engine
+        self.sized_for = key
         pieces = host_piece_bytes(self.sync.wire_bytes(), engine)
         if pieces:
             self.sync.piece_bytes = self.sync.cycle_bytes = pieces

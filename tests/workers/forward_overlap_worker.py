@@ -331,7 +331,8 @@ def check_host_budget():
     links): at its first submission on an engine each optimizer asks for its gradients'
     bytes on the wire (halved by fp16 compression), cuts pieces of the size given and its
     requests carry it as their cycles' budget, the same on every rank; a new engine
-    (shutdown, init) sizes again; training stays bitwise equal."""
+    (shutdown, init) sizes again, and so do parameters added by ``add_param_group``; training
+    stays bitwise equal."""
     from mpiddp import runtime
     from mpiddp.engine.coordinator import Engine
 
@@ -368,6 +369,22 @@ def check_host_budget():
         assert asked == [wire // 2, wire] * 2, (asked, wire)
         pieces = syncs[1].piece_bytes
         assert mpiddp.allgather_object(pieces, name="host_pieces") == [pieces] * SIZE
+        # Parameters joining the reduction (add_param_group) size the pieces again, for the
+        # larger gradients, at the next step's first submission.
+        grown = wire + 16 * 4
+        for standard, overlap in (half, full):
+            for model, opt, _ in (standard, overlap):
+                model.register_parameter("late", torch.nn.Parameter(torch.ones(16)))
+                opt.add_param_group({"params": [model.late]})
+                model.register_forward_hook(lambda m, args, out: out + m.late.sum() * 0.01)
+            data = batches(28)
+            train(*standard, data)
+            train(*overlap, data)
+            equal_state(standard, overlap)
+        assert asked[4:] == [grown // 2, grown], (asked, grown)
+        assert [(s.piece_bytes, s.cycle_bytes) for s in syncs] == \
+            [(grown // 8, grown // 8), (grown // 4, grown // 4)], grown
+        assert [agreed_cycle_bytes(engine, s) for s in syncs] == [{grown // 8}, {grown // 4}]
     finally:
         Engine.gradient_cycle_bytes = real
     mpiddp.shutdown()           # the checks after this one: engines sized as they would be
