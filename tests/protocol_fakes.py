@@ -17,7 +17,10 @@ from mpiddp.engine.handle import Handle
 from mpiddp.engine.request import ALLREDUCE, Entry, Request, error_for
 from mpiddp.errors import MpiddpError
 
-TEST_SETTINGS = Settings(cycle_time=2.0, cache_capacity=8, stall_check_time=30.0)
+# A small cache, set as a user would set it (explicit: it stays that size, so the tests see
+# eviction; tests of its growth leave it unset).
+TEST_SETTINGS = Settings(cycle_time=2.0, cache_capacity=8, stall_check_time=30.0,
+                         explicit=frozenset({"cache_capacity"}))
 
 
 class FakeAbort(RuntimeError):
@@ -133,7 +136,8 @@ class FakeCluster:
     """``size`` engines, one per fake rank, sharing a hub."""
 
     def __init__(self, size: int, settings: Settings = TEST_SETTINGS, **overrides):
-        settings = replace(settings, **overrides)
+        settings = replace(settings, explicit=settings.explicit | frozenset(overrides),
+                           **overrides)
         self.hub = Hub(size)
         self.executors: list = [None] * size
 

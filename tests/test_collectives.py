@@ -70,6 +70,13 @@ def test_tiny_cache_evicts_and_stays_correct():
     assert_ok(result, expect_lines=2)
 
 
+def test_more_names_than_the_response_cache_holds_grow_it():
+    # 1,500 names a step against the default 1,024 places (set explicitly, the capacity
+    # stays: the tiny-cache test above; tests/test_protocol.py).
+    result = run_mpi("collectives_worker.py", 3, "check_cache_grows", timeout=120)
+    assert_ok(result, expect_lines=1)
+
+
 def test_engine_start_orders_its_collectives_and_its_stop_frees_its_communicators():
     # The host names and the watchdog's communicator are collectives on the engine's own
     # communicator: made after the coordinator started, they could fall between its cycles on

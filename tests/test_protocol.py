@@ -212,6 +212,66 @@ def test_prioritized_schedules_with_a_tiny_cycle_budget_lose_nothing(size):
                  settings={"cache_capacity": 4, "priority_cycle_bytes": 1}, prioritized=True)
 
 
+def _rounds_of(names: list, rounds: int):
+    """``work`` for ``run_ranks``: every round, all ``names`` submitted together and waited
+    for; returns the slow cycles of each round."""
+    def work(rank, engine):
+        slow = []
+        for _ in range(rounds):
+            before = engine.stats.slow_cycles
+            for handle in engine.submit_many([entry(name) for name in names]):
+                handle.wait(timeout=20)
+            slow.append(engine.stats.slow_cycles - before)
+        return slow
+    return work
+
+
+def test_the_response_cache_grows_while_evicted_names_keep_coming_back():
+    """20 names a round against 8 places, the capacity not set: rank 0 sees names come back
+    after being evicted for room and the cache doubles (8 -> 16 -> 32) in a plan every rank
+    applies in the same cycle; then a round needs no slow cycle. The same order everywhere."""
+    cluster = FakeCluster(3, replace(TEST_SETTINGS, explicit=frozenset()))
+    try:
+        slow = run_ranks(cluster, _rounds_of([f"g{i}" for i in range(20)], rounds=6))
+        assert_same_order(cluster)
+        protocols = [engine.protocol for engine in cluster.engines]
+        assert [p.cache.capacity for p in protocols] == [32] * 3
+        assert len({p.message_bytes for p in protocols}) == 1
+        assert all(len(p.cache) == 20 for p in protocols)
+    finally:
+        cluster.shutdown()
+    assert slow[0][0] > 0 and all(s[-1] == 0 for s in slow), slow
+
+
+def test_names_used_once_do_not_grow_the_response_cache():
+    """A fresh name every time (as ``name=f"loss{step}"``) evicts, but nothing evicted comes
+    back: the cache keeps its size."""
+    def work(rank, engine):
+        for step in range(60):
+            engine.submit_many([entry(f"loss{step}")])[0].wait(timeout=20)
+    cluster = FakeCluster(2, replace(TEST_SETTINGS, explicit=frozenset()))
+    try:
+        run_ranks(cluster, work)
+        assert [engine.protocol.cache.capacity for engine in cluster.engines] == [8, 8]
+    finally:
+        cluster.shutdown()
+
+
+def test_a_set_cache_capacity_stays_and_rank_0_says_why_once(caplog):
+    """``MPIDDP_CACHE_CAPACITY`` set: the cache keeps its size however many evicted names
+    come back, and rank 0 warns once, naming the setting."""
+    cluster = FakeCluster(2)         # TEST_SETTINGS: 8 places, set explicitly
+    try:
+        with caplog.at_level("WARNING", logger="mpiddp"):
+            run_ranks(cluster, _rounds_of([f"g{i}" for i in range(20)], rounds=4))
+        assert [engine.protocol.cache.capacity for engine in cluster.engines] == [8, 8]
+    finally:
+        cluster.shutdown()
+    warnings = [r.getMessage() for r in caplog.records if "evicted from it for room" in
+                r.getMessage()]
+    assert len(warnings) == 1 and "Raise MPIDDP_CACHE_CAPACITY" in warnings[0], warnings
+
+
 def test_soak_ten_thousand_cycles(soak_cycles):
     """A long seeded run: many rounds of random schedules until rank 0 has run at least
     ``soak_cycles`` cycles (10,000 by default; ``pytest --soak-cycles N`` for more)."""

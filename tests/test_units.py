@@ -11,6 +11,7 @@ from mpiddp.config import Settings, read_settings, setting_fields, unknown_setti
 from mpiddp.errors import LaunchError
 from mpiddp.launch_check import check_launch, ranks_on_this_node
 from mpiddp.engine.fusion import plan_batches
+from mpiddp.engine.cache_capacity import CapacityWatch
 from mpiddp.engine.negotiation import RequestTable, ResponseCache, agree
 from mpiddp.engine.request import ALLGATHER, ALLREDUCE, BROADCAST, REFUSED, Request, Response
 from mpiddp.engine.stall import describe_stalls, find_stalls
@@ -184,6 +185,45 @@ def test_request_table_waits_for_every_rank_and_joined_ranks():
     table.add(2, Request("b", BROADCAST, "float32", (2,), root=0))
     (resp,) = table.take_complete(joined={1})
     assert "join()" in resp.error and resp.error_kind == REFUSED
+
+
+def test_response_cache_hands_out_the_lowest_free_slot_and_grows():
+    cache = ResponseCache(3)
+    for name in "abc":
+        cache.put(cache.next_slot(), _ar(name, 1))
+    assert [cache.slot_of(n) for n in "abc"] == [0, 1, 2]
+    cache.evict(cache.slot_of("b"))
+    assert cache.next_slot() == 1                   # the emptied slot first
+    assert cache.put(1, _ar("d", 1)) is None        # it held nothing
+    assert cache.next_slot() == cache.slot_of("a")  # full: the least recently used
+    assert cache.put(0, _ar("e", 1)) == "a"         # the name it evicted
+    cache.grow(5)
+    assert cache.next_slot() == 3                   # room again, in new slots
+    cache.put(3, _ar("f", 1))
+    assert cache.next_slot() == 4
+
+
+def test_capacity_watch_counts_names_that_come_back_after_eviction():
+    watch = CapacityWatch()
+    for name in "abcd":                 # first admissions: nothing comes back
+        watch.admit(name)
+        assert watch.too_small(1024) is None
+    for i in range(16):
+        watch.evicted_for_room(f"r{i}", capacity=1024)
+    for i in range(60):                 # fresh: the window of 64 fills without a verdict
+        watch.admit(f"fresh{i}")
+        assert watch.too_small(1024) is None
+    for i in range(15):                 # 15 returns: short of a quarter of 64
+        watch.admit(f"r{i}")
+        assert watch.too_small(1024) is None
+    watch.admit("r15")                  # the 16th: too small, at once
+    assert watch.too_small(1024) == (16, 16)
+    for name in "pqr":
+        watch.evicted_for_room(name, capacity=2)    # remembers the last 2 only
+    watch.admit("p")
+    assert watch.too_small(4) is None   # forgotten: a fresh name
+    watch.admit("q")
+    assert watch.too_small(4) == (1, 2)     # a 4-place cache: one return in 4 is enough
 
 
 def test_response_cache_slots_and_lru_eviction():

@@ -3,7 +3,7 @@ that checks the ranks agree before anything runs. Pure logic, no MPI: easy to te
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable
+from typing import Iterable, Optional
 
 from ..reduce_ops import ReduceOp
 from .request import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, CACHEABLE, INVALID,
@@ -16,10 +16,12 @@ class ResponseCache:
     known names is one bitwise AND over slot bits, with no strings on the wire."""
 
     def __init__(self, capacity: int):
-        self.capacity = capacity
+        self.capacity = capacity    # only grows (``grow``): every slot handed out stays valid
         self._by_slot: dict[int, Response] = {}
         self._slot_by_name: dict[str, int] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()   # rank 0's recency order
+        self._high = 0              # slots below this have been handed out before
+        self._holes: set[int] = set()   # of those, the ones empty now (at most capacity)
         self.version = 0            # changes with the contents (speculation's layout follows)
 
     def __len__(self) -> int:
@@ -38,8 +40,10 @@ class ResponseCache:
         """The filled slots, in the order they were filled (the same on every rank)."""
         return self._by_slot.keys()
 
-    def put(self, slot: int, response: Response) -> None:
+    def put(self, slot: int, response: Response) -> Optional[str]:
+        """Give ``response`` ``slot``; returns the name that held the slot before, if another."""
         self.version += 1
+        replaced = self._by_slot.get(slot)
         self.evict(slot)
         old = self._slot_by_name.get(response.name)
         if old is not None:
@@ -47,13 +51,25 @@ class ResponseCache:
         self._by_slot[slot] = response
         self._slot_by_name[response.name] = slot
         self._lru[slot] = None
+        self._holes.discard(slot)
+        for hole in range(self._high, slot):    # a slot skipped (only if given out of order)
+            self._holes.add(hole)
+        self._high = max(self._high, slot + 1)
+        return replaced.name if replaced is not None and replaced.name != response.name \
+            else None
 
     def evict(self, slot: int) -> None:
         response = self._by_slot.pop(slot, None)
         if response is not None:
             self.version += 1
             del self._slot_by_name[response.name]
+            self._holes.add(slot)
         self._lru.pop(slot, None)
+
+    def grow(self, capacity: int) -> None:
+        """Room for ``capacity`` names (more than now; applied by every rank in one cycle)."""
+        assert capacity >= self.capacity, (capacity, self.capacity)
+        self.capacity = capacity
 
     def slots_of_kind(self, kind: str) -> list[int]:
         return [slot for slot, response in self._by_slot.items() if response.request.kind == kind]
@@ -63,11 +79,12 @@ class ResponseCache:
             self._lru.move_to_end(slot)
 
     def next_slot(self) -> int:
-        """A free slot, else the least recently used one (rank 0 decides, all apply)."""
-        if len(self._by_slot) < self.capacity:
-            for slot in range(self.capacity):
-                if slot not in self._by_slot:
-                    return slot
+        """A free slot (the lowest emptied one, else the next never used), else the least
+        recently used one (rank 0 decides, all apply)."""
+        if self._holes:
+            return min(self._holes)
+        if self._high < self.capacity:
+            return self._high
         return next(iter(self._lru))
 
 

@@ -11,8 +11,9 @@ A cycle, on every rank:
 3. ``decode()``: the reduced message becomes ``CycleBits``.
 4. Only if ``CycleBits.slow`` (some rank needs attention): ``slow_message()`` on every rank is
    gathered on rank 0, whose ``make_plan()`` checks agreement, fixes the order of newly
-   complete names, assigns cache slots, decides shutdown and stall reports; the ``Plan`` is
-   broadcast. Rank 0's plan also carries autotune's next settings (``announce``: a ``RETUNE``
+   complete names, assigns cache slots (growing the cache first where names evicted for room
+   keep coming back, ``cache_capacity.py``: the plan carries the new capacity), decides
+   shutdown and stall reports; the ``Plan`` is broadcast. Rank 0's plan also carries autotune's next settings (``announce``: a ``RETUNE``
    flag in rank 0's message makes the cycle slow), which every rank applies before executing
    that cycle, so all switch at the same point of the order.
 5. ``conclude()``: cached ready names and the plan's responses, in that order, become the
@@ -31,6 +32,7 @@ from typing import NamedTuple, Optional
 
 from ..buffers.dtypes import dtype_named
 from ..config import Settings
+from .cache_capacity import CACHE_CAPACITY_LIMIT, CapacityWatch
 from .negotiation import RequestTable, ResponseCache, cacheable
 from .request import ALLREDUCE, Entry
 from .stall import describe_stalls, find_stalls
@@ -81,6 +83,7 @@ class Plan:
     joined: tuple               # ranks that have joined
     table_waiting: bool         # rank 0 still holds uncached names that are incomplete
     retune: object = None       # autotune's next settings (autotune.Retune), if any
+    cache_capacity: int = 0     # the response cache's new capacity (0: unchanged)
 
 
 class CycleResult(NamedTuple):
@@ -114,11 +117,11 @@ class CycleProtocol:
         self.settings = settings
         self.cache = ResponseCache(settings.cache_capacity)
         self.table = RequestTable(size) if rank == 0 else None
-        # Slots rounded up to whole 64-bit words; the message is two flag words and three
-        # bits per slot (ready on every rank, pending on some rank, invalid on some rank).
-        self.slots = (settings.cache_capacity + 63) // 64 * 64
-        self._slot_mask = (1 << self.slots) - 1
-        self.message_bytes = 16 + 3 * self.slots // 8
+        self._size_message(settings.cache_capacity)
+        # Rank 0: whether the job keeps using more names than the cache holds; the cache then
+        # grows (in a plan, on every rank alike) unless the user set its capacity.
+        self._capacity_watch = CapacityWatch() if rank == 0 else None
+        self._capacity_warned = False
 
         self.pending: dict[str, Entry] = {}
         self.joined = False
@@ -135,6 +138,19 @@ class CycleProtocol:
             self._stall_period = min(self._stall_period, settings.stall_shutdown_time)
         self._last_stall_check = time.perf_counter()
         self._announce = None           # rank 0: autotune's settings for the next plan
+
+    def _size_message(self, capacity: int) -> None:
+        # Slots rounded up to whole 64-bit words; the message is two flag words and three
+        # bits per slot (ready on every rank, pending on some rank, invalid on some rank).
+        self.slots = (capacity + 63) // 64 * 64
+        self._slot_mask = (1 << self.slots) - 1
+        self.message_bytes = 16 + 3 * self.slots // 8
+
+    def _grow_cache(self, capacity: int) -> None:
+        """Room for ``capacity`` names from the next cycle's message on (every rank applies
+        it in the same cycle: rank 0 as it makes the plan, the others as they conclude)."""
+        self.cache.grow(capacity)
+        self._size_message(capacity)
 
     def announce(self, retune) -> None:
         """Rank 0: send ``retune`` to every rank in the next plan (forces a slow cycle)."""
@@ -256,12 +272,15 @@ class CycleProtocol:
                 self.table.add(rank, request)
         joined = {rank for rank, message in enumerate(messages) if message.joined}
         responses = self.table.take_complete(joined)
+        admitted = [response for response in responses if cacheable(response)]
+        capacity = self._capacity_for(admitted) if admitted else 0
         cache_updates = []
-        for response in responses:
-            if cacheable(response):
-                slot = self.cache.next_slot()
-                self._cache_put(slot, response)
-                cache_updates.append((slot, response))
+        for response in admitted:
+            slot = self.cache.next_slot()
+            evicted = self._cache_put(slot, response)
+            if evicted is not None:
+                self._capacity_watch.evicted_for_room(evicted, self.cache.capacity)
+            cache_updates.append((slot, response))
         shutdown = [f"rank {rank}: {message.shutdown}"
                     for rank, message in enumerate(messages) if message.shutdown]
         stall_text = None
@@ -281,18 +300,51 @@ class CycleProtocol:
         return Plan(responses=responses, cache=cache_updates,
                     shutdown="; ".join(shutdown) if shutdown else None, stall=stall_text,
                     joined=tuple(sorted(joined)), table_waiting=len(self.table) > 0,
-                    retune=retune)
+                    retune=retune, cache_capacity=capacity)
 
-    def _cache_put(self, slot: int, response) -> None:
-        """Put an agreed response in ``slot``. A name still pending here whose slot is taken
-        (least recently used) goes back through rank 0: without its slot it could never be
-        ready again. Every rank evicts the same slot, so they all send it again."""
-        if self.cache.holds(slot):
-            evicted = self.cache.response(slot).name
+    def _capacity_for(self, admitted: list) -> int:
+        """Rank 0, before giving ``admitted`` their places: a larger capacity for the cache
+        (applied here, and by every rank from the plan), or 0. The cache doubles when the
+        job keeps using more names than it holds (``cache_capacity.py``), unless the user
+        set ``MPIDDP_CACHE_CAPACITY`` or it reached its limit: then rank 0 says so, once."""
+        watch = self._capacity_watch
+        for response in admitted:
+            watch.admit(response.name)
+        capacity = self.cache.capacity
+        verdict = watch.too_small(capacity)
+        if verdict is None:
+            return 0
+        explicit = "cache_capacity" in self.settings.explicit
+        if explicit or capacity >= CACHE_CAPACITY_LIMIT:
+            if not self._capacity_warned:
+                self._capacity_warned = True
+                advice = ("Raise MPIDDP_CACHE_CAPACITY above the number of names a step "
+                          "uses, or unset it: mpiddp then grows the cache as needed."
+                          if explicit else "The cache has reached its largest size.")
+                log.warning("mpiddp: the response cache holds %d names, and %d of the last %d "
+                            "names given a place in it had been evicted from it for room "
+                            "before: each such name costs a negotiation through rank 0 every "
+                            "time it is used. %s", capacity, verdict[0], verdict[1], advice)
+            return 0
+        grown = min(2 * capacity, CACHE_CAPACITY_LIMIT)
+        log.info("mpiddp: the response cache grows from %d to %d names (%d of the last %d "
+                 "names given a place in it had been evicted from it for room before)",
+                 capacity, grown, *verdict)
+        self._grow_cache(grown)
+        watch.grown()
+        return grown
+
+    def _cache_put(self, slot: int, response) -> Optional[str]:
+        """Put an agreed response in ``slot``; returns the name it evicted, if any. A name
+        still pending here whose slot is taken (least recently used) goes back through rank
+        0: without its slot it could never be ready again. Every rank evicts the same slot,
+        so they all send it again."""
+        evicted = self.cache.put(slot, response)
+        if evicted is not None:
             entry = self.pending.get(evicted)
-            if entry is not None and evicted != response.name:
+            if entry is not None:
                 entry.sent = False
-        self.cache.put(slot, response)
+        return evicted
 
     # ---- 5. conclude ----------------------------------------------------------------------
     def conclude(self, bits: CycleBits, plan: Optional[Plan]) -> CycleResult:
@@ -300,6 +352,8 @@ class CycleProtocol:
         ready = bits.ready
         if plan is not None:
             if self.rank != 0:
+                if plan.cache_capacity:
+                    self._grow_cache(plan.cache_capacity)
                 for slot, response in plan.cache:
                     self._cache_put(slot, response)
             self._others_joined = bool(plan.joined)

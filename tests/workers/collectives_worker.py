@@ -285,6 +285,29 @@ def check_out_of_order():
     ok("ranks submitting in different orders; a cached name with a new shape")
 
 
+def check_cache_grows():
+    """More names a step than the response cache holds (1,500 against 1,024 places, the
+    capacity not set): the cache doubles, on every rank alike, and from then on a step needs
+    no negotiation through rank 0; every sum right."""
+    engine = current.require("check").engine
+    assert engine.protocol.cache.capacity == 1024
+    names = 1500
+    slow = []
+    for step in range(4):
+        before = mpiddp.engine_stats()["slow_cycles"]
+        handles = [mpiddp.allreduce_async(torch.full((4,), float(RANK + i + step)),
+                                          name=f"many.{i}", op=mpiddp.Sum)
+                   for i in range(names)]
+        for i, handle in enumerate(handles):
+            want = sum(r + i + step for r in range(SIZE))
+            assert torch.all(mpiddp.synchronize(handle) == want), i
+        slow.append(mpiddp.engine_stats()["slow_cycles"] - before)
+    capacities = mpiddp.allgather_object(engine.protocol.cache.capacity, name="capacities")
+    assert capacities == [2048] * SIZE, capacities
+    assert slow[-1] == 0 and slow[0] > 0, slow
+    ok("more names than the response cache holds: it grows", slow_cycles=slow)
+
+
 def check_autograd():
     """Differentiable collectives: Horovod's gradients, and gradcheck where it applies (the
     ranks run it in lockstep, so every rank perturbs the same element at once)."""
@@ -496,10 +519,11 @@ CHECKS = [check_topology, check_allreduce, check_allreduce_variants,
           check_reducescatter, check_alltoall, check_fusion_and_cache, check_out_of_order,
           check_autograd, check_process_sets, check_grouped_and_sparse,
           check_sync_batch_norm]
+ON_REQUEST = [check_cache_grows]     # run only when named
 
 if __name__ == "__main__":
     selected = sys.argv[1:] or [c.__name__ for c in CHECKS]
-    for check in CHECKS:
+    for check in CHECKS + ON_REQUEST:
         if check.__name__ in selected:
             check()
     mpiddp.shutdown()
