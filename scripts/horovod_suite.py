@@ -4,10 +4,11 @@
         [-k PATTERN] [--timeout 120] [--json results.json]
 
 ``/path/to/horovod`` is a checkout of github.com/horovod/horovod (nothing is fetched at run
-time); Horovod's test utilities also need ``pip install mock pytest``. The tests import ``horovod.torch``; this script makes a package of that name that only
-re-exports mpiddp's public names (``from mpiddp import *``) and adds nothing, so every result
-measures mpiddp itself. Each test runs in its own ``mpiexec -n N`` launch, in its own process
-session, killed as a whole at the timeout: a hang is counted as such and never left behind.
+time); Horovod's test utilities also need ``pip install mock pytest``. The tests import
+``horovod.torch``; this script makes a package of that name that only re-exports mpiddp's
+public names (``from mpiddp import *``) and adds nothing, so every result measures mpiddp
+itself. Each test runs in its own ``mpiexec -n N`` launch, in its own process session, killed
+as a whole at the timeout: a hang is counted as such and never left behind.
 
 A test passes when it passes on every rank; it is skipped when every rank skipped it; it
 hung when the launch hit the timeout; otherwise it failed (the first error line is shown).

@@ -556,7 +556,8 @@ def validate_allreduce(directory: str, latency_us: float | None, step_overhead_u
             for large in (False, True):
                 print_summary(f"{setting}, all-reduce {'from' if large else 'below'} 1 MiB, "
                               f"model with the {kind}",
-                              [e for s, k, big, e in errors if (s, k, big) == (setting, kind, large)])
+                              [e for s, k, big, e in errors
+                               if (s, k, big) == (setting, kind, large)])
 
 
 # ---- validate-nodes: several ranks per node ------------------------------------------------

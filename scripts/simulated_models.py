@@ -2,11 +2,12 @@
 
 A simulated model has the parameter tensors of a real network (ResNet-50, ResNet-18, VGG-16,
 BERT-base; built from shape tables, no torchvision), one simulated layer per real layer in
-forward order. A layer's forward and backward *wait* for their share of a one-process step,
-in proportion to the layer's multiply-accumulates, and backward writes one element of each
-gradient (over memory kept from the first step). The waits are ``time.sleep`` calls: they release the GIL and use no CPU, as a host
-thread does while a GPU computes, so a benchmark sees how mpiddp's host work (hooks, the
-engine thread, the reductions themselves) fits around a device that is busy.
+forward order. A layer's forward and backward *wait* for their share of a one-process step, in
+proportion to the layer's multiply-accumulates, and backward writes one element of each
+gradient (over memory kept from the first step). The waits are ``time.sleep`` calls: they
+release the GIL and use no CPU, as a host thread does while a GPU computes, so a benchmark sees
+how mpiddp's host work (hooks, the engine thread, the reductions themselves) fits around a
+device that is busy.
 
 What it leaves out: host-device copies (PCIe), the device memory traffic of the reductions and
 of the optimizer, kernel launch costs, and any slowdown of the device's compute by concurrent
@@ -15,10 +16,10 @@ host, as its host-staged transport does for GPU buffers. docs/benchmarks.md, "Si
 accelerators", says more and gives the sources of the device profiles.
 
 Layer costs are multiply-accumulates (MACs) of one forward pass per sample: what torchvision's
-and most papers' "GFLOPs" figures count (ResNet-50 4.1 G at 224x224). Convolutions and
-linear layers count in_channels x k x k x out_channels per output position; norms and embeddings one MAC per
-output element (their real cost is memory traffic: small next to the convolutions here).
-Backward costs the forward's MACs twice: once for the gradient of the weights (in the
+and most papers' "GFLOPs" figures count (ResNet-50 4.1 G at 224x224). Convolutions and linear
+layers count in_channels x k x k x out_channels per output position; norms and embeddings one
+MAC per output element (their real cost is memory traffic: small next to the convolutions
+here). Backward costs the forward's MACs twice: once for the gradient of the weights (in the
 attention products, of their second operand), once for the input's gradient, which the first
 layer does not need.
 """

@@ -297,8 +297,8 @@ def parse_args(argv=None):
                         "auto (overlap_forward='auto': its trial takes 24 steps; give as many "
                         "warm-up steps to time its choice), "
                         "native (mpiddp, every reduction by the MPI library's "
-                        "MPI_Allreduce), ddp (torch DDP over gloo), single (one process, the scaling "
-                        "baseline); mpiddp:MB / overlap:MB / ddp:MB set the bucket size of "
+                        "MPI_Allreduce), ddp (torch DDP over gloo), single (one process, the "
+                        "scaling baseline); mpiddp:MB / overlap:MB / ddp:MB set the bucket size of "
                         "that variant (e.g. mpiddp:0,mpiddp:1000,ddp,ddp:1000)")
     p.add_argument("--overlap-forward", action="store_true",
                    help="every mpiddp variant with DistributedOptimizer(overlap_forward=True)"

@@ -73,8 +73,9 @@ def test_every_collective_across_nodes(cluster, layout, sockets, algorithm):
         env["MPIDDP_ALLREDUCE_ALGORITHM"] = "auto"
         del env["MPIDDP_RING_THRESHOLD"]
     result = run_on_cluster(layout, "collectives_worker.py", "check_allreduce",
-                            "check_speculated_allreduce", "check_allgather", "check_broadcast", "check_reducescatter",
-                            "check_alltoall", "check_process_sets", env=env)
+                            "check_speculated_allreduce", "check_allgather", "check_broadcast",
+                            "check_reducescatter", "check_alltoall", "check_process_sets",
+                            env=env)
     assert_ok(result, expect_lines=8)
     # Small all-reduces ride in the negotiation where it goes over the sockets (by default).
     spec, = reported(result, "finished in the negotiation")

@@ -5,9 +5,10 @@ completes: over TCP nothing fails for many minutes, and the stall inspector cann
 needs the control cycle to complete). The coordinator completes a cycle at least every
 heartbeat (``MPIDDP_CYCLE_TIME``) while the ranks are healthy, idle or not, so a cycle count
 that stands still for ``MPIDDP_PEER_CHECK_TIME`` (20 s) means the coordinator is stuck in one
-MPI call (or in one very long transfer). Then this watchdog holds a roll call on a communicator of its
-own: it pings every other rank and waits ``ANSWER_SECONDS`` for the answers, which every
-rank's watchdog thread gives from its own polling loop, whatever its coordinator is doing.
+MPI call (or in one very long transfer). Then this watchdog holds a roll call on a
+communicator of its own: it pings every other rank and waits ``ANSWER_SECONDS`` for the
+answers, which every rank's watchdog thread gives from its own polling loop, whatever its
+coordinator is doing.
 
 * Everyone answers: the operation is merely slow; wait on, and check again after another
   ``MPIDDP_PEER_CHECK_TIME``.

@@ -13,9 +13,10 @@ A cycle, on every rank:
    gathered on rank 0, whose ``make_plan()`` checks agreement, fixes the order of newly
    complete names, assigns cache slots (growing the cache first where names evicted for room
    keep coming back, ``cache_capacity.py``: the plan carries the new capacity), decides
-   shutdown and stall reports; the ``Plan`` is broadcast. Rank 0's plan also carries autotune's next settings (``announce``: a ``RETUNE``
-   flag in rank 0's message makes the cycle slow), which every rank applies before executing
-   that cycle, so all switch at the same point of the order.
+   shutdown and stall reports; the ``Plan`` is broadcast. Rank 0's plan also carries
+   autotune's next settings (``announce``: a ``RETUNE`` flag in rank 0's message makes the
+   cycle slow), which every rank applies before executing that cycle, so all switch at the
+   same point of the order.
 5. ``conclude()``: cached ready names and the plan's responses, in that order, become the
    ``CycleResult`` that every rank executes identically. Prioritized all-reduces
    (``Request.priority > 0``) go last, most urgent first, up to the largest budget their
