@@ -118,11 +118,16 @@ class ForwardOverlap:
                                                 engine)
         sync.piece_bytes = self.device_pieces or engine.settings.priority_cycle_bytes
         sync.cycle_bytes = self.device_pieces or 0
-        self.sized_for = None                     # (engine, parameters reduced) sized for
+        self.sized_engine = None                  # the engine the host pieces are sized on
         if not self.device_pieces:
             sync.before_prioritized_flush = self._size_host_pieces
         self.adopt_new_params()
         _live.add(self)
+
+    def params_added(self) -> None:
+        """``add_param_group`` (every rank, between steps, nothing in flight): size the pieces
+        again, for the larger gradients, at the next submission."""
+        self.sized_engine = None
 
     def attach(self, optimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
@@ -206,15 +211,17 @@ class ForwardOverlap:
 
     def _size_host_pieces(self) -> None:
         """Gradients in host memory, at each prioritized submission: the first on an engine
-        (after every ``init()``), and the first after parameters joined the reduction
-        (``add_param_group``, gradual unfreezing: hooked at a round's start, on every rank
-        alike), sizes the pieces, and the cycles that carry them, for the gradients from that
-        engine's links (the same on every rank; nothing to agree)."""
+        (after every ``init()``, and after ``add_param_group``) sizes the pieces, and the
+        cycles that carry them, for the gradients from that engine's links (the same on every
+        rank; nothing to agree). Only where no gradient of the step has been cut yet on any
+        rank: a size changed between two flushes of one step could cut one gradient into
+        other pieces on one rank than on another (a gradient some ranks flush from its hook
+        and others at the end of backward). Parameters unfrozen later are counted where they
+        require a gradient at that first submission (``wire_bytes``), not after."""
         engine = runtime.engine_for(self.sync.process_set, "DistributedOptimizer")[0]
-        key = (engine, len(self.sync.params))
-        if key == self.sized_for:
+        if engine is self.sized_engine:
             return
-        self.sized_for = key
+        self.sized_engine = engine
         pieces = host_piece_bytes(self.sync.wire_bytes(), engine)
         if pieces:
             self.sync.piece_bytes = self.sync.cycle_bytes = pieces

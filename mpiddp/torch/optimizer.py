@@ -212,6 +212,7 @@ class _DistributedOptimizer:
         overlap = _overlap_of(sync)
         if overlap is not None:
             overlap.adopt_new_params()
+            overlap.params_added()
 
 
 # Tell torch.optim that ``step`` needs no profiling/hook wrapper of its own: the wrapped
