@@ -5,9 +5,10 @@ before it could grow), and set large enough from the start.
 A model of ``--params`` small parameters (``--elements`` floats each), one
 ``DistributedOptimizer``; each variant is its own ``init()`` with its
 ``MPIDDP_CACHE_CAPACITY``, ``--warmup`` untimed steps (the growth happens there), then
-``--steps`` timed ones, in ``--rounds`` interleaved rounds. Prints, per variant, the median
-step time, the ratio to the first variant and the slow cycles (negotiations through rank 0)
-per timed step.
+``--steps`` timed ones, in ``--rounds`` interleaved rounds, each round in another order (the
+first ``init()`` of a process is slower: an untimed one comes before them all). Prints, per
+variant, the median step time, the ratio to the first variant and the slow cycles
+(negotiations through rank 0) per timed step.
 
     mpiexec -n 2 python scripts/benchmark_cache.py
     scripts/local_cluster.sh run 8x1 -- -genv MPIR_CVAR_ENABLE_HEAVY_YIELD 1 \\
@@ -47,14 +48,14 @@ def run_variant(capacity, args) -> tuple[float, float]:
 
     for _ in range(args.warmup):
         step()
-    before = mpiddp.engine_stats()["slow_cycles"]
     mpiddp.barrier()
+    before = mpiddp.engine_stats()["slow_cycles"]      # the steps' own, not the barriers'
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
+    slow = (mpiddp.engine_stats()["slow_cycles"] - before) / args.steps
     mpiddp.barrier()
     seconds = (time.perf_counter() - start) / args.steps
-    slow = (mpiddp.engine_stats()["slow_cycles"] - before) / args.steps
     mpiddp.shutdown()
     return seconds, slow
 
@@ -70,9 +71,11 @@ def main():
     torch.set_num_threads(1)
     times = {name: [] for name in VARIANTS}
     slows = {name: [] for name in VARIANTS}
-    for _ in range(args.rounds):
-        for name, capacity in VARIANTS.items():
-            seconds, slow = run_variant(capacity, args)
+    names = list(VARIANTS)
+    run_variant(VARIANTS[names[0]], argparse.Namespace(**{**vars(args), "steps": 1}))
+    for round_ in range(args.rounds):
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            seconds, slow = run_variant(VARIANTS[name], args)
             times[name].append(seconds)
             slows[name].append(slow)
     mpiddp.init()

@@ -53,13 +53,16 @@ class FakeChannel:
 
     def and_reduce(self, message: bytes, wait, spin: bool = True, sums=()) -> bytes:
         values = self.hub.exchange(self.rank, (int.from_bytes(message, "little"),
-                                               [array.copy() for array in sums]))
+                                               [array.copy() for array in sums], len(message)))
+        # MPI would read past a shorter message, or hang: the ranks must agree on its size.
+        lengths = [length for _, _, length in values]
+        assert len(set(lengths)) == 1, f"cycle messages of different lengths: {lengths}"
         result = values[0][0]
-        for value, _ in values[1:]:
+        for value, _, _ in values[1:]:
             result &= value
         for i, array in enumerate(sums):    # in rank order: the same sum on every rank
             total = values[0][1][i].copy()
-            for _, arrays in values[1:]:
+            for _, arrays, _ in values[1:]:
                 total += arrays[i]
             array[:] = total
         return result.to_bytes(len(message), "little")

@@ -145,16 +145,20 @@ def play(cluster: FakeCluster, plan, prioritized: bool = False, data: bool = Fal
     return run_ranks(cluster, work)
 
 
-def run_schedule(size: int, seed: int, rounds: int, settings: dict, **options):
-    """A random schedule on a fresh fake cluster of ``size`` ranks with ``settings``, played
-    with ``options``: every rank executed the same order, and every name exactly once.
-    Returns (per rank (done, failed), the order, how many names)."""
-    cluster = FakeCluster(size, **settings)
+def run_schedule(size: int, seed: int, rounds: int, settings: dict, base=TEST_SETTINGS,
+                 inspect=None, names_per_round: int = 6, **options):
+    """A random schedule on a fresh fake cluster of ``size`` ranks with ``settings`` (set
+    explicitly, over ``base``), played with ``options``: every rank executed the same order,
+    and every name exactly once. ``inspect(cluster)`` afterwards, if given. Returns (per rank
+    (done, failed), the order, how many names)."""
+    cluster = FakeCluster(size, base, **settings)
     try:
-        plan = random_schedule(seed=seed, size=size, rounds=rounds, names_per_round=6,
-                               max_delay=0.002)
+        plan = random_schedule(seed=seed, size=size, rounds=rounds,
+                               names_per_round=names_per_round, max_delay=0.002)
         counts = play(cluster, plan, **options)
         order = assert_same_order(cluster)
+        if inspect is not None:
+            inspect(cluster)
     finally:
         cluster.shutdown()
     expected = sum(len(group) for round_ in plan[0] for group, _ in round_)
@@ -168,6 +172,21 @@ def test_random_schedules_execute_identically_everywhere(size):
     # A tiny cache: constant eviction.
     counts, _, _ = run_schedule(size, seed=size, rounds=40, settings={"cache_capacity": 4})
     assert counts[0][1] > 0, "the schedule should contain mismatches"
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_random_schedules_with_a_growing_cache_execute_identically_everywhere(size):
+    """Random schedules (new names, changed shapes, mismatches, small sums beside the
+    negotiation) with the cache's capacity not set, from 16 places: it grows past a 64-slot
+    word of the cycle message (the fake channel checks every cycle's message is as long on
+    every rank), the same on every rank; nothing is lost or run twice."""
+    capacities = []
+    run_schedule(size, seed=40 + size, rounds=40, settings={"speculation_bytes": 64},
+                 base=replace(TEST_SETTINGS, cache_capacity=16, explicit=frozenset()),
+                 inspect=lambda cluster: capacities.extend(
+                     engine.protocol.cache.capacity for engine in cluster.engines),
+                 names_per_round=40, data=True)
+    assert len(set(capacities)) == 1 and capacities[0] > 64, capacities
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])
@@ -227,20 +246,51 @@ def _rounds_of(names: list, rounds: int):
 
 
 def test_the_response_cache_grows_while_evicted_names_keep_coming_back():
-    """20 names a round against 8 places, the capacity not set: rank 0 sees names come back
-    after being evicted for room and the cache doubles (8 -> 16 -> 32) in a plan every rank
-    applies in the same cycle; then a round needs no slow cycle. The same order everywhere."""
-    cluster = FakeCluster(3, replace(TEST_SETTINGS, explicit=frozenset()))
+    """100 names a round against 48 places, the capacity not set: rank 0 sees names come back
+    after being evicted for room and the cache doubles (48 -> 96 -> 192) in plans every rank
+    applies in the same cycle, its message growing past a 64-slot word alike everywhere; then
+    a round needs no slow cycle. The same order everywhere."""
+    cluster = FakeCluster(3, replace(TEST_SETTINGS, cache_capacity=48, explicit=frozenset()))
+    before = cluster.engines[0].protocol.message_bytes
     try:
-        slow = run_ranks(cluster, _rounds_of([f"g{i}" for i in range(20)], rounds=6))
+        slow = run_ranks(cluster, _rounds_of([f"g{i}" for i in range(100)], rounds=6))
         assert_same_order(cluster)
         protocols = [engine.protocol for engine in cluster.engines]
-        assert [p.cache.capacity for p in protocols] == [32] * 3
+        assert [p.cache.capacity for p in protocols] == [192] * 3
         assert len({p.message_bytes for p in protocols}) == 1
-        assert all(len(p.cache) == 20 for p in protocols)
+        assert protocols[0].message_bytes > before
+        assert all(len(p.cache) == 100 for p in protocols)
     finally:
         cluster.shutdown()
     assert slow[0][0] > 0 and all(s[-1] == 0 for s in slow), slow
+
+
+def test_names_coming_back_rarely_do_not_grow_the_response_cache():
+    """Names used once (as ``name=f"loss{step}"``) push the rest out; a name used every 20
+    steps comes back each time, evicted, but is a small share of what the cache takes in: it
+    keeps its 16 places (a slow cycle now and then costs less than a larger message every
+    cycle)."""
+    def work(rank, engine):
+        for step in range(120):
+            names = [f"loss{step}"] + (["eval"] if step % 20 == 0 else [])
+            for handle in engine.submit_many([entry(name) for name in names]):
+                handle.wait(timeout=20)
+    cluster = FakeCluster(2, replace(TEST_SETTINGS, cache_capacity=16, explicit=frozenset()))
+    returns = []
+    watch_admit = type(cluster.engines[0].protocol._capacity_watch).admit
+
+    def admit(self, name):          # count the returns: the test must see some
+        returned = self.returned
+        watch_admit(self, name)
+        returns.append(self.returned - returned)
+    cluster.engines[0].protocol._capacity_watch.admit = admit.__get__(
+        cluster.engines[0].protocol._capacity_watch)
+    try:
+        run_ranks(cluster, work)
+        assert [engine.protocol.cache.capacity for engine in cluster.engines] == [16, 16]
+        assert sum(returns) >= 4, "the eval name should have been evicted and come back"
+    finally:
+        cluster.shutdown()
 
 
 def test_names_used_once_do_not_grow_the_response_cache():

@@ -279,8 +279,8 @@ def test_allreduce_benchmark_times_single_tensors_and_lists(tmp_path):
 
 def test_cache_benchmark_compares_a_grown_cache_with_a_fixed_one():
     """scripts/benchmark_cache.py: with more parameters than the cache's 1,024 places, the
-    cache mpiddp sizes needs no more slow cycles once grown than one set large from the start
-    (the benchmark's barriers: one each), the fixed one more every step."""
+    cache mpiddp sizes needs no slow cycle once grown, as one set large from the start; the
+    fixed one needs some every step."""
     result = run_mpi(str(ROOT / "scripts" / "benchmark_cache.py"), 2, "--params", "1100",
                      "--elements", "1", "--warmup", "4", "--steps", "2", "--rounds", "1",
                      timeout=150)
@@ -289,7 +289,7 @@ def test_cache_benchmark_compares_a_grown_cache_with_a_fixed_one():
             result.output.splitlines() if line.startswith("| ") and "ms" not in line}
     assert set(rows) == {"grows (unset)", "fixed 1024", "set 4096"}, result.output
     slow = {name: float(cells[2]) for name, cells in rows.items()}
-    assert slow["grows (unset)"] == slow["set 4096"] < slow["fixed 1024"], result.output
+    assert slow["grows (unset)"] == slow["set 4096"] == 0 < slow["fixed 1024"], result.output
 
 
 def test_scaling_report_reads_allreduce_and_half_rate_runs(tmp_path, capsys):

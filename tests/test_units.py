@@ -205,25 +205,28 @@ def test_response_cache_hands_out_the_lowest_free_slot_and_grows():
 
 def test_capacity_watch_counts_names_that_come_back_after_eviction():
     watch = CapacityWatch()
-    for name in "abcd":                 # first admissions: nothing comes back
-        watch.admit(name)
-        assert watch.too_small(1024) is None
-    for i in range(16):
+    for i in range(64):
         watch.evicted_for_room(f"r{i}", capacity=1024)
-    for i in range(60):                 # fresh: the window of 64 fills without a verdict
-        watch.admit(f"fresh{i}")
-        assert watch.too_small(1024) is None
-    for i in range(15):                 # 15 returns: short of a quarter of 64
-        watch.admit(f"r{i}")
-        assert watch.too_small(1024) is None
-    watch.admit("r15")                  # the 16th: too small, at once
-    assert watch.too_small(1024) == (16, 16)
+
+    def admit(names, capacity=1024):
+        verdicts = []
+        for name in names:
+            watch.admit(name)
+            verdicts.append(watch.too_small(capacity))
+        return verdicts
+    # A window is an eighth of the capacity: 128 admissions, judged when full.
+    verdicts = admit([f"fresh{i}" for i in range(104)] + [f"r{i}" for i in range(24)])
+    assert verdicts == [None] * 128         # 24 returns of 128: short of a quarter
+    verdicts = admit([f"r{i}" for i in range(24, 56)] + [f"new{i}" for i in range(96)])
+    assert verdicts[:-1] == [None] * 127 and verdicts[-1] == (32, 128)
+    assert admit(["r0", "r1"]) == [None, None]  # came back already: fresh now
+    watch.grown()                               # the cache grew: nothing evicted counts
+    assert watch.returned == watch.admitted == 0
+    assert admit(["r60"] + [f"x{i}" for i in range(7)], capacity=8) == [None] * 8
     for name in "pqr":
         watch.evicted_for_room(name, capacity=2)    # remembers the last 2 only
-    watch.admit("p")
-    assert watch.too_small(4) is None   # forgotten: a fresh name
-    watch.admit("q")
-    assert watch.too_small(4) == (1, 2)     # a 4-place cache: one return in 4 is enough
+    verdicts = admit(["p", "q", "r"] + [f"y{i}" for i in range(5)], capacity=8)
+    assert verdicts[-1] == (2, 8)           # q and r: a quarter of a window of 8 (the least)
 
 
 def test_response_cache_slots_and_lru_eviction():

@@ -1,28 +1,31 @@
 """Rank 0's watch on the response cache's capacity: is the cache smaller than the job's names?
 
-A cached name costs one bit of each cycle's AND; an uncached one a slow cycle through rank 0
+A cached name costs three bits of each cycle's AND; an uncached one a slow cycle through rank 0
 (every rank's requests gathered there, the plan broadcast back), whose cost grows with the
 number of ranks. A job that uses more names a step than the cache holds (a model with more
 parameter tensors than ``MPIDDP_CACHE_CAPACITY``, or forward overlap's gradient pieces)
 evicts its least recently used names for room, and each comes back through rank 0 the next
-time it is submitted: then every step pays slow cycles for most of its names (1,500
-parameters on 2 ranks: 116-145 ms a step with 1,024 places, 71 ms with 4,096;
-docs/benchmarks.md "More names than the response cache holds").
+time it is submitted: then every step pays slow cycles for most of its names, for ever
+(1,500 parameters: 1.21x the step time at 2 ranks, 1.31x at 16 nodes; docs/benchmarks.md,
+"More names than the response cache holds").
 
 The watch counts the names rank 0 admits to the cache and, of those, the ones it had evicted
-for room before. When such returns reach a quarter of a window of 64 admissions (fewer in a
-smaller cache), the cache is too small for the names the job keeps using: a
-step over the capacity by even a few percent shows it within that step. Names used once
-(``allreduce(loss, name=f"loss{step}")``) are evicted too, but never come back, so a job
-full of them does not count as one that needs more room; names that do come back stop
-coming back once the cache has grown past the distance between their uses.
+for room before ("returns"), in windows of an eighth of the capacity (at least 8): the cache
+is too small when returns are a quarter or more of a window. A step over the capacity by
+half shows it within the next step; by 4% (1,065 names a step in 1,024 places), after about
+3 steps. Names used once (``allreduce(loss, name=f"loss{step}")``) are evicted but never
+come back. Names that come back rarely (metrics every few hundred steps among names used
+once) are a small share of a window (fewer than a 32nd of the capacity at once), so they
+grow nothing: a slow cycle once in a while costs less than a larger message every cycle.
+After a growth the names evicted from the smaller cache no longer count.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Optional
 
-WINDOW = 64                     # admissions judged together ...
+WINDOW_SHARE = 8                # admissions judged together: an eighth of the capacity ...
+MIN_WINDOW = 8
 RETURN_SHARE = 4                # ... too small when a quarter of them are returns ...
 CACHE_CAPACITY_LIMIT = 1 << 14  # ... and growth stops here (a 6 KiB cycle message)
 
@@ -51,17 +54,14 @@ class CapacityWatch:
             self.returned += 1
 
     def too_small(self, capacity: int) -> Optional[tuple[int, int]]:
-        """(returned, admitted) as soon as a quarter of a window of admissions (``WINDOW``,
-        or ``capacity`` if less) were evicted names coming back, and counting starts over;
-        else None (and counting starts over once the window is full)."""
-        window = min(WINDOW, capacity)
+        """Once a window of admissions has been counted (an eighth of ``capacity``, at least
+        8): (returned, admitted) when a quarter or more of them were evicted names coming
+        back, else None; counting starts over. None before the window is full."""
+        if self.admitted < max(MIN_WINDOW, capacity // WINDOW_SHARE):
+            return None
         returned, admitted = self.returned, self.admitted
-        if returned * RETURN_SHARE >= window:
-            self.returned = self.admitted = 0
-            return returned, admitted
-        if admitted >= window:
-            self.returned = self.admitted = 0
-        return None
+        self.returned = self.admitted = 0
+        return (returned, admitted) if returned * RETURN_SHARE >= admitted else None
 
     def grown(self) -> None:
         """The cache grew: names evicted from the smaller one say nothing about the larger."""
