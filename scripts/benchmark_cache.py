@@ -13,17 +13,26 @@ variant, the median step time, the ratio to the first variant and the slow cycle
     mpiexec -n 2 python scripts/benchmark_cache.py
     scripts/local_cluster.sh run 8x1 -- -genv MPIR_CVAR_ENABLE_HEAVY_YIELD 1 \\
         python scripts/benchmark_cache.py
+
+``--rank0-work 64,512`` (one process, no MPI) times instead what a slow cycle costs rank 0 for
+``--params`` new names from that many ranks: unpickling every rank's requests, checking them
+and planning (``CycleProtocol.make_plan``), pickling the plan: the first step of any job, and
+every step of one whose names do not fit the cache.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import statistics
 import time
 
 import torch
 
 import mpiddp
+from mpiddp.config import Settings
+from mpiddp.engine.protocol import CycleProtocol, SlowMessage
+from mpiddp.engine.request import ALLREDUCE, Request
 
 VARIANTS = {"grows (unset)": None, "fixed 1024": "1024", "set 4096": "4096"}
 
@@ -60,6 +69,21 @@ def run_variant(capacity, args) -> tuple[float, float]:
     return seconds, slow
 
 
+def rank0_work(ranks: int, names: int, elements: int) -> dict:
+    """Rank 0's side of one slow cycle in which ``ranks`` ranks each send ``names`` new
+    all-reduce requests (seconds, bytes gathered)."""
+    protocol = CycleProtocol(0, ranks, Settings(cache_capacity=max(1024, names)))
+    message = SlowMessage(requests=[Request(f"model.layer{i}.weight", ALLREDUCE, "float32",
+                                            (elements,), "cpu", op=1) for i in range(names)],
+                          shutdown=None, joined=False, pending=None)
+    gathered = [pickle.dumps(message) for _ in range(ranks)]
+    start = time.perf_counter()
+    plan = protocol.make_plan([pickle.loads(blob) for blob in gathered])
+    pickle.dumps(plan)
+    assert len(plan.responses) == names
+    return {"seconds": time.perf_counter() - start, "bytes": sum(map(len, gathered))}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, default=1500)
@@ -67,7 +91,17 @@ def main():
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rank0-work", default=None, metavar="N,N,...",
+                        help="time rank 0's work in a slow cycle at these rank counts instead")
     args = parser.parse_args()
+    if args.rank0_work:
+        print(f"| ranks | rank 0's work, {args.params} new names (ms) | gathered (kB) |")
+        print("|---:|---:|---:|")
+        for ranks in map(int, args.rank0_work.split(",")):
+            best = min((rank0_work(ranks, args.params, args.elements) for _ in range(3)),
+                       key=lambda r: r["seconds"])
+            print(f"| {ranks} | {best['seconds'] * 1e3:.0f} | {best['bytes'] / 1e3:.0f} |")
+        return
     torch.set_num_threads(1)
     times = {name: [] for name in VARIANTS}
     slows = {name: [] for name in VARIANTS}

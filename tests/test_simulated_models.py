@@ -3,6 +3,7 @@ scripts/synthetic_benchmark.py: the shape tables against the published parameter
 FLOPs, the timing of a simulated step, its CPU use, and a 2-rank benchmark run."""
 import json
 import math
+import subprocess
 import sys
 import threading
 import time
@@ -290,6 +291,14 @@ def test_cache_benchmark_compares_a_grown_cache_with_a_fixed_one():
     assert set(rows) == {"grows (unset)", "fixed 1024", "set 4096"}, result.output
     slow = {name: float(cells[2]) for name, cells in rows.items()}
     assert slow["grows (unset)"] == slow["set 4096"] == 0 < slow["fixed 1024"], result.output
+    # Rank 0's work in a slow cycle, in one process: a row per rank count, more bytes with
+    # more ranks.
+    work = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_cache.py"),
+                           "--rank0-work", "2,8", "--params", "20"], capture_output=True,
+                          text=True, timeout=120, check=True).stdout
+    gathered = [float(line.split("|")[3]) for line in work.splitlines()
+                if line.startswith("| 2 ") or line.startswith("| 8 ")]
+    assert len(gathered) == 2 and gathered[0] < gathered[1], work
 
 
 def test_scaling_report_reads_allreduce_and_half_rate_runs(tmp_path, capsys):
