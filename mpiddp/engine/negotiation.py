@@ -33,9 +33,6 @@ class ResponseCache:
     def response(self, slot: int) -> Response:
         return self._by_slot[slot]
 
-    def holds(self, slot: int) -> bool:
-        return slot in self._by_slot
-
     def slots(self):
         """The filled slots, in the order they were filled (the same on every rank)."""
         return self._by_slot.keys()
