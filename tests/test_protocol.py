@@ -277,14 +277,14 @@ def test_names_coming_back_rarely_do_not_grow_the_response_cache():
                 handle.wait(timeout=20)
     cluster = FakeCluster(2, replace(TEST_SETTINGS, cache_capacity=16, explicit=frozenset()))
     returns = []
-    watch_admit = type(cluster.engines[0].protocol._capacity_watch).admit
+    watch = cluster.engines[0].protocol._capacity_watch
+    real_admit = watch.admit
 
-    def admit(self, name):          # count the returns: the test must see some
-        returned = self.returned
-        watch_admit(self, name)
-        returns.append(self.returned - returned)
-    cluster.engines[0].protocol._capacity_watch.admit = admit.__get__(
-        cluster.engines[0].protocol._capacity_watch)
+    def admit(name):                # count the returns: the test must see some
+        returned = watch.returned
+        real_admit(name)
+        returns.append(watch.returned - returned)
+    watch.admit = admit
     try:
         run_ranks(cluster, work)
         assert [engine.protocol.cache.capacity for engine in cluster.engines] == [16, 16]
