@@ -7,13 +7,12 @@
 A Horovod PyTorch script runs after ``import mpiddp as hvd``.
 """
 from .runtime import (cross_rank, cross_size, engine_stats, init, is_initialized,  # noqa: F401
-                      local_rank, local_size, mpi_threads_supported, rank, reset_engine_stats,
-                      set_allreduce_algorithm, shutdown, size, start_timeline,
-                      stop_timeline, timeline_events)
+                      local_rank, local_size, mpi_cuda_aware, mpi_threads_supported, rank,
+                      reset_engine_stats, set_allreduce_algorithm, shutdown, size,
+                      start_timeline, stop_timeline, timeline_events)
 from .reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
 from .build_info import (ccl_built, cuda_built, ddl_built, gloo_built,  # noqa: F401
                          gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
-from .transport.cuda_aware import mpi_cuda_aware  # noqa: F401
 from .errors import (DuplicateNameError, EngineShutdownError, HorovodInternalError,  # noqa: F401
                      InvalidInputError, InvalidInputTypeError, LaunchError, MpiddpError,
                      NotInitializedError, TensorMismatchError)

@@ -61,7 +61,9 @@ class LaunchError(MpiddpError):
     """The launcher started several tasks, but MPI sees each of them as a job of its own.
 
     Raised by ``init()`` (e.g. ``srun`` without ``--mpi=pmi2``/``pmix``); the message names
-    the fix. ``MPIDDP_LAUNCH_CHECK=0`` disables the check.
+    the fix. ``MPIDDP_LAUNCH_CHECK=0`` disables the check. Also raised by ``init()`` (and the
+    calls that ask MPI) in a process that Python's multiprocessing started from a rank with
+    'spawn' or 'forkserver', such as a DataLoader worker: no rank of the job.
     """
 
 

@@ -6,24 +6,26 @@ running mpiddp goes through ``require()`` (``current.py``), which says clearly w
 ``init()`` is missing.
 """
 from ..local_device import select_before_mpi
-from .mpi_environment import prefer_yielding_waits
+from .mpi_environment import keep_mpi_out_of_rank_children, prefer_yielding_waits
 
 # Before the first import of mpi4py.MPI below initialises MPI: the environment MPI reads, and
-# the GPU a CUDA-aware MPI binds to.
-prefer_yielding_waits()
-select_before_mpi()
+# the GPU a CUDA-aware MPI binds to. Not in a DataLoader worker that 'spawn' or 'forkserver'
+# started from a rank: no MPI there, and no CUDA context on the rank's GPU either.
+if not keep_mpi_out_of_rank_children():
+    prefer_yielding_waits()
+    select_before_mpi()
 
 from .api import (cross_rank, cross_size, engine_stats, init, is_initialized,  # noqa: E402
-                  local_rank, local_size, mpi_threads_supported, rank, reset_engine_stats,
-                  set_allreduce_algorithm, shutdown, size, start_timeline, stop_timeline,
-                  timeline_events)
+                  local_rank, local_size, mpi_cuda_aware, mpi_threads_supported, rank,
+                  reset_engine_stats, set_allreduce_algorithm, shutdown, size, start_timeline,
+                  stop_timeline, timeline_events)
 from .current import require  # noqa: E402
 from .deferred_work import complete_all as complete_deferred_work  # noqa: E402
 from .deferred_work import register as register_deferred_work  # noqa: E402
 from .process_set_table import GLOBAL_ID, ProcessSet, global_process_set  # noqa: E402
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-           "cross_rank", "cross_size", "mpi_threads_supported", "engine_stats",
+           "cross_rank", "cross_size", "mpi_cuda_aware", "mpi_threads_supported", "engine_stats",
            "reset_engine_stats", "set_allreduce_algorithm", "start_timeline", "stop_timeline",
            "timeline_events"]
 

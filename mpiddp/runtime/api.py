@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import atexit
+import functools
 from typing import Sequence
 
 from mpi4py import MPI
 
 from ..config import ALGORITHMS
 from ..docstrings import shared_doc
+from ..transport.cuda_aware import mpi_cuda_aware as _mpi_cuda_aware
 from . import current, deferred_work
-from .lifecycle import Runtime
+from .lifecycle import Runtime, check_mpi_here
 from .process_set_table import ProcessSet
 
 _atexit_registered = False
@@ -34,7 +36,9 @@ def init(comm: MPI.Comm | None = None, process_sets: Sequence | str | None = Non
 
     Raises:
         LaunchError: the launcher started several tasks but MPI sees one process per task
-            (e.g. ``srun`` without ``--mpi=pmi2``/``pmix``).
+            (e.g. ``srun`` without ``--mpi=pmi2``/``pmix``); or this process is not a rank:
+            multiprocessing started it from one with 'spawn' or 'forkserver' (a DataLoader
+            worker; an unguarded script calls ``init()`` there as the worker imports it).
         RuntimeError: MPI was initialised with less than ``MPI_THREAD_SERIALIZED``.
         ValueError: an ``MPIDDP_*`` setting is invalid on some rank, or a setting that must
             agree (fusion threshold, cache capacity, all-reduce algorithm, ring threshold)
@@ -183,8 +187,19 @@ def mpi_threads_supported() -> bool:
     Returns:
         True with ``MPI_THREAD_MULTIPLE``; False otherwise (mpiddp itself needs only
         ``MPI_THREAD_SERIALIZED``).
+
+    Raises:
+        LaunchError: in a process that multiprocessing started from a rank (a DataLoader
+            worker), where MPI is not initialised.
     """
+    check_mpi_here("mpi_threads_supported()")
     return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+
+@functools.wraps(_mpi_cuda_aware)
+def mpi_cuda_aware() -> bool:
+    check_mpi_here("mpi_cuda_aware()")     # its probe asks MPI: not in a DataLoader worker
+    return _mpi_cuda_aware()
 
 
 @shared_doc()

@@ -15,9 +15,10 @@ from .. import gpu
 from ..collectives.topology import Topology, node_layout
 from ..config import Settings, read_settings, unknown_settings
 from ..engine.coordinator import Engine, start_engine
-from ..errors import EngineShutdownError
+from ..errors import EngineShutdownError, LaunchError
 from ..launch_check import check_launch
 from .abort import ABORT_HOOKS, AbortHooks
+from .mpi_environment import child_process_error, mpi_kept_out
 from .process_set_table import ProcessSetTable
 
 log = logging.getLogger("mpiddp")
@@ -26,6 +27,14 @@ log = logging.getLogger("mpiddp")
 PROTOCOL_SETTINGS = ("fusion_threshold", "cache_capacity", "allreduce_algorithm",
                      "ring_threshold", "hierarchical_allreduce", "priority_cycle_bytes",
                      "speculation_bytes")
+
+
+def check_mpi_here(what: str) -> None:
+    """Raise ``LaunchError`` for ``what`` in a process where MPI was kept out (a DataLoader
+    worker that 'spawn' started from a rank: ``mpi_environment.py``), where an MPI call would
+    end the process ("Attempting to use an MPI routine before initializing")."""
+    if mpi_kept_out() and not MPI.Is_initialized():
+        raise LaunchError(child_process_error(what))
 
 
 class Runtime:
@@ -45,6 +54,7 @@ class Runtime:
         """The body of ``init()`` (a collective of ``comm``): check the launch and MPI's
         thread level, agree on the settings, learn the topology, pick the GPU, start the
         engine. Raises as ``init()`` documents."""
+        check_mpi_here("init()")
         # Installed first, so that an error on one rank during start-up (a bad setting, say)
         # ends the job instead of leaving the others waiting in the collectives below.
         ABORT_HOOKS.install()

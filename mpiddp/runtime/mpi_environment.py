@@ -2,9 +2,13 @@
 ``mpi4py.MPI`` initialises it): no MPI import here."""
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sys
 
-from ..launch_check import ranks_on_this_node
+from ..launch_check import launcher_tasks, ranks_on_this_node
+
+_kept_out = False      # MPI's initialisation was turned off in this process (below)
 
 
 def prefer_yielding_waits(environ=os.environ) -> None:
@@ -14,3 +18,55 @@ def prefer_yielding_waits(environ=os.environ) -> None:
     ranks_here = ranks_on_this_node(environ)
     if ranks_here is not None and ranks_here > (os.cpu_count() or 1):
         environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+
+
+def reimporting_main() -> bool:
+    """True while multiprocessing re-imports the parent's main module in a child it started
+    with 'spawn' or 'forkserver' (the flag multiprocessing itself checks before it refuses
+    to start processes from such a child)."""
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+
+
+def started_by_multiprocessing() -> bool:
+    """True in a process that Python's multiprocessing started (a DataLoader worker), also
+    while it re-imports the parent's main module there."""
+    return multiprocessing.parent_process() is not None or reimporting_main()
+
+
+def keep_mpi_out_of_rank_children(environ=os.environ, modules=sys.modules,
+                                  started=started_by_multiprocessing) -> bool:
+    """Turn off mpi4py's initialisation at import in a process that multiprocessing started
+    from an MPI rank ('spawn' or 'forkserver': a DataLoader worker, or its forkserver, which
+    re-import the main module and with it mpiddp). There ``MPI_Init`` cannot work: the
+    process inherited the rank's launcher variables but not its connection to the launcher
+    (MPICH's children aborted the job with "PMI_Init returned -1"), and it is no rank of the
+    job anyway. Returns True when it turned it off; ``init()`` there then says why it cannot
+    run (``child_process_error``). Children of a process no MPI launcher started, and forked
+    children (MPI is imported already), are left alone."""
+    global _kept_out
+    if "mpi4py.MPI" in modules or launcher_tasks(environ) is None or not started():
+        return False
+    import mpi4py
+
+    mpi4py.rc.initialize = False
+    _kept_out = True
+    return True
+
+
+def mpi_kept_out() -> bool:
+    """Whether ``keep_mpi_out_of_rank_children`` turned MPI's initialisation off here."""
+    return _kept_out
+
+
+def child_process_error(what: str) -> str:
+    """What ``what`` (``init()``, a call that asks MPI) says in a process where MPI was kept
+    out (above)."""
+    how = ("Python's multiprocessing started it from an MPI rank with 'spawn' or 'forkserver' "
+           "(e.g. a DataLoader worker)")
+    if reimporting_main():
+        return (f"mpiddp.{what} was called while process {os.getpid()} was being prepared: "
+                f"{how}, and such a child imports the script's main module again (and the "
+                "modules of what it is given). Put the script's code under "
+                "`if __name__ == \"__main__\":` so that it runs only in the rank itself.")
+    return (f"mpiddp.{what} cannot run in process {os.getpid()}: {how}; it is no rank of the "
+            "MPI job, and MPI is not initialised there. Call it in the rank itself.")
