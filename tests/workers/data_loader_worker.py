@@ -78,9 +78,12 @@ def main():
         ok(f"training with {context} workers", rank, mpiddp.barrier,
            worker_pids=len(set(processes[:, 0].tolist())))
 
-    # init() in a worker: from its worker_init_fn, and while 'spawn' imports the module of
-    # its dataset, which starts mpiddp at import (as an unguarded script does).
-    loader = DataLoader(Samples(), num_workers=1, multiprocessing_context="spawn",
+    # init() in a worker: from its worker_init_fn (a forkserver worker: forked from the
+    # server that imported torch above, so cheaper than 'spawn'), and while a 'spawn' worker
+    # imports the module of its dataset, which starts mpiddp at import (as an unguarded script
+    # does; a 'spawn' worker is the rank's child, whose death the DataLoader hears of at once,
+    # a forkserver worker's only at its next 5 s check).
+    loader = DataLoader(Samples(), num_workers=1, multiprocessing_context="forkserver",
                         worker_init_fn=call_init)
     expect(mpiddp.LaunchError, lambda: next(iter(loader)), "mpiddp.init() cannot run in process",
            "DataLoader worker", "no rank of the MPI job")
