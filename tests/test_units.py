@@ -123,6 +123,31 @@ def test_launch_check_refuses_singletons(env, needles):
         assert needle in str(info.value)
 
 
+@pytest.mark.parametrize("env, modules, started, kept_out", [
+    (_STEP, {}, True, True),                        # an srun rank's DataLoader worker
+    (_PMI2_STEP, {}, True, True),
+    ({"PMI_SIZE": "4"}, {}, True, True),            # mpiexec's (hydra)
+    ({"OMPI_COMM_WORLD_SIZE": "3"}, {}, True, True),   # Open MPI's
+    ({"PMI_SIZE": "4"}, {"mpi4py.MPI": object()}, True, False),   # forked: MPI is there
+    ({"PMI_SIZE": "4"}, {}, False, False),          # the rank itself
+    (_BATCH, {}, True, False),                      # one process in a batch script: its own
+    ({}, {}, True, False),                          # a plain `python train.py`'s worker
+])
+def test_mpi_kept_out_of_the_workers_a_rank_starts(monkeypatch, env, modules, started,
+                                                   kept_out):
+    # A DataLoader worker that 'spawn' or 'forkserver' starts from a rank must not initialise
+    # MPI when it imports mpiddp (tests/test_data_loader.py runs the real thing).
+    import mpi4py
+
+    from mpiddp.runtime import mpi_environment
+    monkeypatch.setattr(mpi4py.rc, "initialize", True)
+    monkeypatch.setattr(mpi_environment, "_kept_out", False)
+    assert mpi_environment.keep_mpi_out_of_rank_children(env, modules, lambda: started) \
+        is kept_out
+    assert mpi4py.rc.initialize is not kept_out
+    assert mpi_environment.mpi_kept_out() is kept_out
+
+
 @pytest.mark.parametrize("env, expected", [
     ({"MPI_LOCALNRANKS": "8"}, 8),                                     # hydra
     ({"OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, 3),                          # Open MPI
