@@ -2,6 +2,7 @@
 the response cache and stall reports."""
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -123,15 +124,18 @@ def test_launch_check_refuses_singletons(env, needles):
         assert needle in str(info.value)
 
 
+_RANK_1234 = {"_MPIDDP_MPI_PID": "1234", "PMI_SIZE": "2"}     # a rank's mark, inherited
+
+
 @pytest.mark.parametrize("env, modules, started, kept_out", [
-    (_STEP, {}, True, True),                        # an srun rank's DataLoader worker
-    (_PMI2_STEP, {}, True, True),
-    ({"PMI_SIZE": "4"}, {}, True, True),            # mpiexec's (hydra)
-    ({"OMPI_COMM_WORLD_SIZE": "3"}, {}, True, True),   # Open MPI's
-    ({"PMI_SIZE": "4"}, {"mpi4py.MPI": object()}, True, False),   # forked: MPI is there
-    ({"PMI_SIZE": "4"}, {}, False, False),          # the rank itself
-    (_BATCH, {}, True, False),                      # one process in a batch script: its own
-    ({}, {}, True, False),                          # a plain `python train.py`'s worker
+    (_RANK_1234, {}, True, True),                   # the rank's 'spawn' DataLoader worker
+    (dict(_STEP, _MPIDDP_MPI_PID="1234"), {}, True, True),       # an srun rank's
+    ({"_MPIDDP_MPI_PID": "1234"}, {}, True, True),  # any launcher's, or a singleton's
+    (_RANK_1234, {"mpi4py.MPI": object()}, True, False),   # forked: MPI is there
+    (_RANK_1234, {}, False, False),                 # started otherwise (mpiexec, subprocess)
+    ({"PMI_SIZE": "2"}, {}, True, False),           # a wrapper that never ran mpiddp forked
+                                                    # the real rank
+    ({"_MPIDDP_MPI_PID": str(os.getpid())}, {}, True, False),   # the marking process itself
 ])
 def test_mpi_kept_out_of_the_workers_a_rank_starts(monkeypatch, env, modules, started,
                                                    kept_out):
@@ -146,6 +150,14 @@ def test_mpi_kept_out_of_the_workers_a_rank_starts(monkeypatch, env, modules, st
         is kept_out
     assert mpi4py.rc.initialize is not kept_out
     assert mpi_environment.mpi_kept_out() is kept_out
+
+
+def test_a_process_with_mpi_marks_itself_for_its_children():
+    from mpiddp.runtime import mpi_environment
+    assert os.environ[mpi_environment.MPI_PROCESS_VARIABLE] == str(os.getpid())   # at import
+    environ = {}
+    mpi_environment.mark_mpi_process(environ)
+    assert environ == {mpi_environment.MPI_PROCESS_VARIABLE: str(os.getpid())}
 
 
 @pytest.mark.parametrize("env, expected", [

@@ -6,12 +6,14 @@ running mpiddp goes through ``require()`` (``current.py``), which says clearly w
 ``init()`` is missing.
 """
 from ..local_device import select_before_mpi
-from .mpi_environment import keep_mpi_out_of_rank_children, prefer_yielding_waits
+from .mpi_environment import (keep_mpi_out_of_rank_children, mark_mpi_process,
+                              prefer_yielding_waits)
 
 # Before the first import of mpi4py.MPI below initialises MPI: the environment MPI reads, and
 # the GPU a CUDA-aware MPI binds to. Not in a DataLoader worker that 'spawn' or 'forkserver'
 # started from a rank: no MPI there, and no CUDA context on the rank's GPU either.
-if not keep_mpi_out_of_rank_children():
+MPI_KEPT_OUT = keep_mpi_out_of_rank_children()
+if not MPI_KEPT_OUT:
     prefer_yielding_waits()
     select_before_mpi()
 
@@ -23,6 +25,11 @@ from .current import require  # noqa: E402
 from .deferred_work import complete_all as complete_deferred_work  # noqa: E402
 from .deferred_work import register as register_deferred_work  # noqa: E402
 from .process_set_table import GLOBAL_ID, ProcessSet, global_process_set  # noqa: E402
+
+from mpi4py import MPI  # noqa: E402  (imported by .api above)
+
+if not MPI_KEPT_OUT and MPI.Is_initialized():
+    mark_mpi_process()       # for the DataLoader workers this rank may start
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "mpi_cuda_aware", "mpi_threads_supported", "engine_stats",

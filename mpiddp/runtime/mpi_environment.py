@@ -6,8 +6,10 @@ import multiprocessing
 import os
 import sys
 
-from ..launch_check import launcher_tasks, ranks_on_this_node
+from ..launch_check import ranks_on_this_node
 
+# The pid of the process whose mpiddp found MPI initialised, for the processes it starts.
+MPI_PROCESS_VARIABLE = "_MPIDDP_MPI_PID"
 _kept_out = False      # MPI's initialisation was turned off in this process (below)
 
 
@@ -33,18 +35,28 @@ def started_by_multiprocessing() -> bool:
     return multiprocessing.parent_process() is not None or reimporting_main()
 
 
+def mark_mpi_process(environ=os.environ) -> None:
+    """Tell the processes this one starts that MPI runs here (``keep_mpi_out_of_rank_children``
+    reads it in them). Called once MPI is initialised."""
+    environ[MPI_PROCESS_VARIABLE] = str(os.getpid())
+
+
 def keep_mpi_out_of_rank_children(environ=os.environ, modules=sys.modules,
                                   started=started_by_multiprocessing) -> bool:
     """Turn off mpi4py's initialisation at import in a process that multiprocessing started
-    from an MPI rank ('spawn' or 'forkserver': a DataLoader worker, or its forkserver, which
-    re-import the main module and with it mpiddp). There ``MPI_Init`` cannot work: the
-    process inherited the rank's launcher variables but not its connection to the launcher
-    (MPICH's children aborted the job with "PMI_Init returned -1"), and it is no rank of the
-    job anyway. Returns True when it turned it off; ``init()`` there then says why it cannot
-    run (``child_process_error``). Children of a process no MPI launcher started, and forked
-    children (MPI is imported already), are left alone."""
+    ('spawn' or 'forkserver': a DataLoader worker, or its forkserver, which re-import the
+    main module and with it mpiddp) from a process where mpiddp runs on MPI (a rank; the
+    mark of ``mark_mpi_process``). There ``MPI_Init`` cannot work: the child inherited the
+    rank's launcher variables but not its connection to the launcher (MPICH's workers
+    aborted the job with "PMI_Init returned -1", Open MPI's crashed), and it is no rank of
+    the job anyway. Returns True when it turned it off; ``init()`` there then says why it
+    cannot run (``child_process_error``). Left alone: forked children (MPI is imported
+    already), children of a process that never ran mpiddp (a wrapper that starts the real
+    rank with multiprocessing), and processes started otherwise (ranks of an ``mpiexec``
+    run from a rank's process, ``subprocess``)."""
     global _kept_out
-    if "mpi4py.MPI" in modules or launcher_tasks(environ) is None or not started():
+    owner = environ.get(MPI_PROCESS_VARIABLE)
+    if "mpi4py.MPI" in modules or owner in (None, str(os.getpid())) or not started():
         return False
     import mpi4py
 
@@ -61,8 +73,8 @@ def mpi_kept_out() -> bool:
 def child_process_error(what: str) -> str:
     """What ``what`` (``init()``, a call that asks MPI) says in a process where MPI was kept
     out (above)."""
-    how = ("Python's multiprocessing started it from an MPI rank with 'spawn' or 'forkserver' "
-           "(e.g. a DataLoader worker)")
+    how = ("Python's multiprocessing started it with 'spawn' or 'forkserver' from an MPI "
+           "process (e.g. a DataLoader worker of a rank)")
     if reimporting_main():
         return (f"mpiddp.{what} was called while process {os.getpid()} was being prepared: "
                 f"{how}, and such a child imports the script's main module again (and the "

@@ -59,8 +59,15 @@ def train(context, workers: int):
     return torch.nn.utils.parameters_to_vector(model.parameters()).detach(), torch.cat(processes)
 
 
-def call_init(worker_id):
-    mpiddp.init()
+def call_mpi(worker_id):
+    """A worker_init_fn that asks MPI three ways; each must say why it cannot."""
+    said = []
+    for call in (mpiddp.mpi_threads_supported, mpiddp.mpi_cuda_aware, mpiddp.init):
+        try:
+            call()
+        except mpiddp.LaunchError as error:
+            said.append(str(error))
+    raise mpiddp.LaunchError(" | ".join(said))
 
 
 def main():
@@ -78,15 +85,16 @@ def main():
         ok(f"training with {context} workers", rank, mpiddp.barrier,
            worker_pids=len(set(processes[:, 0].tolist())))
 
-    # init() in a worker: from its worker_init_fn (a forkserver worker: forked from the
-    # server that imported torch above, so cheaper than 'spawn'), and while a 'spawn' worker
-    # imports the module of its dataset, which starts mpiddp at import (as an unguarded script
-    # does; a 'spawn' worker is the rank's child, whose death the DataLoader hears of at once,
-    # a forkserver worker's only at its next 5 s check).
+    # MPI in a worker: from its worker_init_fn, and init() while a 'spawn' worker imports
+    # the module of its dataset, which starts mpiddp at import (as an unguarded script does;
+    # a 'spawn' worker is the rank's child, whose death the DataLoader hears of at once, a
+    # forkserver worker's only at its next 5 s check).
     loader = DataLoader(Samples(), num_workers=1, multiprocessing_context="forkserver",
-                        worker_init_fn=call_init)
-    expect(mpiddp.LaunchError, lambda: next(iter(loader)), "mpiddp.init() cannot run in process",
-           "DataLoader worker", "no rank of the MPI job")
+                        worker_init_fn=call_mpi)
+    expect(mpiddp.LaunchError, lambda: next(iter(loader)), "DataLoader worker",
+           "mpiddp.mpi_threads_supported() cannot run in process",
+           "mpiddp.mpi_cuda_aware() cannot run in process", "mpiddp.init() cannot run in process",
+           "no rank of the MPI job")
     from init_at_import import Numbers
     loader = DataLoader(Numbers(), num_workers=1, multiprocessing_context="spawn")
     expect(RuntimeError, lambda: next(iter(loader)), "DataLoader worker", "exited unexpectedly")
