@@ -14,7 +14,9 @@ class ReduceOp(enum.IntEnum):
       ``join()`` count in ``size()`` and contribute zeros). On integer tensors the scaled
       sum is computed in float64 and truncated toward zero, as Horovod does.
     * ``SUM``, ``PRODUCT``: numeric dtypes (not bool).
-    * ``MIN``, ``MAX``: every dtype; on bool they are logical and / logical or.
+    * ``MIN``, ``MAX``: every dtype but complex; on bool they are logical and / logical or.
+    * complex64 and complex128 reduce with ``SUM`` and ``AVERAGE`` only (as real and
+      imaginary parts, each summed).
     * ``ADASUM`` (``mpiddp.Adasum``): Horovod's name, accepted so that scripts import; any
       collective or ``DistributedOptimizer`` given it raises ``ValueError`` naming the
       alternative (Average with a learning rate scaled by ``size()``).
@@ -46,18 +48,22 @@ ADASUM_UNSUPPORTED = (
 _COMBINE = {ReduceOp.AVERAGE: "add", ReduceOp.SUM: "add", ReduceOp.MIN: "minimum",
             ReduceOp.MAX: "maximum", ReduceOp.PRODUCT: "multiply"}
 _BOOL_COMBINE = {ReduceOp.MIN: "logical_and", ReduceOp.MAX: "logical_or"}
+# Complex buffers are reduced as their real and imaginary parts (a view of the real dtype):
+# only sums are elementwise on those.
+_COMPLEX_COMBINE = {ReduceOp.AVERAGE: "add", ReduceOp.SUM: "add"}
+_TABLES = {"bool": _BOOL_COMBINE, "complex": _COMPLEX_COMBINE}
 
 
 def combine_function(op: ReduceOp, dtype_kind: str) -> str:
     """The NumPy/CuPy/torch name of the function that reduces ``op`` on ``dtype_kind``
-    values ('float', 'int' or 'bool')."""
-    return (_BOOL_COMBINE if dtype_kind == "bool" else _COMBINE)[ReduceOp(op)]
+    values ('float', 'int', 'bool' or 'complex')."""
+    return _TABLES.get(dtype_kind, _COMBINE)[ReduceOp(op)]
 
 
 def reducible_ops(dtype_kind: str) -> tuple[ReduceOp, ...]:
     """The ops the buffer backends (host and device) can reduce on ``dtype_kind`` values: those
     ``combine_function`` has a function for. Adasum is never among them."""
-    return tuple(_BOOL_COMBINE if dtype_kind == "bool" else _COMBINE)
+    return tuple(_TABLES.get(dtype_kind, _COMBINE))
 
 
 def check_op_for_dtype(op: ReduceOp, dtype_kind: str, dtype_name: str, tensor_name: str) -> None:
@@ -68,3 +74,7 @@ def check_op_for_dtype(op: ReduceOp, dtype_kind: str, dtype_name: str, tensor_na
         raise ValueError(
             f"op={op.name.title()} is not defined for bool tensor '{tensor_name}': "
             "use op=Min (logical and) or op=Max (logical or)")
+    if dtype_kind == "complex" and op not in _COMPLEX_COMBINE:
+        raise ValueError(
+            f"op={op.name.title()} is not defined for complex tensor '{tensor_name}' "
+            f"({dtype_name}): complex tensors reduce with op=Sum or op=Average")

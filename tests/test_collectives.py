@@ -5,7 +5,7 @@ import pytest
 from mpi_launch import assert_ok, reported, run_mpi
 from mpiddp.config import ALGORITHMS
 
-CHECKS = 16   # 'OK' lines collectives_worker.py prints on rank 0
+CHECKS = 17   # 'OK' lines collectives_worker.py prints on rank 0
 
 # (ranks, algorithm): every rank count; each algorithm on more than one of them.
 CASES = [(1, "auto"), (2, "ring"), (3, "auto"), (4, "native"), (4, "ring"), (8, "auto"),

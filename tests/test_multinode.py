@@ -78,8 +78,8 @@ def test_every_collective_across_nodes(cluster, layout, sockets, algorithm):
     result = run_on_cluster(layout, "collectives_worker.py", "check_allreduce",
                             "check_speculated_allreduce", "check_allgather", "check_broadcast",
                             "check_reducescatter", "check_alltoall", "check_process_sets",
-                            *growth, env=env)
-    assert_ok(result, expect_lines=8 + len(growth))
+                            "check_complex", *growth, env=env)
+    assert_ok(result, expect_lines=9 + len(growth))
     # Small all-reduces ride in the negotiation where it goes over the sockets (by default).
     spec, = reported(result, "finished in the negotiation")
     assert (spec["speculated"] > 0) == (sockets == "1"), spec

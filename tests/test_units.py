@@ -294,12 +294,11 @@ def test_identity_values_leave_reductions_unchanged():
 
     from mpiddp.buffers.dtypes import DTYPES, identity_value
     from mpiddp.buffers.host_reduce import reduce_into
-    from mpiddp.reduce_ops import ReduceOp
+    from mpiddp.reduce_ops import ReduceOp, reducible_ops
 
     for dtype in DTYPES.values():
         for op in ReduceOp:
-            if op == ReduceOp.ADASUM or \
-                    (dtype.kind == "bool" and op not in (ReduceOp.MIN, ReduceOp.MAX)):
+            if op not in reducible_ops(dtype.kind):
                 continue
             values = torch.tensor([-3, 0, 2, 5]).to(getattr(torch, dtype.name)) \
                 if dtype.kind != "bool" else torch.tensor([True, False, True, False])

@@ -41,7 +41,7 @@ from ..errors import MpiddpError
 from ..reduce_ops import ReduceOp, combine_function
 from .default_device import default_device
 from .device_kernels import COMPILE_OPTIONS, KERNEL_SOURCE, THREADS_PER_BLOCK, launch_blocks
-from .dtypes import DType
+from .dtypes import DType, as_real
 from .host_reduce import reduce_into as host_reduce_into
 
 # Our own kernels for the floating types whose results must equal the host path's bit for
@@ -251,6 +251,8 @@ class DeviceBackend:
         if isinstance(dst, np.ndarray):
             host_reduce_into(dst, src, op, dtype)
             return
+        if dtype.kind == "complex":              # sums only: part by part
+            (dst, dtype), (src, _) = as_real(dst, dtype), as_real(src, dtype)
         n = dst.size
         if n == 0:
             return
@@ -274,6 +276,7 @@ class DeviceBackend:
 
             host_scale_(array, factor, dtype, exact)
             return
+        array, dtype = as_real(array, dtype)     # complex: part by part, as its real dtype
         if dtype.kind not in ("float", "int"):
             raise TypeError(f"cannot scale a {dtype.name} buffer by {factor}")
         state = self._array_state(array)

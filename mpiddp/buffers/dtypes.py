@@ -1,7 +1,9 @@
 """The element types the engine moves, by name, with their NumPy storage and MPI datatype.
 
 bfloat16 has no NumPy type: it is stored as raw ``uint16`` bits and reduced through a
-torch view of the same memory (see ``host_reduce``).
+torch view of the same memory (see ``host_reduce``). complex64 and complex128 are reduced and
+scaled as their real and imaginary parts (``as_real``: the same memory viewed as float32 or
+float64, twice the elements), so the backends and MPI need nothing of their own for them.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ class DType:
     name: str
     storage: np.dtype       # NumPy dtype that holds the bytes
     mpi: MPI.Datatype       # MPI datatype of one element
-    kind: str               # 'float', 'int' or 'bool'
+    kind: str               # 'float', 'int', 'bool' or 'complex'
     native_reduce: bool     # MPI has predefined reduction ops for this type
 
     @property
@@ -38,8 +40,14 @@ DTYPES = {
         DType("int32", np.dtype(np.int32), MPI.INT32_T, "int", True),
         DType("int64", np.dtype(np.int64), MPI.INT64_T, "int", True),
         DType("bool", np.dtype(np.bool_), MPI.C_BOOL, "bool", True),
+        # MPI sees the real parts: a buffer's count comes from its bytes (native.py), and
+        # MPI_SUM on float pairs is the complex sum (also where a CUDA-aware MPI reduces on
+        # the device, which not every one does for complex types).
+        DType("complex64", np.dtype(np.complex64), MPI.FLOAT, "complex", True),
+        DType("complex128", np.dtype(np.complex128), MPI.DOUBLE, "complex", True),
     )
 }
+_REAL_PART = {"complex64": "float32", "complex128": "float64"}
 
 
 def dtype_named(name: str) -> DType:
@@ -48,6 +56,15 @@ def dtype_named(name: str) -> DType:
     except KeyError:
         raise TypeError(
             f"unsupported dtype {name}; supported: {', '.join(DTYPES)}") from None
+
+
+def as_real(array, dtype: DType):
+    """(``array`` viewed as its real dtype, that dtype) for a complex buffer (NumPy or CuPy:
+    the real and imaginary parts interleaved, twice the elements); others unchanged."""
+    real = _REAL_PART.get(dtype.name)
+    if real is None:
+        return array, dtype
+    return array.view(DTYPES[real].storage), DTYPES[real]
 
 
 # bfloat16 bit patterns (the storage is raw uint16).

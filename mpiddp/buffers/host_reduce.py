@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..reduce_ops import ReduceOp, combine_function
-from .dtypes import DType
+from .dtypes import DType, as_real
 
 # ops.combine_function's table resolved to NumPy functions once (this runs per reduction).
 _NUMPY = {(op, kind): getattr(np, combine_function(op, kind))
@@ -27,6 +27,8 @@ def reduce_into(dst: np.ndarray, src: np.ndarray, op: ReduceOp, dtype: DType) ->
     """``dst = op(dst, src)`` elementwise, in place."""
     if dst.size == 0:
         return
+    if dtype.kind == "complex":                  # sums only: part by part
+        (dst, dtype), (src, _) = as_real(dst, dtype), as_real(src, dtype)
     if dtype.name in ("float16", "bfloat16"):
         import torch
 
@@ -52,6 +54,7 @@ def scale_(array: np.ndarray, factor: float, dtype: DType, exact: bool = False) 
     rounded quotient instead of rounding ``1/size`` to float32 first."""
     if factor == 1.0 or array.size == 0:
         return
+    array, dtype = as_real(array, dtype)         # complex: part by part, as its real dtype
     if dtype.kind == "int":
         # Horovod's rule for integers (Average, pre/post scale factors): scale in float64,
         # truncate toward zero.

@@ -50,7 +50,7 @@ def eligible(request, budget: int) -> bool:
     if request.kind != ALLREDUCE or request.op not in SUMS or request.device_type != "cpu":
         return False
     dtype = dtype_named(request.dtype)
-    return dtype.native_reduce and dtype.kind != "bool" and \
+    return dtype.native_reduce and dtype.kind in ("float", "int") and \
         request.numel * dtype.itemsize <= budget
 
 

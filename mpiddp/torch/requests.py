@@ -37,7 +37,11 @@ def check_tensor(tensor, name: str) -> str:
     """The engine's dtype name of ``tensor``; TypeError for a non-tensor or unsupported dtype."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"'{name}' must be a torch.Tensor, not {type(tensor).__name__}")
-    return dtype_name(tensor, name)
+    dtype = dtype_name(tensor, name)
+    if tensor.is_conj():     # a lazy conjugate: its memory holds the unconjugated values
+        raise TypeError(f"'{name}' is a conjugate view (its conj bit is set, e.g. from "
+                        "tensor.conj()): pass tensor.resolve_conj()")
+    return dtype
 
 
 def resolve_op(op, average) -> ReduceOp:

@@ -513,12 +513,125 @@ def check_topology():
     ok("topology (local and cross ranks on one node)")
 
 
+def complex_data(rank, name, shape, dtype):
+    """Deterministic complex data: ``data`` for the real and for the imaginary parts."""
+    return torch.complex(data(rank, name + ".re", shape, torch.float64),
+                         data(rank, name + ".im", shape, torch.float64)).to(dtype)
+
+
+def complex_reference(name, shape, dtype, op=mpiddp.Sum):
+    stacked = np.stack([complex_data(r, name, shape, dtype).numpy().astype(np.complex128)
+                        for r in range(SIZE)])
+    return stacked.mean(axis=0) if op == mpiddp.Average else stacked.sum(axis=0)
+
+
+def check_complex_close(name, got, want, dtype):
+    got = got.numpy().astype(np.complex128)
+    tol = 1e-5 if dtype == torch.complex64 else 1e-12
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    assert np.allclose(got, want, rtol=tol, atol=tol), \
+        (name, np.max(np.abs(got - want)) if got.size else 0)
+
+
+class Spectral(torch.nn.Module):
+    """A Fourier layer (complex weights on the lowest modes, as a neural operator's) and a
+    linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = torch.nn.Parameter(torch.randn(3, 3, 4, dtype=torch.complex64) * 0.3)
+        self.head = torch.nn.Linear(3 * 16, 1)
+
+    def forward(self, x):
+        modes = torch.fft.rfft(x)[..., :4]
+        mixed = torch.einsum("bim,iom->bom", modes, self.weights)
+        return self.head(torch.fft.irfft(mixed, n=x.shape[-1]).flatten(1))
+
+
+def check_complex():
+    """complex64 and complex128: Sum and Average (fused and alone, scale factors, in place,
+    grouped), broadcast, allgather, alltoall, reducescatter against a complex128 NumPy
+    reference; other ops and conjugate views refused; a model with complex weights trains as
+    one process on the concatenated batch."""
+    pending = []
+    for dtype in (torch.complex64, torch.complex128):
+        for n in (0, 1, 7, 1000, 20_000):    # 20k complex64: 160 KiB, over the threshold
+            for op in (mpiddp.Sum, mpiddp.Average):
+                name = f"cx.{dtype}.{n}.{op.name}"
+                pending.append((name, dtype, n, op, mpiddp.allreduce_async(
+                    complex_data(RANK, name, (n,), dtype), name=name, op=op)))
+    for name, dtype, n, op, handle in pending:
+        check_complex_close(name, mpiddp.synchronize(handle),
+                            complex_reference(name, (n,), dtype, op), dtype)
+    t = complex_data(RANK, "cx.inplace", (33, 2), torch.complex64)
+    mpiddp.allreduce_(t, op=mpiddp.Sum, name="cx.inplace", prescale_factor=0.5,
+                      postscale_factor=3.0)
+    check_complex_close("cx.inplace", t,
+                        1.5 * complex_reference("cx.inplace", (33, 2), torch.complex64),
+                        torch.complex64)
+    grouped = mpiddp.grouped_allreduce(
+        [complex_data(RANK, f"cx.group.{i}", (5 + i,), torch.complex128) for i in range(3)],
+        name="cx.group")
+    for i, got in enumerate(grouped):
+        check_complex_close(f"cx.group.{i}", got, complex_reference(
+            f"cx.group.{i}", (5 + i,), torch.complex128, mpiddp.Average), torch.complex128)
+
+    root = SIZE - 1
+    got = mpiddp.broadcast(complex_data(RANK, "cx.bc", (9,), torch.complex64), root, name="cx.bc")
+    assert torch.equal(got, complex_data(root, "cx.bc", (9,), torch.complex64))
+    rows = lambda r: (r * 3) % 5        # noqa: E731  (some ranks send zero rows)
+    got = mpiddp.allgather(complex_data(RANK, "cx.ag", (rows(RANK), 2), torch.complex128),
+                           name="cx.ag")
+    assert torch.equal(got, torch.cat([complex_data(r, "cx.ag", (rows(r), 2), torch.complex128)
+                                       for r in range(SIZE)]))
+    out = mpiddp.alltoall(complex_data(RANK, "cx.a2a", (2 * SIZE,), torch.complex64),
+                          name="cx.a2a")
+    assert torch.equal(out, torch.cat([complex_data(r, "cx.a2a", (2 * SIZE,), torch.complex64)
+                                       [2 * RANK:2 * RANK + 2] for r in range(SIZE)]))
+    got = mpiddp.reducescatter(complex_data(RANK, "cx.rs", (2 * SIZE + 1, 3), torch.complex64),
+                               op=mpiddp.Sum, name="cx.rs")
+    full = complex_reference("cx.rs", (2 * SIZE + 1, 3), torch.complex64)
+    start = RANK * 2 + min(RANK, 1)
+    check_complex_close("cx.rs", got, full[start:start + 2 + (RANK < 1)], torch.complex64)
+
+    checks.expect(ValueError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.complex64),
+                                                       op=mpiddp.Max, name="cx.max"),
+                  "cx.max", "complex tensors reduce with op=Sum or op=Average")
+    checks.expect(TypeError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.complex64)
+                                                      .conj(), name="cx.conj"),
+                  "cx.conj", "conjugate view", "resolve_conj()")
+
+    # Training: every rank trains on its part of a batch; one process on the whole batch is
+    # the reference (each rank runs it locally: the data depend on the step only).
+    torch.manual_seed(5)
+    reference_model, model = Spectral(), Spectral()
+    model.load_state_dict(reference_model.state_dict())
+    reference_opt = torch.optim.Adam(reference_model.parameters(), lr=0.01)
+    opt = mpiddp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                      named_parameters=model.named_parameters())
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4 * SIZE, 3, 16, generator=g), torch.randn(4 * SIZE, 1, generator=g)
+        reference_opt.zero_grad()
+        torch.nn.functional.mse_loss(reference_model(x), y).backward()
+        reference_opt.step()
+        mine = slice(4 * RANK, 4 * RANK + 4)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        opt.step()
+    for (name, p), q in zip(model.named_parameters(), reference_model.parameters()):
+        assert p.dtype == q.dtype and torch.allclose(p, q, rtol=1e-5, atol=1e-6), \
+            (name, (p - q).abs().max())
+    ok("complex64 and complex128: every collective, and training with complex weights",
+       barrier=mpiddp.barrier)
+
+
 CHECKS = [check_topology, check_allreduce, check_allreduce_variants,
           check_speculated_allreduce, check_allgather,
           check_broadcast,
           check_reducescatter, check_alltoall, check_fusion_and_cache, check_out_of_order,
           check_autograd, check_process_sets, check_grouped_and_sparse,
-          check_sync_batch_norm]
+          check_sync_batch_norm, check_complex]
 ON_REQUEST = [check_cache_grows]     # run only when named
 
 if __name__ == "__main__":

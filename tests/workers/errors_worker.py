@@ -76,8 +76,8 @@ def mismatches():
     mpiddp.synchronize(mpiddp.allreduce_async(torch.ones(2), name="dup"))   # free again
     ok("duplicate in-flight name")
 
-    expect(TypeError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.complex64),
-                                               name="cplx"), "cplx", "complex64", "supported")
+    expect(TypeError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.complex32),
+                                               name="cplx"), "cplx", "complex32", "supported")
     expect(ValueError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.bool), name="bsum",
                                                 op=mpiddp.Sum), "bsum", "bool")
     expect(ValueError, lambda: mpiddp.broadcast(torch.ones(2), root_rank=size, name="badroot"),

@@ -117,6 +117,9 @@ def mode_unit():
             else:
                 if dtype.kind == "float":
                     a, b = (rng.uniform(-3, 3, n).astype(dtype.storage) for _ in range(2))
+                elif dtype.kind == "complex":     # summed part by part, as float pairs
+                    a, b = ((rng.uniform(-3, 3, n) + 1j * rng.uniform(-3, 3, n))
+                            .astype(dtype.storage) for _ in range(2))
                 else:
                     info = np.iinfo(dtype.storage)
                     a, b = (rng.integers(info.min, info.max, n, endpoint=True)
