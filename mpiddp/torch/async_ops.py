@@ -14,9 +14,10 @@ Rules shared by every call here and by the blocking calls built on them (``colle
   ``TensorMismatchError`` (raised by ``synchronize``); the engine goes on serving.
 * Tensors: cpu, or cuda on this rank's GPU (CuPy needed); dtypes float16, bfloat16,
   float32, float64, int8, uint8, int16, int32, int64, bool, complex64 and complex128 (Sum
-  and Average; not a conjugate view: ``resolve_conj()`` it first). The engine reads (and, in place,
-  writes) the tensor's memory directly: leave it alone until ``synchronize`` returns. For a
-  cuda tensor the engine first waits for the work queued on the current stream at the call.
+  and Average; a conjugate view is reduced as it reads, through a copy). The engine reads
+  (and, in place, writes) the tensor's memory directly: leave it alone until ``synchronize``
+  returns. For a cuda tensor the engine first waits for the work queued on the current
+  stream at the call.
 * Bad input never leaves the other ranks waiting: a rank that rejects its own input (the
   ``TypeError``/``ValueError`` causes each call lists) submits the request marked invalid
   instead of raising alone, and every rank's ``synchronize`` raises ``InvalidInputError`` (a

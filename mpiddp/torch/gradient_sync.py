@@ -43,7 +43,7 @@ from .async_ops import sparse_allreduce_async
 from .compression import WireCasts
 from .handles import combined
 from .handles import synchronize as wait_for
-from .requests import allreduce_request_, submit_together
+from .requests import allreduce_request_, contiguous, submit_together
 from .streams import ready_event
 
 # The autograd engine: queue_callback() runs a function once the current backward pass
@@ -248,8 +248,9 @@ class GradientSync:
         sparse = not zeros and param.grad.is_sparse
         cast = None if zeros or sparse else self.wire_casts.cast(param, grad)
         wire, ctx = (cast, grad.dtype) if cast is not None else self.compression.compress(grad)
-        if not wire.is_contiguous():     # reduce a contiguous copy; synchronize copies back
-            wire = wire.contiguous()
+        # Reduce a plain copy of a non-contiguous gradient or a conjugate view (autograd's
+        # for W.mH); _write_back copies the result back.
+        wire = contiguous(wire)
         # Recorded here, in the gradient's hook on the stream that produced it: the bucket
         # may be flushed later, from another gradient's hook on another stream.
         self.pending[param] = Pending(None, wire, ctx, zeros, sparse, cast_back=cast is not None,

@@ -37,11 +37,7 @@ def check_tensor(tensor, name: str) -> str:
     """The engine's dtype name of ``tensor``; TypeError for a non-tensor or unsupported dtype."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"'{name}' must be a torch.Tensor, not {type(tensor).__name__}")
-    dtype = dtype_name(tensor, name)
-    if tensor.is_conj():     # a lazy conjugate: its memory holds the unconjugated values
-        raise TypeError(f"'{name}' is a conjugate view (its conj bit is set, e.g. from "
-                        "tensor.conj()): pass tensor.resolve_conj()")
-    return dtype
+    return dtype_name(tensor, name)
 
 
 def resolve_op(op, average) -> ReduceOp:
@@ -83,8 +79,16 @@ def group_names(kind: str, tensors, name: Optional[str], what: str,
 
 
 # ---- building entries ---------------------------------------------------------------------
+def plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory holds its values as they read, in order: contiguous, and no
+    lazy conjugation or negation (autograd hands over ``W.mH``'s gradient as a conjugate
+    view; its memory holds the values unconjugated)."""
+    return tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+
+
 def contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.is_contiguous() else tensor.contiguous()
+    """``tensor``, or a plain copy of it (``plain``)."""
+    return tensor if plain(tensor) else tensor.resolve_conj().resolve_neg().contiguous()
 
 
 def _entry(request: Request, tensor: torch.Tensor, output=None, allocate=None) -> Entry:
@@ -128,9 +132,9 @@ def allreduce_entry(tensor, output, name: str, op: ReduceOp, prescale: float,
 
 def allreduce_output(tensor: torch.Tensor, in_place: bool):
     """(output tensor, what ``synchronize`` returns) of an all-reduce of ``tensor``. In place
-    on a non-contiguous tensor: reduce a contiguous copy and write it back, never silently
-    wrong data."""
-    if in_place and tensor.is_contiguous():
+    on a tensor that is not ``plain`` (non-contiguous, a conjugate view): reduce a plain copy
+    and write it back (``copy_`` honours the view), never silently wrong data."""
+    if in_place and plain(tensor):
         return tensor, lambda: tensor
     output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
     if in_place:
@@ -243,9 +247,9 @@ def allreduce_request_(tensor: torch.Tensor, name: str, op: ReduceOp | int = Red
         tensor: a contiguous tensor, reduced in place once submitted.
         name: the request's name; the same on every rank, not in flight when submitted.
         op: the reduction (default ``Average``), as for ``allreduce``.
-        prescale_factor: multiply by this before the reduction (floating-point only).
+        prescale_factor: multiply by this before the reduction (not on bool).
             Default 1.0.
-        postscale_factor: multiply the result by this (floating-point only). Default 1.0.
+        postscale_factor: multiply the result by this (not on bool). Default 1.0.
         priority: 0 (default) runs in submission order; > 0 lets the engine run it by
             urgency, 1 first (the same on every rank; see ``Request.priority``).
         cycle_bytes: with a priority, the most bytes of prioritized all-reduces a cycle
@@ -258,14 +262,16 @@ def allreduce_request_(tensor: torch.Tensor, name: str, op: ReduceOp | int = Red
         The request, to pass to ``submit_together``.
 
     Raises:
-        ValueError: ``tensor`` is not contiguous; ``op`` is not a ``ReduceOp`` value or
-            does not apply to the dtype (anything but Min/Max on bool);
+        ValueError: ``tensor`` is not contiguous (or is a conjugate view); ``op`` is not a
+            ``ReduceOp`` value or does not apply to the dtype (anything but Min/Max on bool;
+            anything but Sum/Average on complex);
             scale factors other than 1.0 on a bool tensor; a cuda tensor not
             on this rank's GPU.
         TypeError: unsupported dtype or device.
     """
-    if not tensor.is_contiguous():
-        raise ValueError(f"allreduce_request_ of '{name}' needs a contiguous tensor")
+    if not plain(tensor):
+        raise ValueError(f"allreduce_request_ of '{name}' needs a contiguous tensor without "
+                         "lazy conjugation (requests.contiguous makes one)")
     entry = allreduce_entry(tensor, tensor, name, ReduceOp(op), prescale_factor,
                             postscale_factor, ready_event)
     if priority:

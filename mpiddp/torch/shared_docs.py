@@ -64,14 +64,15 @@ TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
 TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
     device.
 ValueError: both ``op`` and ``average`` given; unknown ``op``; ``op`` not defined
-    for the dtype (anything but Min/Max on bool); scale factors
-    other than 1.0 on a bool tensor; ``name`` not a non-empty string;
+    for the dtype (anything but Min/Max on bool, anything but Sum/Average on complex);
+    scale factors other than 1.0 on a bool tensor; ``name`` not a non-empty string;
     a cuda tensor not on this rank's GPU.""",
     "raises_grouped_allreduce_input": """\
 TypeError: an item is not a ``torch.Tensor``, or has an unsupported dtype or device.
 ValueError: ``tensors`` is not a non-empty list or tuple; both ``op`` and
     ``average`` given; unknown ``op``; ``op`` not defined for a dtype (anything but
-    Min/Max on bool); scale factors other than 1.0 on a bool tensor; ``name`` not a
+    Min/Max on bool, anything but Sum/Average on complex); scale factors other than 1.0 on
+    a bool tensor; ``name`` not a
     non-empty string; a cuda tensor not on this rank's GPU.
 DuplicateNameError: a name ``<name>.<i>`` is already in flight on this rank;
     nothing is submitted then.""",
@@ -84,8 +85,8 @@ ValueError: ``root_rank`` is not in ``0..size()-1``; ``name`` not a non-empty
 TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or
     device.
 ValueError: ``tensor`` is a scalar (0-d); unknown ``op``; ``op`` not defined for
-    the dtype (anything but Min/Max on bool); scale factors
-    other than 1.0 on a bool tensor; ``name`` not a non-empty
+    the dtype (anything but Min/Max on bool, anything but Sum/Average on complex); scale
+    factors other than 1.0 on a bool tensor; ``name`` not a non-empty
     string; a cuda tensor not on this rank's GPU.""",
     "raises_alltoall_input": """\
 TypeError: ``tensor`` is not a ``torch.Tensor``, or has an unsupported dtype or

@@ -534,25 +534,27 @@ def check_complex_close(name, got, want, dtype):
 
 
 class Spectral(torch.nn.Module):
-    """A Fourier layer (complex weights on the lowest modes, as a neural operator's) and a
-    linear head."""
+    """A Fourier layer (complex weights on the lowest modes, as a neural operator's), a
+    complex linear map through ``W.mH`` (autograd hands its gradient over as a conjugate
+    view) and a linear head."""
 
     def __init__(self):
         super().__init__()
         self.weights = torch.nn.Parameter(torch.randn(3, 3, 4, dtype=torch.complex64) * 0.3)
+        self.mix = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.complex64) * 0.3)
         self.head = torch.nn.Linear(3 * 16, 1)
 
     def forward(self, x):
         modes = torch.fft.rfft(x)[..., :4]
-        mixed = torch.einsum("bim,iom->bom", modes, self.weights)
+        mixed = torch.einsum("bim,iom->bom", modes, self.weights) @ self.mix.mH
         return self.head(torch.fft.irfft(mixed, n=x.shape[-1]).flatten(1))
 
 
 def check_complex():
     """complex64 and complex128: Sum and Average (fused and alone, scale factors, in place,
-    grouped), broadcast, allgather, alltoall, reducescatter against a complex128 NumPy
-    reference; other ops and conjugate views refused; a model with complex weights trains as
-    one process on the concatenated batch."""
+    grouped, conjugate views), broadcast, allgather, alltoall, reducescatter against a
+    complex128 NumPy reference; other ops refused; a model with complex weights trains as one
+    process on the concatenated batch."""
     pending = []
     for dtype in (torch.complex64, torch.complex128):
         for n in (0, 1, 7, 1000, 20_000):    # 20k complex64: 160 KiB, over the threshold
@@ -588,27 +590,47 @@ def check_complex():
                           name="cx.a2a")
     assert torch.equal(out, torch.cat([complex_data(r, "cx.a2a", (2 * SIZE,), torch.complex64)
                                        [2 * RANK:2 * RANK + 2] for r in range(SIZE)]))
-    got = mpiddp.reducescatter(complex_data(RANK, "cx.rs", (2 * SIZE + 1, 3), torch.complex64),
-                               op=mpiddp.Sum, name="cx.rs")
-    full = complex_reference("cx.rs", (2 * SIZE + 1, 3), torch.complex64)
-    start = RANK * 2 + min(RANK, 1)
-    check_complex_close("cx.rs", got, full[start:start + 2 + (RANK < 1)], torch.complex64)
+    for op in (mpiddp.Sum, mpiddp.Average):
+        name = f"cx.rs.{op.name}"
+        got = mpiddp.reducescatter(complex_data(RANK, name, (2 * SIZE + 1, 3), torch.complex64),
+                                   op=op, name=name)
+        full = complex_reference(name, (2 * SIZE + 1, 3), torch.complex64, op)
+        start = RANK * 2 + min(RANK, 1)
+        check_complex_close(name, got, full[start:start + 2 + (RANK < 1)], torch.complex64)
 
     checks.expect(ValueError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.complex64),
                                                        op=mpiddp.Max, name="cx.max"),
                   "cx.max", "complex tensors reduce with op=Sum or op=Average")
-    checks.expect(TypeError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.complex64)
-                                                      .conj(), name="cx.conj"),
-                  "cx.conj", "conjugate view", "resolve_conj()")
+    # Conjugate views (lazy: the memory holds the values unconjugated) reduce as they read,
+    # out of place and in place; autograd's gradients through .conj() too.
+    base = complex_data(RANK, "cx.conj", (6,), torch.complex64)
+    check_complex_close("cx.conj", mpiddp.allreduce(base.conj(), op=mpiddp.Sum, name="cx.conj"),
+                        complex_reference("cx.conj", (6,), torch.complex64).conj(),
+                        torch.complex64)
+    view = base.clone().conj()
+    mpiddp.allreduce_(view, op=mpiddp.Sum, name="cx.conj_")
+    check_complex_close("cx.conj_", view.resolve_conj(),
+                        complex_reference("cx.conj", (6,), torch.complex64).conj(),
+                        torch.complex64)
+    view = base.clone().conj()
+    mpiddp.broadcast_(view, root_rank=0, name="cx.conj.bc")
+    assert torch.equal(view, complex_data(0, "cx.conj", (6,), torch.complex64).conj())
+    x = base.clone().requires_grad_()
+    weights = torch.tensor([1 - 2j, 0.5j, 3, -1, 1j, 2 + 2j], dtype=torch.complex64)
+    (mpiddp.allreduce(x, op=mpiddp.Sum, name="cx.grad").conj() * weights).real.sum().backward()
+    # d Re(sum(w * conj(y)))/dy = w (torch's convention), summed over the ranks' losses
+    assert torch.allclose(x.grad, SIZE * weights), x.grad
 
     # Training: every rank trains on its part of a batch; one process on the whole batch is
     # the reference (each rank runs it locally: the data depend on the step only).
     torch.manual_seed(5)
     reference_model, model = Spectral(), Spectral()
     model.load_state_dict(reference_model.state_dict())
-    reference_opt = torch.optim.Adam(reference_model.parameters(), lr=0.01)
-    opt = mpiddp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                      named_parameters=model.named_parameters())
+    # SGD with momentum: torch's Adam refuses conjugate-view gradients itself.
+    reference_opt = torch.optim.SGD(reference_model.parameters(), lr=0.05, momentum=0.9)
+    opt = mpiddp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        named_parameters=model.named_parameters())
     for step in range(4):
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(4 * SIZE, 3, 16, generator=g), torch.randn(4 * SIZE, 1, generator=g)
@@ -618,7 +640,9 @@ def check_complex():
         mine = slice(4 * RANK, 4 * RANK + 4)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+        conjugate_gradient = model.mix.grad.is_conj()
         opt.step()
+    assert conjugate_gradient          # what the model is for: autograd's conjugate view
     for (name, p), q in zip(model.named_parameters(), reference_model.parameters()):
         assert p.dtype == q.dtype and torch.allclose(p, q, rtol=1e-5, atol=1e-6), \
             (name, (p - q).abs().max())
