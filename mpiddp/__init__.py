@@ -6,36 +6,51 @@
 
 A Horovod PyTorch script runs after ``import mpiddp as hvd``.
 """
-from .runtime import (cross_rank, cross_size, engine_stats, init, is_initialized,  # noqa: F401
-                      local_rank, local_size, mpi_cuda_aware, mpi_threads_supported, rank,
-                      reset_engine_stats, set_allreduce_algorithm, shutdown, size,
-                      start_timeline, stop_timeline, timeline_events)
-from .reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
-from .build_info import (ccl_built, cuda_built, ddl_built, gloo_built,  # noqa: F401
-                         gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
-from .errors import (DuplicateNameError, EngineShutdownError, HorovodInternalError,  # noqa: F401
-                     InvalidInputError, InvalidInputTypeError, LaunchError, MpiddpError,
-                     NotInitializedError, TensorMismatchError)
-from .torch.async_ops import (allgather_async, allreduce_async, allreduce_async_,  # noqa: F401
-                              alltoall_async, broadcast_async, broadcast_async_,
-                              grouped_allgather_async, grouped_allreduce_async,
-                              grouped_allreduce_async_, grouped_reducescatter_async,
-                              reducescatter_async, sparse_allreduce_async)
-from .torch.collectives import (allgather, allreduce, allreduce_, alltoall,  # noqa: F401
-                                barrier, broadcast, broadcast_, grouped_allgather,
-                                grouped_allreduce, grouped_allreduce_, grouped_reducescatter,
-                                join, reducescatter)
-from .torch.handles import poll, synchronize  # noqa: F401
+import sys as _sys
 
 __version__ = "0.1.0"
-from .process_sets import (ProcessSet, add_process_set, global_process_set,  # noqa: F401
-                           remove_process_set)
-from .torch.compression import Compression  # noqa: F401,E402
-from .torch.functions import (allgather_object, broadcast_object,  # noqa: F401,E402
-                              broadcast_optimizer_state, broadcast_parameters)
-from .torch.optimizer import DistributedOptimizer  # noqa: F401,E402
-from .torch.sync_batch_norm import SyncBatchNorm  # noqa: F401,E402
-from . import elastic  # noqa: F401,E402  (snapshots, ElasticSampler: docs/elastic.md)
+
+
+def _running_the_launcher() -> bool:
+    """True in ``python -m mpiddp.run``, the elastic launcher (docs/elastic.md): it needs
+    nothing of the package, and importing it would load torch and initialise MPI in a process
+    that only starts and watches ``mpiexec`` or ``srun`` (in a batch script, outside any job
+    step)."""
+    argv = getattr(_sys, "orig_argv", [])
+    return "-mmpiddp.run" in argv or any(
+        flag == "-m" and module == "mpiddp.run" for flag, module in zip(argv, argv[1:]))
+
+
+if not _running_the_launcher():
+    from .runtime import (cross_rank, cross_size, engine_stats, init, is_initialized,  # noqa: F401
+                          local_rank, local_size, mpi_cuda_aware, mpi_threads_supported, rank,
+                          reset_engine_stats, set_allreduce_algorithm, shutdown, size,
+                          start_timeline, stop_timeline, timeline_events)
+    from .reduce_ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum  # noqa: F401
+    from .build_info import (ccl_built, cuda_built, ddl_built, gloo_built,  # noqa: F401
+                             gloo_enabled, mpi_built, mpi_enabled, nccl_built, rocm_built)
+    from .errors import (DuplicateNameError, EngineShutdownError,  # noqa: F401
+                         HorovodInternalError, InvalidInputError, InvalidInputTypeError,
+                         LaunchError, MpiddpError, NotInitializedError, TensorMismatchError)
+    from .torch.async_ops import (allgather_async, allreduce_async, allreduce_async_,  # noqa: F401
+                                  alltoall_async, broadcast_async, broadcast_async_,
+                                  grouped_allgather_async, grouped_allreduce_async,
+                                  grouped_allreduce_async_, grouped_reducescatter_async,
+                                  reducescatter_async, sparse_allreduce_async)
+    from .torch.collectives import (allgather, allreduce, allreduce_, alltoall,  # noqa: F401
+                                    barrier, broadcast, broadcast_, grouped_allgather,
+                                    grouped_allreduce, grouped_allreduce_, grouped_reducescatter,
+                                    join, reducescatter)
+    from .torch.handles import poll, synchronize  # noqa: F401
+
+    from .process_sets import (ProcessSet, add_process_set, global_process_set,  # noqa: F401
+                               remove_process_set)
+    from .torch.compression import Compression  # noqa: F401,E402
+    from .torch.functions import (allgather_object, broadcast_object,  # noqa: F401,E402
+                                  broadcast_optimizer_state, broadcast_parameters)
+    from .torch.optimizer import DistributedOptimizer  # noqa: F401,E402
+    from .torch.sync_batch_norm import SyncBatchNorm  # noqa: F401,E402
+    from . import elastic  # noqa: F401,E402  (snapshots, ElasticSampler: docs/elastic.md)
 
 __all__ = [
     # runtime: start-up, topology, engine controls

@@ -184,6 +184,16 @@ def test_the_launcher_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), capture_output=True,
                          text=True, timeout=60)
     assert out.stdout.strip() == "[('a', 2), ('b', 1), ('c', 3)]", out.stderr
+    # Run as users run it: `python -m mpiddp.run` imports the package first, which must then
+    # load neither torch nor mpi4py.MPI (an MPI initialised in the batch script, outside any
+    # job step; before, it did both).
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "mpiddp.run", "--help"],
+                         cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "usage: python -m mpiddp.run" in out.stdout, out.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()
+                if line.startswith("import time:")]
+    assert "mpiddp" in imported, imported       # the package, run.py then runs as __main__
+    assert not [m for m in imported if m.split(".")[0] in ("torch", "mpi4py", "numpy")], imported
 
 
 def no_worker_left(directory) -> bool:
