@@ -11,14 +11,32 @@ import sys as _sys
 __version__ = "0.1.0"
 
 
-def _running_the_launcher() -> bool:
+def _running_the_launcher(orig_argv=None, argv=None) -> bool:
     """True in ``python -m mpiddp.run``, the elastic launcher (docs/elastic.md): it needs
     nothing of the package, and importing it would load torch and initialise MPI in a process
     that only starts and watches ``mpiexec`` or ``srun`` (in a batch script, outside any job
-    step)."""
-    argv = getattr(_sys, "orig_argv", [])
-    return "-mmpiddp.run" in argv or any(
-        flag == "-m" and module == "mpiddp.run" for flag, module in zip(argv, argv[1:]))
+    step). Read from the interpreter's own options (``-Im``, ``-X opt -m``), only while
+    ``-m`` locates its module (``sys.argv[0]`` is then "-m"); Python 3.9 has no
+    ``sys.orig_argv``: there the package loads as before."""
+    orig_argv = getattr(_sys, "orig_argv", None) if orig_argv is None else orig_argv
+    argv = _sys.argv if argv is None else argv
+    if not orig_argv or argv[:1] != ["-m"]:
+        return False
+    args = iter(orig_argv[1:])
+    for arg in args:
+        if not arg.startswith("-") or arg == "-" or arg.startswith("--"):
+            return False                    # a script, stdin, a long option: not our -m
+        for position, flag in enumerate(arg[1:], 2):
+            value = arg[position:]
+            if flag == "m":
+                return (value or next(args, "")) == "mpiddp.run"
+            if flag == "c":
+                return False
+            if flag in "XW":                # an option's value: attached, or the next one
+                if not value:
+                    next(args, None)
+                break
+    return False
 
 
 if not _running_the_launcher():

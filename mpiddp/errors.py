@@ -58,12 +58,13 @@ class EngineShutdownError(HorovodInternalError):
 
 
 class LaunchError(MpiddpError):
-    """The launcher started several tasks, but MPI sees each of them as a job of its own.
+    """This process cannot be a rank as launched: the launcher started several tasks that MPI
+    sees as jobs of their own, or a rank started this process (a DataLoader worker).
 
     Raised by ``init()`` (e.g. ``srun`` without ``--mpi=pmi2``/``pmix``); the message names
     the fix. ``MPIDDP_LAUNCH_CHECK=0`` disables the check. Also raised by ``init()`` (and the
-    calls that ask MPI) in a process that Python's multiprocessing started from a rank with
-    'spawn' or 'forkserver', such as a DataLoader worker: no rank of the job.
+    calls that ask MPI) in a process that a rank started, such as a DataLoader worker that
+    'spawn' or 'forkserver' started: no rank of the job.
     """
 
 

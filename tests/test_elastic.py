@@ -196,6 +196,23 @@ def test_the_launcher_imports_no_torch():
     assert not [m for m in imported if m.split(".")[0] in ("torch", "mpi4py", "numpy")], imported
 
 
+@pytest.mark.parametrize("orig_argv, launcher", [
+    (["python", "-m", "mpiddp.run", "--hosts", "a:2"], True),
+    (["python", "-Im", "mpiddp.run"], True), (["python", "-mmpiddp.run"], True),
+    (["python", "-X", "importtime", "-u", "-m", "mpiddp.run"], True),
+    (["python", "-Ximporttime", "-Bm", "mpiddp.run"], True),
+    (["python", "-W", "ignore", "-m", "mpiddp.run"], True),
+    (["python", "train.py", "-m", "mpiddp.run"], False),        # the script's own arguments
+    (["python", "-c", "import mpiddp", "-m", "mpiddp.run"], False),
+    (["python", "-m", "mylib.train"], False),     # a package of the user's imports mpiddp
+])
+def test_the_launcher_is_told_by_the_interpreters_options(orig_argv, launcher):
+    import mpiddp
+    assert mpiddp._running_the_launcher(orig_argv, ["-m"]) is launcher
+    # and only while -m locates its module (afterwards sys.argv[0] is the module's path)
+    assert mpiddp._running_the_launcher(orig_argv, ["/x/mpiddp/run.py"]) is False
+
+
 def no_worker_left(directory) -> bool:
     """No process whose command line names this test's directory is still running."""
     time.sleep(0.5)

@@ -124,21 +124,19 @@ def test_launch_check_refuses_singletons(env, needles):
         assert needle in str(info.value)
 
 
-_RANK_1234 = {"_MPIDDP_MPI_PID": "1234", "PMI_SIZE": "2"}     # a rank's mark, inherited
+_MARKED = {"_MPIDDP_MPI_PID": "1234", "PMI_SIZE": "2"}     # rank 1234's mark, inherited
 
 
-@pytest.mark.parametrize("env, modules, started, kept_out", [
-    (_RANK_1234, {}, True, True),                   # the rank's 'spawn' DataLoader worker
-    (dict(_STEP, _MPIDDP_MPI_PID="1234"), {}, True, True),       # an srun rank's
-    ({"_MPIDDP_MPI_PID": "1234"}, {}, True, True),  # any launcher's, or a singleton's
-    (_RANK_1234, {"mpi4py.MPI": object()}, True, False),   # forked: MPI is there
-    (_RANK_1234, {}, False, False),                 # started otherwise (mpiexec, subprocess)
-    ({"PMI_SIZE": "2"}, {}, True, False),           # a wrapper that never ran mpiddp forked
-                                                    # the real rank
-    ({"_MPIDDP_MPI_PID": str(os.getpid())}, {}, True, False),   # the marking process itself
+@pytest.mark.parametrize("env, modules, started_by, kept_out", [
+    (_MARKED, {}, "1234", True),                    # the rank's 'spawn' worker (or forkserver)
+    ({"_MPIDDP_MPI_PID": "1234"}, {}, "1234", True),    # any launcher's rank
+    (_MARKED, {"mpi4py.MPI": object()}, "1234", False),  # forked: MPI is there
+    (_MARKED, {}, "77", False),      # the mark came through a launcher: a rank itself, or the
+                                     # real rank a wrapper forked
+    ({"PMI_SIZE": "2"}, {}, "77", False),           # no mark: a plain process's children
 ])
-def test_mpi_kept_out_of_the_workers_a_rank_starts(monkeypatch, env, modules, started,
-                                                   kept_out):
+def test_mpi_kept_out_of_the_processes_a_rank_starts(monkeypatch, env, modules, started_by,
+                                                     kept_out):
     # A DataLoader worker that 'spawn' or 'forkserver' starts from a rank must not initialise
     # MPI when it imports mpiddp (tests/test_data_loader.py runs the real thing).
     import mpi4py
@@ -146,18 +144,21 @@ def test_mpi_kept_out_of_the_workers_a_rank_starts(monkeypatch, env, modules, st
     from mpiddp.runtime import mpi_environment
     monkeypatch.setattr(mpi4py.rc, "initialize", True)
     monkeypatch.setattr(mpi_environment, "_kept_out", False)
-    assert mpi_environment.keep_mpi_out_of_rank_children(env, modules, lambda: started) \
-        is kept_out
+    started = lambda pid: pid == started_by          # noqa: E731
+    assert mpi_environment.keep_mpi_out_of_rank_children(env, modules, started) is kept_out
     assert mpi4py.rc.initialize is not kept_out
     assert mpi_environment.mpi_kept_out() is kept_out
 
 
-def test_a_process_with_mpi_marks_itself_for_its_children():
-    from mpiddp.runtime import mpi_environment
-    assert os.environ[mpi_environment.MPI_PROCESS_VARIABLE] == str(os.getpid())   # at import
-    environ = {}
-    mpi_environment.mark_mpi_process(environ)
-    assert environ == {mpi_environment.MPI_PROCESS_VARIABLE: str(os.getpid())}
+def test_a_rank_marks_itself_for_its_children_and_knows_its_parents():
+    from mpiddp.runtime import mpi_environment as env
+    for world, environ, marked in [(2, {}, True), (1, {"PMI_SIZE": "1"}, True),
+                                   (1, {}, False)]:      # alone: its children may be alone
+        env.mark_mpi_process(world, environ)
+        assert environ.get(env.MPI_PROCESS_VARIABLE) == (str(os.getpid()) if marked else None)
+    assert env.started_by(str(os.getppid()))
+    assert env.started_by(str(env.parent_of(os.getppid())))
+    assert not env.started_by(str(os.getpid())) and env.parent_of(os.getpid()) == os.getppid()
 
 
 @pytest.mark.parametrize("env, expected", [

@@ -12,8 +12,7 @@ from .mpi_environment import (keep_mpi_out_of_rank_children, mark_mpi_process,
 # Before the first import of mpi4py.MPI below initialises MPI: the environment MPI reads, and
 # the GPU a CUDA-aware MPI binds to. Not in a DataLoader worker that 'spawn' or 'forkserver'
 # started from a rank: no MPI there, and no CUDA context on the rank's GPU either.
-MPI_KEPT_OUT = keep_mpi_out_of_rank_children()
-if not MPI_KEPT_OUT:
+if not keep_mpi_out_of_rank_children():
     prefer_yielding_waits()
     select_before_mpi()
 
@@ -28,8 +27,8 @@ from .process_set_table import GLOBAL_ID, ProcessSet, global_process_set  # noqa
 
 from mpi4py import MPI  # noqa: E402  (imported by .api above)
 
-if not MPI_KEPT_OUT and MPI.Is_initialized():
-    mark_mpi_process()       # for the DataLoader workers this rank may start
+if MPI.Is_initialized():     # for the DataLoader workers this rank may start (init() too)
+    mark_mpi_process(MPI.COMM_WORLD.Get_size())
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "cross_rank", "cross_size", "mpi_cuda_aware", "mpi_threads_supported", "engine_stats",

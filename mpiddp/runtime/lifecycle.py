@@ -18,7 +18,7 @@ from ..engine.coordinator import Engine, start_engine
 from ..errors import EngineShutdownError, LaunchError
 from ..launch_check import check_launch
 from .abort import ABORT_HOOKS, AbortHooks
-from .mpi_environment import child_process_error, mpi_kept_out
+from .mpi_environment import child_process_error, mark_mpi_process, mpi_kept_out
 from .process_set_table import ProcessSetTable
 
 log = logging.getLogger("mpiddp")
@@ -55,6 +55,7 @@ class Runtime:
         thread level, agree on the settings, learn the topology, pick the GPU, start the
         engine. Raises as ``init()`` documents."""
         check_mpi_here("init()")
+        mark_mpi_process(MPI.COMM_WORLD.Get_size())   # MPI may have started after the import
         # Installed first, so that an error on one rank during start-up (a bad setting, say)
         # ends the job instead of leaving the others waiting in the collectives below.
         ABORT_HOOKS.install()

@@ -5,10 +5,11 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+from typing import Optional
 
-from ..launch_check import ranks_on_this_node
+from ..launch_check import launcher_tasks, ranks_on_this_node
 
-# The pid of the process whose mpiddp found MPI initialised, for the processes it starts.
+# The pid of a rank whose mpiddp found MPI initialised, for the processes it starts.
 MPI_PROCESS_VARIABLE = "_MPIDDP_MPI_PID"
 _kept_out = False      # MPI's initialisation was turned off in this process (below)
 
@@ -29,34 +30,47 @@ def reimporting_main() -> bool:
     return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
 
 
-def started_by_multiprocessing() -> bool:
-    """True in a process that Python's multiprocessing started (a DataLoader worker), also
-    while it re-imports the parent's main module there."""
-    return multiprocessing.parent_process() is not None or reimporting_main()
+def parent_of(pid: int) -> Optional[int]:
+    """The parent of process ``pid`` (Linux's /proc), None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
-def mark_mpi_process(environ=os.environ) -> None:
-    """Tell the processes this one starts that MPI runs here (``keep_mpi_out_of_rank_children``
-    reads it in them). Called once MPI is initialised."""
-    environ[MPI_PROCESS_VARIABLE] = str(os.getpid())
+def started_by(pid: str) -> bool:
+    """Whether process ``pid`` started this one: it is our parent, or our grandparent (a
+    forkserver's workers are its children, and it the rank's)."""
+    parent = os.getppid()
+    return pid in (str(parent), str(parent_of(parent)))
+
+
+def mark_mpi_process(world_size: int, environ=os.environ) -> None:
+    """Tell the processes this one starts that it is a rank of an MPI job (read by
+    ``keep_mpi_out_of_rank_children`` in them). Called once MPI is initialised; a process
+    alone (no launcher, one process) is left unmarked: its children may start MPI alone too,
+    as before."""
+    if world_size > 1 or launcher_tasks(environ) is not None:
+        environ[MPI_PROCESS_VARIABLE] = str(os.getpid())
 
 
 def keep_mpi_out_of_rank_children(environ=os.environ, modules=sys.modules,
-                                  started=started_by_multiprocessing) -> bool:
-    """Turn off mpi4py's initialisation at import in a process that multiprocessing started
-    ('spawn' or 'forkserver': a DataLoader worker, or its forkserver, which re-import the
-    main module and with it mpiddp) from a process where mpiddp runs on MPI (a rank; the
-    mark of ``mark_mpi_process``). There ``MPI_Init`` cannot work: the child inherited the
-    rank's launcher variables but not its connection to the launcher (MPICH's workers
-    aborted the job with "PMI_Init returned -1", Open MPI's crashed), and it is no rank of
-    the job anyway. Returns True when it turned it off; ``init()`` there then says why it
-    cannot run (``child_process_error``). Left alone: forked children (MPI is imported
-    already), children of a process that never ran mpiddp (a wrapper that starts the real
-    rank with multiprocessing), and processes started otherwise (ranks of an ``mpiexec``
-    run from a rank's process, ``subprocess``)."""
+                                  started=started_by) -> bool:
+    """Turn off mpi4py's initialisation at import in a process that a rank started (the mark
+    of ``mark_mpi_process`` names our parent or grandparent): a DataLoader worker that
+    'spawn' or 'forkserver' started, or that forkserver itself, which import the main module
+    again and with it mpiddp. There ``MPI_Init`` cannot work: the child inherited the rank's
+    launcher variables but not its connection to the launcher (MPICH's workers aborted the
+    job with "PMI_Init returned -1", Open MPI's crashed), and it is no rank of the job
+    anyway. Returns True when it turned it off; ``init()`` there then says why it cannot run
+    (``child_process_error``). Left alone: forked children (MPI is imported already), and
+    processes whose mark is further up (ranks of an ``mpiexec`` run by a marked process, a
+    wrapper that forks the real rank: the mark passes through the launcher)."""
     global _kept_out
     owner = environ.get(MPI_PROCESS_VARIABLE)
-    if "mpi4py.MPI" in modules or owner in (None, str(os.getpid())) or not started():
+    if "mpi4py.MPI" in modules or owner is None or not started(owner):
         return False
     import mpi4py
 
@@ -73,8 +87,8 @@ def mpi_kept_out() -> bool:
 def child_process_error(what: str) -> str:
     """What ``what`` (``init()``, a call that asks MPI) says in a process where MPI was kept
     out (above)."""
-    how = ("Python's multiprocessing started it with 'spawn' or 'forkserver' from an MPI "
-           "process (e.g. a DataLoader worker of a rank)")
+    how = (f"MPI process {os.environ.get(MPI_PROCESS_VARIABLE)} (a rank) started it, e.g. as "
+           "a DataLoader worker with 'spawn' or 'forkserver'")
     if reimporting_main():
         return (f"mpiddp.{what} was called while process {os.getpid()} was being prepared: "
                 f"{how}, and such a child imports the script's main module again (and the "

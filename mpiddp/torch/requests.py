@@ -271,7 +271,7 @@ def allreduce_request_(tensor: torch.Tensor, name: str, op: ReduceOp | int = Red
     """
     if not plain(tensor):
         raise ValueError(f"allreduce_request_ of '{name}' needs a contiguous tensor without "
-                         "lazy conjugation (requests.contiguous makes one)")
+                         "lazy conjugation (tensor.resolve_conj().contiguous())")
     entry = allreduce_entry(tensor, tensor, name, ReduceOp(op), prescale_factor,
                             postscale_factor, ready_event)
     if priority:
