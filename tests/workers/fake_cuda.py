@@ -683,6 +683,18 @@ class FakeCudaTensor:
     def is_contiguous(self, memory_format=None) -> bool:
         return self._contiguous
 
+    def is_conj(self) -> bool:          # no lazy conjugation or negation here
+        return False
+
+    def is_neg(self) -> bool:
+        return False
+
+    def resolve_conj(self):
+        return self
+
+    def resolve_neg(self):
+        return self
+
     def contiguous(self):
         """A contiguous copy, written by a kernel on torch's current stream."""
         if self._contiguous:
