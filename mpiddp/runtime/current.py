@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from ..errors import EngineShutdownError, NotInitializedError
+from .mpi_environment import child_process_error, mpi_kept_out
 
 if TYPE_CHECKING:                    # annotations only: lifecycle imports this module
     from .lifecycle import Runtime
@@ -40,5 +41,7 @@ def require(what: str) -> "Runtime":
         if _was_shut_down:
             raise EngineShutdownError(f"mpiddp.{what} was called after mpiddp.shutdown(); "
                                       "call mpiddp.init() again first")
+        if mpi_kept_out():      # a rank's DataLoader worker: init() cannot help there
+            raise NotInitializedError(child_process_error(what))
         raise NotInitializedError(f"mpiddp.{what} needs mpiddp.init() to be called first")
     return _current

@@ -60,12 +60,13 @@ def train(context, workers: int):
 
 
 def call_mpi(worker_id):
-    """A worker_init_fn that asks MPI three ways; each must say why it cannot."""
+    """A worker_init_fn that asks MPI four ways; each must say why it cannot."""
     said = []
-    for call in (mpiddp.mpi_threads_supported, mpiddp.mpi_cuda_aware, mpiddp.init):
+    for call in (mpiddp.mpi_threads_supported, mpiddp.mpi_cuda_aware, mpiddp.init,
+                 mpiddp.rank):
         try:
             call()
-        except mpiddp.LaunchError as error:
+        except (mpiddp.LaunchError, mpiddp.NotInitializedError) as error:
             said.append(str(error))
     raise mpiddp.LaunchError(" | ".join(said))
 
@@ -94,7 +95,7 @@ def main():
     expect(mpiddp.LaunchError, lambda: next(iter(loader)), "DataLoader worker",
            "mpiddp.mpi_threads_supported() cannot run in process",
            "mpiddp.mpi_cuda_aware() cannot run in process", "mpiddp.init() cannot run in process",
-           "no rank of the MPI job")
+           "mpiddp.rank() cannot run in process", "no rank of the MPI job")
     from init_at_import import Numbers
     loader = DataLoader(Numbers(), num_workers=1, multiprocessing_context="spawn")
     expect(RuntimeError, lambda: next(iter(loader)), "DataLoader worker", "exited unexpectedly")
