@@ -10,8 +10,8 @@ from .mpi_environment import (keep_mpi_out_of_rank_children, mark_mpi_process,
                               prefer_yielding_waits)
 
 # Before the first import of mpi4py.MPI below initialises MPI: the environment MPI reads, and
-# the GPU a CUDA-aware MPI binds to. Not in a DataLoader worker that 'spawn' or 'forkserver'
-# started from a rank: no MPI there, and no CUDA context on the rank's GPU either.
+# the GPU a CUDA-aware MPI binds to. Not in a process a rank started (a DataLoader worker that
+# 'spawn' or 'forkserver' started): no MPI there, and no CUDA context on the rank's GPU either.
 if not keep_mpi_out_of_rank_children():
     prefer_yielding_waits()
     select_before_mpi()

@@ -37,8 +37,8 @@ def init(comm: MPI.Comm | None = None, process_sets: Sequence | str | None = Non
     Raises:
         LaunchError: the launcher started several tasks but MPI sees one process per task
             (e.g. ``srun`` without ``--mpi=pmi2``/``pmix``); or this process is not a rank:
-            multiprocessing started it from one with 'spawn' or 'forkserver' (a DataLoader
-            worker; an unguarded script calls ``init()`` there as the worker imports it).
+            a rank started it (a DataLoader worker that 'spawn' or 'forkserver' started; an
+            unguarded script calls ``init()`` there as the worker imports it).
         RuntimeError: MPI was initialised with less than ``MPI_THREAD_SERIALIZED``.
         ValueError: an ``MPIDDP_*`` setting is invalid on some rank, or a setting that must
             agree (fusion threshold, cache capacity, all-reduce algorithm, ring threshold)
@@ -189,8 +189,8 @@ def mpi_threads_supported() -> bool:
         ``MPI_THREAD_SERIALIZED``).
 
     Raises:
-        LaunchError: in a process that multiprocessing started from a rank (a DataLoader
-            worker), where MPI is not initialised.
+        LaunchError: in a process that a rank started (a DataLoader worker), where MPI is
+            not initialised.
     """
     check_mpi_here("mpi_threads_supported()")
     return MPI.Query_thread() >= MPI.THREAD_MULTIPLE

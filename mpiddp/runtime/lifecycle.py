@@ -30,8 +30,8 @@ PROTOCOL_SETTINGS = ("fusion_threshold", "cache_capacity", "allreduce_algorithm"
 
 
 def check_mpi_here(what: str) -> None:
-    """Raise ``LaunchError`` for ``what`` in a process where MPI was kept out (a DataLoader
-    worker that 'spawn' started from a rank: ``mpi_environment.py``), where an MPI call would
+    """Raise ``LaunchError`` for ``what`` in a process where MPI was kept out (one a rank
+    started, such as a DataLoader worker: ``mpi_environment.py``), where an MPI call would
     end the process ("Attempting to use an MPI routine before initializing")."""
     if mpi_kept_out() and not MPI.Is_initialized():
         raise LaunchError(child_process_error(what))

@@ -30,14 +30,14 @@ SIZES = [0, 1, 2, 3, 7, 13, 97, 1000, 4099, 40_000]   # 40k floats > the 64 KiB 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
           torch.int16, torch.int32, torch.int64]
 TOLERANCE = {torch.float16: 2e-2, torch.bfloat16: 8e-2, torch.float32: 1e-5,
-             torch.float64: 1e-12}
+             torch.float64: 1e-12, torch.complex64: 1e-5, torch.complex128: 1e-12}
 OPS = [mpiddp.Average, mpiddp.Sum, mpiddp.Min, mpiddp.Max, mpiddp.Product]
 
 
 def reference(name, shape, dtype, op):
     stacked = np.stack([as64(data(r, name, shape, dtype, op)) for r in range(SIZE)])
     if op == mpiddp.Average:
-        if not dtype.is_floating_point:     # Horovod's rule: scaled in float64, truncated
+        if not (dtype.is_floating_point or dtype.is_complex):  # Horovod's rule: truncated
             return np.trunc(stacked.sum(axis=0) * (1.0 / SIZE))
         return stacked.mean(axis=0)
     fn = {mpiddp.Sum: np.sum, mpiddp.Min: np.min, mpiddp.Max: np.max, mpiddp.Product: np.prod}
@@ -513,26 +513,6 @@ def check_topology():
     ok("topology (local and cross ranks on one node)")
 
 
-def complex_data(rank, name, shape, dtype):
-    """Deterministic complex data: ``data`` for the real and for the imaginary parts."""
-    return torch.complex(data(rank, name + ".re", shape, torch.float64),
-                         data(rank, name + ".im", shape, torch.float64)).to(dtype)
-
-
-def complex_reference(name, shape, dtype, op=mpiddp.Sum):
-    stacked = np.stack([complex_data(r, name, shape, dtype).numpy().astype(np.complex128)
-                        for r in range(SIZE)])
-    return stacked.mean(axis=0) if op == mpiddp.Average else stacked.sum(axis=0)
-
-
-def check_complex_close(name, got, want, dtype):
-    got = got.numpy().astype(np.complex128)
-    tol = 1e-5 if dtype == torch.complex64 else 1e-12
-    assert got.shape == want.shape, (name, got.shape, want.shape)
-    assert np.allclose(got, want, rtol=tol, atol=tol), \
-        (name, np.max(np.abs(got - want)) if got.size else 0)
-
-
 class Spectral(torch.nn.Module):
     """A Fourier layer (complex weights on the lowest modes, as a neural operator's), a
     complex linear map through ``W.mH`` (autograd hands its gradient over as a conjugate
@@ -561,60 +541,57 @@ def check_complex():
             for op in (mpiddp.Sum, mpiddp.Average):
                 name = f"cx.{dtype}.{n}.{op.name}"
                 pending.append((name, dtype, n, op, mpiddp.allreduce_async(
-                    complex_data(RANK, name, (n,), dtype), name=name, op=op)))
+                    data(RANK, name, (n,), dtype), name=name, op=op)))
     for name, dtype, n, op, handle in pending:
-        check_complex_close(name, mpiddp.synchronize(handle),
-                            complex_reference(name, (n,), dtype, op), dtype)
-    t = complex_data(RANK, "cx.inplace", (33, 2), torch.complex64)
+        check_close(name, mpiddp.synchronize(handle), reference(name, (n,), dtype, op), dtype)
+    t = data(RANK, "cx.inplace", (33, 2), torch.complex64)
     mpiddp.allreduce_(t, op=mpiddp.Sum, name="cx.inplace", prescale_factor=0.5,
                       postscale_factor=3.0)
-    check_complex_close("cx.inplace", t,
-                        1.5 * complex_reference("cx.inplace", (33, 2), torch.complex64),
-                        torch.complex64)
+    check_close("cx.inplace", t,
+                1.5 * reference("cx.inplace", (33, 2), torch.complex64, mpiddp.Sum),
+                torch.complex64)
     grouped = mpiddp.grouped_allreduce(
-        [complex_data(RANK, f"cx.group.{i}", (5 + i,), torch.complex128) for i in range(3)],
+        [data(RANK, f"cx.group.{i}", (5 + i,), torch.complex128) for i in range(3)],
         name="cx.group")
     for i, got in enumerate(grouped):
-        check_complex_close(f"cx.group.{i}", got, complex_reference(
+        check_close(f"cx.group.{i}", got, reference(
             f"cx.group.{i}", (5 + i,), torch.complex128, mpiddp.Average), torch.complex128)
 
     root = SIZE - 1
-    got = mpiddp.broadcast(complex_data(RANK, "cx.bc", (9,), torch.complex64), root, name="cx.bc")
-    assert torch.equal(got, complex_data(root, "cx.bc", (9,), torch.complex64))
+    got = mpiddp.broadcast(data(RANK, "cx.bc", (9,), torch.complex64), root, name="cx.bc")
+    assert torch.equal(got, data(root, "cx.bc", (9,), torch.complex64))
     rows = lambda r: (r * 3) % 5        # noqa: E731  (some ranks send zero rows)
-    got = mpiddp.allgather(complex_data(RANK, "cx.ag", (rows(RANK), 2), torch.complex128),
+    got = mpiddp.allgather(data(RANK, "cx.ag", (rows(RANK), 2), torch.complex128),
                            name="cx.ag")
-    assert torch.equal(got, torch.cat([complex_data(r, "cx.ag", (rows(r), 2), torch.complex128)
+    assert torch.equal(got, torch.cat([data(r, "cx.ag", (rows(r), 2), torch.complex128)
                                        for r in range(SIZE)]))
-    out = mpiddp.alltoall(complex_data(RANK, "cx.a2a", (2 * SIZE,), torch.complex64),
+    out = mpiddp.alltoall(data(RANK, "cx.a2a", (2 * SIZE,), torch.complex64),
                           name="cx.a2a")
-    assert torch.equal(out, torch.cat([complex_data(r, "cx.a2a", (2 * SIZE,), torch.complex64)
+    assert torch.equal(out, torch.cat([data(r, "cx.a2a", (2 * SIZE,), torch.complex64)
                                        [2 * RANK:2 * RANK + 2] for r in range(SIZE)]))
     for op in (mpiddp.Sum, mpiddp.Average):
         name = f"cx.rs.{op.name}"
-        got = mpiddp.reducescatter(complex_data(RANK, name, (2 * SIZE + 1, 3), torch.complex64),
+        got = mpiddp.reducescatter(data(RANK, name, (2 * SIZE + 1, 3), torch.complex64),
                                    op=op, name=name)
-        full = complex_reference(name, (2 * SIZE + 1, 3), torch.complex64, op)
+        full = reference(name, (2 * SIZE + 1, 3), torch.complex64, op)
         start = RANK * 2 + min(RANK, 1)
-        check_complex_close(name, got, full[start:start + 2 + (RANK < 1)], torch.complex64)
+        check_close(name, got, full[start:start + 2 + (RANK < 1)], torch.complex64)
 
     checks.expect(ValueError, lambda: mpiddp.allreduce(torch.ones(2, dtype=torch.complex64),
                                                        op=mpiddp.Max, name="cx.max"),
                   "cx.max", "complex tensors reduce with op=Sum or op=Average")
     # Conjugate views (lazy: the memory holds the values unconjugated) reduce as they read,
     # out of place and in place; autograd's gradients through .conj() too.
-    base = complex_data(RANK, "cx.conj", (6,), torch.complex64)
-    check_complex_close("cx.conj", mpiddp.allreduce(base.conj(), op=mpiddp.Sum, name="cx.conj"),
-                        complex_reference("cx.conj", (6,), torch.complex64).conj(),
-                        torch.complex64)
+    base = data(RANK, "cx.conj", (6,), torch.complex64)
+    want = reference("cx.conj", (6,), torch.complex64, mpiddp.Sum).conj()
+    check_close("cx.conj", mpiddp.allreduce(base.conj(), op=mpiddp.Sum, name="cx.conj"),
+                want, torch.complex64)
     view = base.clone().conj()
     mpiddp.allreduce_(view, op=mpiddp.Sum, name="cx.conj_")
-    check_complex_close("cx.conj_", view.resolve_conj(),
-                        complex_reference("cx.conj", (6,), torch.complex64).conj(),
-                        torch.complex64)
+    check_close("cx.conj_", view.resolve_conj(), want, torch.complex64)
     view = base.clone().conj()
     mpiddp.broadcast_(view, root_rank=0, name="cx.conj.bc")
-    assert torch.equal(view, complex_data(0, "cx.conj", (6,), torch.complex64).conj())
+    assert torch.equal(view, data(0, "cx.conj", (6,), torch.complex64).conj())
     x = base.clone().requires_grad_()
     weights = torch.tensor([1 - 2j, 0.5j, 3, -1, 1j, 2 + 2j], dtype=torch.complex64)
     (mpiddp.allreduce(x, op=mpiddp.Sum, name="cx.grad").conj() * weights).real.sum().backward()

@@ -23,6 +23,8 @@ def data(rank, name, shape, dtype, op=mpiddp.Sum):
             values = rng.choice([-1, 1], size=shape)
     elif dtype.is_floating_point:
         values = rng.uniform(-1, 1, size=shape)
+    elif dtype.is_complex:
+        values = rng.uniform(-1, 1, size=shape) + 1j * rng.uniform(-1, 1, size=shape)
     elif dtype == torch.uint8:
         values = rng.integers(0, _int_bound(dtype, 19) + 1, size=shape)
     else:
@@ -39,6 +41,11 @@ def _int_bound(dtype, high):
 
 
 def as64(tensor):
-    """A float64 NumPy copy of any tensor (bool stays bool), from host or device."""
+    """A float64 NumPy copy of any tensor (bool stays bool, complex is complex128), from host
+    or device."""
     tensor = tensor.cpu()
-    return tensor.numpy() if tensor.dtype == torch.bool else tensor.to(torch.float64).numpy()
+    if tensor.dtype == torch.bool:
+        return tensor.numpy()
+    if tensor.is_complex():         # complex128, conjugate views resolved
+        return tensor.resolve_conj().to(torch.complex128).numpy()
+    return tensor.to(torch.float64).numpy()
