@@ -69,6 +69,8 @@ if not _running_the_launcher():
     from .torch.optimizer import DistributedOptimizer  # noqa: F401,E402
     from .torch.sync_batch_norm import SyncBatchNorm  # noqa: F401,E402
     from . import elastic  # noqa: F401,E402  (snapshots, ElasticSampler: docs/elastic.md)
+    from . import checkpoint  # noqa: F401,E402  (docs/checkpointing.md)
+    from .checkpoint import Checkpoint  # noqa: F401,E402
 
 __all__ = [
     # runtime: start-up, topology, engine controls
@@ -97,4 +99,6 @@ __all__ = [
     # framework glue
     "DistributedOptimizer", "SyncBatchNorm", "Compression", "broadcast_parameters",
     "broadcast_optimizer_state", "broadcast_object", "allgather_object",
+    # checkpoints that survive preemption
+    "Checkpoint",
 ]

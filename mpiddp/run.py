@@ -35,7 +35,7 @@ import threading
 import time
 
 EXIT_TOO_FEW_NODES = 3
-EXIT_PREEMPTED = 75          # the job asked to be requeued (scripts/train_support.py)
+EXIT_PREEMPTED = 75          # the job asked to be requeued (mpiddp.checkpoint)
 # Hydra's report of a rank that ended badly: "=   RUNNING AT host" then "=   EXIT CODE: n"
 # (or "KILLED BY SIGNAL: n"), n the signal for a signalled rank.
 HYDRA_ENDED = re.compile(r"RUNNING AT (\S+)\s*\n[=\s]*(?:EXIT CODE|KILLED BY SIGNAL): (\d+)")

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import sys
 import time
 
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 import mpiddp
-from train_support import EXIT_PREEMPTED, PreemptionWatch, ResumableSampler, save_checkpoint
+from mpiddp.checkpoint import ResumableSampler
 
 
 def parse_args(argv=None):
@@ -167,27 +166,19 @@ def main(argv=None) -> int:
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     # Resume: rank 0 reads the checkpoint; everything it holds reaches the other ranks by
-    # broadcast, so the file need not be on a shared file system.
-    position = {"epoch": 0, "step": 0, "ranks": size, "rng": None, "loss_sum": 0.0}
-    if args.resume and rank == 0 and os.path.exists(args.checkpoint):
-        state = torch.load(args.checkpoint, weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        position.update({key: state[key] for key in position if key in state})
-        print(f"resuming from {args.checkpoint}: {position['epoch']} epoch(s) "
-              f"{'and ' + str(position['step']) + ' step(s) ' if position['step'] else ''}"
-              f"done on {position['ranks']} rank(s), test accuracy then "
-              f"{state['accuracy']:.4f}", flush=True)
-    elif args.resume and rank == 0:
-        print(f"no checkpoint at {args.checkpoint}: starting from scratch", flush=True)
-    position = mpiddp.broadcast_object(position, root_rank=0, name="resume.position")
-    mpiddp.broadcast_parameters(model.state_dict(), root_rank=0)
-    mpiddp.broadcast_optimizer_state(optimizer, root_rank=0)
-    start_epoch, trained_on = position["epoch"], position["ranks"]
-    # Steps already done in the interrupted epoch, in this run's units: the same global
-    # samples are skipped (exactly, when the rank counts divide evenly).
-    start_step = position["step"] * trained_on // size
-    rng_states = position["rng"] if trained_on == size else None
+    # broadcast, so the file need not be on a shared file system. Without a checkpoint the
+    # same broadcast gives every rank rank 0's initial weights.
+    ckpt = mpiddp.Checkpoint(args.checkpoint, model=model, optimizer=optimizer, sampler=sampler)
+    resumed = args.resume and ckpt.restore()
+    if not args.resume:                     # a fresh start: every rank takes rank 0's weights
+        mpiddp.broadcast_parameters(model.state_dict(), root_rank=0)
+        mpiddp.broadcast_optimizer_state(optimizer, root_rank=0)
+    if args.resume:
+        log(f"resuming from {args.checkpoint}: {ckpt.epoch} epoch(s) "
+            f"{'and ' + str(ckpt.step) + ' step(s) ' if ckpt.step else ''}done on "
+            f"{ckpt.ranks} rank(s), test accuracy then {ckpt.extra['accuracy']:.4f}"
+            if resumed else f"no checkpoint at {args.checkpoint}: starting from scratch")
+    start_epoch, start_step = ckpt.epoch, ckpt.step
 
     # The schedule's position is rebuilt from the steps done and *this* run's rank count,
     # never restored from the checkpoint: with another number of ranks both the scaled rate
@@ -197,8 +188,8 @@ def main(argv=None) -> int:
         group["initial_lr"] = lr
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lr_factor, last_epoch=start_epoch * steps_per_epoch + start_step - 1)
-    if trained_on != size:
-        log(f"the checkpoint was written on {trained_on} rank(s), this run has {size}: "
+    if ckpt.ranks != size:
+        log(f"the checkpoint was written on {ckpt.ranks} rank(s), this run has {size}: "
             f"learning rate rescaled to {lr:g} and the schedule continued at epoch "
             f"{start_epoch + 1} of {args.epochs} ({steps_per_epoch} steps per epoch now)"
             + ("; dropout masks are drawn afresh" if start_step else ""))
@@ -206,61 +197,45 @@ def main(argv=None) -> int:
     log(f"training on {size} rank(s): {len(train_set)} train / {len(test_set)} test samples, "
         f"batch {args.batch_size} per rank ({args.batch_size * size} global), lr {lr:g}, "
         f"epochs {start_epoch + 1}..{args.epochs}")
-    accuracy = float("nan")
+    accuracy = ckpt.extra.get("accuracy", float("nan"))
     started = time.perf_counter()
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
     last_epoch = args.epochs if args.stop_after is None else \
         min(args.epochs, start_epoch + args.stop_after)
-    preemption = PreemptionWatch()
 
-    def checkpoint(epoch: int, step: int, loss_sum: float) -> None:
-        """Collective: rank 0 writes the position after ``step`` steps of ``epoch`` (0: the
-        epoch is done), with every rank's random state when the epoch is part-way."""
-        rng = mpiddp.allgather_object(torch.get_rng_state(), name="checkpoint.rng") \
-            if step else None
-        if rank == 0:
-            save_checkpoint(args.checkpoint, {
-                "epoch": epoch, "step": step, "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "accuracy": accuracy, "ranks": size, "rng": rng, "loss_sum": loss_sum})
-
-    for epoch in range(start_epoch, last_epoch):
+    for epoch in ckpt.epochs(last_epoch):
         skip = start_step if epoch == start_epoch else 0
-        # A different shuffle every epoch, the same on all ranks; a resumed epoch skips the
-        # samples it had trained on.
-        sampler.set_epoch(epoch, skip=skip * args.batch_size)
         torch.manual_seed(args.seed + 1000 * epoch + rank)   # dropout: per rank and epoch
-        batches = iter(train_loader)       # draws the loader's seed from torch's generator:
-        if skip and rng_states is not None:    # restore the random state only after that
-            torch.set_rng_state(rng_states[rank])
+        # A different shuffle every epoch, the same on all ranks; a resumed epoch skips the
+        # samples it had trained on (and goes on with every rank's random state then).
+        batches = ckpt.batches(train_loader, epoch)
         if rank == 0 and not args.no_progress:
             batches = tqdm(batches, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
                            file=sys.stdout, dynamic_ncols=True, initial=skip,
                            total=steps_per_epoch)
-        loss_sum = position["loss_sum"] if skip else 0.0
-        for step, (x, y) in enumerate(batches, start=skip + 1):
-            preemption.start_step()
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            loss_sum += loss.item()
-            signum = preemption.stop_agreed()
-            if signum:
-                checkpoint(epoch, step, loss_sum)
-                log(f"{signal.Signals(signum).name} received: stopped at step {step} of epoch "
-                    f"{epoch + 1} on every rank, checkpoint written to {args.checkpoint}; "
-                    f"exiting with status {EXIT_PREEMPTED} (requeue, then --resume)")
-                return EXIT_PREEMPTED
+        loss_sum = ckpt.extra.get("loss_sum", 0.0) if skip else 0.0
+        try:
+            for step, (x, y) in batches:
+                optimizer.zero_grad()
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                loss_sum += loss.item()
+                # Saved with a preemption checkpoint (the schedule only for the record: a
+                # resumed run rebuilds it, above).
+                ckpt.extra.update(loss_sum=loss_sum, scheduler=scheduler.state_dict())
+        except mpiddp.checkpoint.Preempted as stop:
+            log(f"{stop}; run again with --resume")
+            return mpiddp.checkpoint.EXIT_PREEMPTED
         train_loss = mpiddp.allreduce(torch.tensor([loss_sum / steps_per_epoch],
                                                    dtype=torch.float64), name="train.loss").item()
         test_loss, accuracy = evaluate(model, test_loader)
         log(f"epoch {epoch + 1:3d}/{args.epochs}: train loss {train_loss:.4f}  "
             f"test loss {test_loss:.4f}  test accuracy {accuracy:.4f}  "
             f"lr {optimizer.param_groups[0]['lr']:.3g}  ({time.perf_counter() - started:.1f} s)")
-        checkpoint(epoch + 1, 0, 0.0)
+        ckpt.save(epoch + 1, accuracy=accuracy, loss_sum=0.0)
 
     if start_epoch >= last_epoch:
         _, accuracy = evaluate(model, test_loader)

@@ -35,7 +35,7 @@ def test_train_checkpoint_and_resume(tmp_path: Path):
     saved = torch.load(checkpoint, weights_only=False)
     steps_per_epoch = math.ceil(math.ceil(1437 / RANKS) / BATCH)   # DistributedSampler pads
     assert saved["epoch"] == 3 and saved["ranks"] == RANKS
-    assert saved["scheduler"]["last_epoch"] == 3 * steps_per_epoch
+    assert saved["extra"]["scheduler"]["last_epoch"] == 3 * steps_per_epoch
     assert float(saved["optimizer"]["state"][0]["momentum_buffer"].abs().sum()) > 0
 
     second = run_mpi(TRAIN, RANKS, *common, "--resume", "--min-accuracy", 0.93, timeout=90)
@@ -48,7 +48,7 @@ def test_train_checkpoint_and_resume(tmp_path: Path):
     saved = torch.load(checkpoint, weights_only=False)
     assert saved["epoch"] == 6
     # The schedule went on where it stopped: 6 epochs of steps, ending at lr 0 (cosine).
-    assert saved["scheduler"]["last_epoch"] == 6 * steps_per_epoch
+    assert saved["extra"]["scheduler"]["last_epoch"] == 6 * steps_per_epoch
     assert saved["optimizer"]["param_groups"][0]["lr"] == 0.0
     print(second.output)
 
@@ -80,7 +80,7 @@ def test_resume_on_a_different_number_of_ranks(tmp_path: Path):
         steps_per_epoch = math.ceil(math.ceil(1437 / after) / BATCH)
         saved = torch.load(checkpoint, weights_only=False)
         assert saved["epoch"] == 4 and saved["ranks"] == after
-        assert saved["scheduler"]["last_epoch"] == 4 * steps_per_epoch
+        assert saved["extra"]["scheduler"]["last_epoch"] == 4 * steps_per_epoch
 
 
 def rank_pid(marker: str, rank: int, timeout: float = 30) -> int:
@@ -161,11 +161,10 @@ def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path: Path
     path = tmp_path / "ckpt.pt"
     code = f"""
 import sys, torch
-sys.path.insert(0, {str(ROOT / 'scripts')!r})
-from train_support import save_checkpoint
-save_checkpoint({str(path)!r}, {{"generation": 1, "w": torch.arange(1000.0)}})
+from mpiddp.checkpoint import save_durably
+save_durably({str(path)!r}, {{"generation": 1, "w": torch.arange(1000.0)}})
 print("FIRST", flush=True)
-save_checkpoint({str(path)!r}, {{"generation": 2, "w": torch.ones(150_000_000)}})
+save_durably({str(path)!r}, {{"generation": 2, "w": torch.ones(150_000_000)}})
 print("SECOND", flush=True)
 """
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -2,7 +2,7 @@
 ranks killed, a node's link set down).
 
 Usage: fault_worker.py DIR. Every rank writes its PID to DIR/pid.<rank>; rank 0 writes a
-durable checkpoint (scripts/train_support.save_checkpoint) to DIR/checkpoint.pt after every
+durable checkpoint (mpiddp.checkpoint.save_durably) to DIR/checkpoint.pt after every
 step, holding the step number and the model. The job never ends by itself within the tests'
 time (it stops after 10 minutes, in case nothing breaks).
 """
@@ -17,8 +17,7 @@ import torch.nn.functional as F
 
 import mpiddp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from train_support import save_checkpoint  # noqa: E402
+from mpiddp.checkpoint import save_durably
 
 torch.set_num_threads(1)
 mpiddp.init()
@@ -42,6 +41,6 @@ while time.monotonic() - started < 600:
     optimizer.step()
     step += 1
     if RANK == 0:
-        save_checkpoint(str(directory / "checkpoint.pt"),
+        save_durably(str(directory / "checkpoint.pt"),
                         {"step": step, "model": model.state_dict()})
     time.sleep(0.02)

@@ -1,0 +1,212 @@
+"""Checkpoints that survive preemption, and resuming part-way through an epoch (docs/checkpointing.md).
+
+    ckpt = mpiddp.Checkpoint("checkpoints/run.pt", model=model, optimizer=optimizer,
+                             sampler=sampler)       # sampler: a ResumableSampler
+    ckpt.restore()                                  # collective: resume if the file exists
+    for epoch in ckpt.epochs(num_epochs):
+        for step, (x, y) in ckpt.batches(loader, epoch):
+            ...                                     # one training step
+        ckpt.save(epoch + 1)                        # collective: rank 0 writes
+
+A scheduler's warning signal (SIGTERM or SIGUSR1) on any rank stops every rank at the same step
+boundary: the checkpoint of that exact position is written and ``Preempted`` (a ``SystemExit``
+with status 75, ``EXIT_PREEMPTED``) ends the script, so that the job script can requeue it.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch.utils.data import DistributedSampler
+
+from .reduce_ops import Max
+from .runtime import rank, size
+from .torch.async_ops import allreduce_async
+from .torch.elastic import write_durably
+from .torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, \
+    broadcast_parameters
+from .torch.handles import synchronize
+
+# sysexits.h EX_TEMPFAIL, "temporary failure, try again": the status of a preempted run, on
+# which the job scripts requeue the job (scripts/slurm.sbatch).
+EXIT_PREEMPTED = 75
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preempted(SystemExit):
+    """Raised by ``Checkpoint.batches`` on every rank after the preemption checkpoint is
+    written. Uncaught, the process exits with ``EXIT_PREEMPTED`` (75)."""
+
+    def __init__(self, signum: int, epoch: int, step: int, path: str):
+        super().__init__(EXIT_PREEMPTED)
+        self.signum, self.epoch, self.step, self.path = signum, epoch, step, path
+
+    def __str__(self) -> str:
+        return (f"{signal.Signals(self.signum).name} received: stopped at step {self.step} "
+                f"of epoch {self.epoch + 1} on every rank, checkpoint written to {self.path}; "
+                f"exiting with status {EXIT_PREEMPTED} (requeue the job to resume)")
+
+
+def save_durably(path: str, state: dict) -> None:
+    """``torch.save(state, path)`` such that ``path`` always holds a whole checkpoint, the old
+    or the new one, whatever happens meanwhile (the writer killed, the node losing power)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    write_durably(path, lambda f: torch.save(state, f))
+
+
+class ResumableSampler(DistributedSampler):
+    """``DistributedSampler`` whose epoch can start after its first ``skip`` samples (a job
+    resumed part-way through an epoch goes on with the samples it had not seen)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip = min(skip, self.num_samples)
+
+    def __iter__(self):
+        return itertools.islice(super().__iter__(), self.skip, None)
+
+    def __len__(self) -> int:
+        return self.num_samples - self.skip
+
+
+class PreemptionWatch:
+    """Turns the scheduler's warning signals into a stop that every rank agrees on.
+
+    The signal handler only sets a flag: a signal may reach some ranks only, or reach them at
+    different steps, and a rank that stopped alone would leave the others waiting in a
+    collective. Each step's flags are combined with an all-reduce (Max) submitted before the
+    step's compute and collected after it, so it costs no waiting."""
+
+    def __init__(self, signals: Iterable[int] = PREEMPTION_SIGNALS):
+        self.received = 0
+        self._handle = None
+        for sig in signals:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = signum
+
+    def start_step(self) -> None:
+        self._handle = allreduce_async(torch.tensor([float(self.received)]), op=Max,
+                                       name="mpiddp.checkpoint.preemption")
+
+    def stop_agreed(self) -> int:
+        """The signal some rank received before this step (0: none), the same on every rank."""
+        handle, self._handle = self._handle, None
+        return int(synchronize(handle).item()) if handle is not None else 0
+
+
+def _rng_state() -> dict:
+    """This rank's random state: dropout masks drawn after a resume are then those the
+    uninterrupted run drew."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and \
+        torch.cuda.is_initialized() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+class Checkpoint:
+    """A job's checkpoint file: the model, the optimizer's state, the position (epoch and step)
+    and values of your own (``extra``). Rank 0 reads and writes the file; what it holds reaches
+    the other ranks by broadcast, so the file need not be on a shared file system.
+
+    Every method but ``epochs`` is collective: call it on every rank, at the same point.
+    After ``restore()``: ``epoch`` and ``step`` say where training goes on (``step`` counts
+    this run's steps already done in that epoch), ``ranks`` how many ranks wrote the file
+    (this run's count when nothing was restored), ``extra`` the values saved with it."""
+
+    def __init__(self, path: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 sampler: ResumableSampler | None = None,
+                 signals: Iterable[int] = PREEMPTION_SIGNALS):
+        if sampler is not None and not isinstance(sampler, ResumableSampler):
+            raise TypeError(f"Checkpoint(sampler=...) takes an mpiddp.checkpoint."
+                            f"ResumableSampler (it skips the samples a resumed epoch has "
+                            f"done), not a {type(sampler).__name__}")
+        self.path, self.model, self.optimizer, self.sampler = path, model, optimizer, sampler
+        self.epoch, self.step, self.ranks = 0, 0, size()
+        self.extra: dict[str, Any] = {}
+        self.preemption = PreemptionWatch(signals)
+        self._rng_states = None         # every rank's random state, for a mid-epoch resume
+
+    # ---- resuming ---------------------------------------------------------------------
+    def restore(self) -> bool:
+        """Load the checkpoint if its file exists (rank 0 looks) and hand it to every rank.
+        Returns whether it did. Without a file, the model's and optimizer's state are still
+        broadcast from rank 0, so every rank starts from the same weights."""
+        state = None
+        if rank() == 0 and os.path.exists(self.path):
+            state = torch.load(self.path, map_location="cpu", weights_only=False)
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        position = None if state is None else \
+            {key: state[key] for key in ("epoch", "step", "ranks", "extra", "rng")}
+        position = broadcast_object(position, root_rank=0, name="mpiddp.checkpoint.position")
+        broadcast_parameters(self.model.state_dict(), root_rank=0)
+        broadcast_optimizer_state(self.optimizer, root_rank=0)
+        if position is None:
+            return False
+        self.epoch, self.ranks, self.extra = position["epoch"], position["ranks"], \
+            position["extra"]
+        # The same samples are done in this run's steps (exactly when the counts divide).
+        self.step = position["step"] * self.ranks // size()
+        self._rng_states = position["rng"] if self.ranks == size() else None
+        return True
+
+    def epochs(self, num_epochs: int) -> range:
+        """The epochs left to train: from the restored one (0 when nothing was restored)."""
+        return range(self.epoch, num_epochs)
+
+    # ---- training -----------------------------------------------------------------------
+    def batches(self, loader: Iterable, epoch: int) -> Iterator[tuple[int, Any]]:
+        """``(step, batch)`` for each batch of ``loader`` in ``epoch``, steps counted from 1.
+        Sets the sampler's epoch; in the restored epoch skips the batches already done.
+        After each step, checks (with every rank) for a preemption signal: on one, writes the
+        checkpoint of this exact position and raises ``Preempted`` on every rank."""
+        skip = self.step if epoch == self.epoch else 0
+        self.step = 0                               # the skip applies once
+        if skip and self.sampler is None:
+            raise ValueError(f"the checkpoint {self.path} stopped part-way through epoch "
+                             f"{epoch + 1}: resuming there needs Checkpoint(sampler=...) with "
+                             "an mpiddp.checkpoint.ResumableSampler")
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch, skip=skip * getattr(loader, "batch_size", 1))
+        batches = iter(loader)      # draws the loader's seed: restore the random state after
+        if skip and self._rng_states is not None:
+            _set_rng_state(self._rng_states[rank()])
+        self._rng_states = None
+        for step, batch in enumerate(batches, start=skip + 1):
+            self.preemption.start_step()
+            try:
+                yield step, batch
+            except GeneratorExit:           # the loop was left early: collect the flag
+                self.preemption.stop_agreed()
+                raise
+            signum = self.preemption.stop_agreed()
+            if signum:
+                self.save(epoch, step)
+                raise Preempted(signum, epoch, step, self.path)
+
+    def save(self, epoch: int, step: int = 0, **extra: Any) -> None:
+        """Write the checkpoint (rank 0) of the position after ``step`` steps of ``epoch``;
+        ``step=0`` means ``epoch`` has not begun (call ``save(epoch + 1)`` after an epoch).
+        ``extra`` values are kept in ``self.extra`` and saved with it."""
+        self.extra.update(extra)
+        rng = allgather_object(_rng_state(), name="mpiddp.checkpoint.rng") if step else None
+        if rank() == 0:
+            save_durably(self.path, {
+                "epoch": epoch, "step": step, "ranks": size(), "extra": self.extra,
+                "rng": rng, "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict()})
+        self.epoch, self.step, self.ranks = epoch, 0, size()
