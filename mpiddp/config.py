@@ -12,18 +12,23 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Optional
 
+from .horovod_env import settings_from_horovod
+
 ALGORITHMS = ("auto", "ring", "halving_doubling", "recursive_doubling", "native",
               "hierarchical")
 TRI_STATE = ("auto", "0", "1")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # MPIDDP_* variables that belong to the project's scripts and tests, not to the engine:
-# MPIDDP_VENV picks the virtual environment (scripts/ensure_env.sh, the job scripts) and
-# MPIDDP_SYSTEM_TESTS runs the tests that change the machine (tests/conftest.py). Job
-# environments carry them into every rank, so they pass without a warning. The elastic
-# launcher (mpiddp/run.py) sets MPIDDP_LOST_NODES_DIR (where the lost-peer watchdog names the
-# lost nodes) and MPIDDP_ELASTIC_RESTART (0 at the first launch, then 1, 2, ...).
+# MPIDDP_VENV picks the virtual environment (scripts/ensure_env.sh, the job scripts),
+# MPIDDP_NO_INSTALL and MPIDDP_OPENMPI_VENV belong to the setup scripts, MPIDDP_SYSTEM_TESTS,
+# MPIDDP_TEST_WORKERS and MPIDDP_TESTS_ALONE to the test runner. Job environments carry them
+# into every rank, so they pass without a warning. The elastic launcher (mpiddp/run.py) sets
+# MPIDDP_LOST_NODES_DIR (where the lost-peer watchdog names the lost nodes),
+# MPIDDP_ELASTIC_RESTART (0 at the first launch, then 1, 2, ...) and MPIDDP_LAUNCH_HOSTS
+# (each rank's host as launched).
 SCRIPT_VARIABLES = ("MPIDDP_VENV", "MPIDDP_SYSTEM_TESTS", "MPIDDP_LOST_NODES_DIR",
-                    "MPIDDP_ELASTIC_RESTART")
+                    "MPIDDP_ELASTIC_RESTART", "MPIDDP_LAUNCH_HOSTS", "MPIDDP_NO_INSTALL",
+                    "MPIDDP_OPENMPI_VENV", "MPIDDP_TEST_WORKERS", "MPIDDP_TESTS_ALONE")
 
 
 # ---- parsers: each setting names its own (no guessing from type annotations) ------------
@@ -137,7 +142,7 @@ class Settings:
     allreduce_algorithm: str = setting("auto", Choice(ALGORITHMS))
     # auto: messages of at most this many bytes use native MPI_Allreduce, larger ones ours (the
     # ring, or halving-doubling). Unset (None): 2 MiB where all ranks share a node; across
-    # nodes from the links measured at start (collectives/algorithms.py, docs/scaling.md).
+    # nodes from the links measured at start (collectives/algorithms.py, docs/dev/scaling-model.md).
     ring_threshold: Optional[int] = setting(None, Number(int))
     # Hierarchical all-reduce (node-local reduce-scatter, cross-node all-reduce, node-local
     # all-gather) where several nodes have the same number (> 1) of ranks: auto = for the
@@ -192,7 +197,7 @@ class Settings:
     # Refuse to start when the launcher started N > 1 tasks but MPI sees one process in each
     # (srun without PMI, or another MPI's mpiexec): see mpiddp/launch_check.py.
     launch_check: bool = setting(True, Boolean())
-    # Autotune (engine/autotune.py, docs/configuration.md "Autotune"): while the job trains,
+    # Autotune (engine/autotune.py, docs/tuning.md): while the job trains,
     # rank 0 searches the fusion threshold, cycle time, ring threshold and hierarchical
     # all-reduce (those not set explicitly) and every rank applies each choice at the same
     # cycle; at the end the best values stay for the rest of the run.
@@ -250,9 +255,12 @@ def unknown_settings(environ=None) -> list[str]:
 
 
 def read_settings(environ=None) -> Settings:
-    """Read and validate every ``MPIDDP_*`` setting from ``environ`` (default ``os.environ``).
-    Unknown ``MPIDDP_*`` names are ignored here (see ``unknown_settings``)."""
+    """Read and validate every ``MPIDDP_*`` setting from ``environ`` (default ``os.environ``),
+    with the ``HOROVOD_*`` variables that have an ``MPIDDP_*`` meaning read as it
+    (``horovod_env.py``; an ``MPIDDP_*`` variable set too wins). Unknown ``MPIDDP_*`` names
+    are ignored here (see ``unknown_settings``)."""
     environ = os.environ if environ is None else environ
+    environ = {**settings_from_horovod(environ), **environ}
     names = [f.name for f in setting_fields()]
     return Settings(**{name: read_setting(name, environ) for name in names},
                     explicit=frozenset(n for n in names if env_name(n) in environ))

@@ -86,15 +86,30 @@ def test_switching_algorithm_with_requests_in_flight():
 
 def test_unknown_settings_warn_once_and_script_variables_pass(tmp_path):
     script = tmp_path / "init_only.py"
-    script.write_text("import mpiddp\nmpiddp.init()\nprint('OK rank', mpiddp.rank(), flush=True)\n")
+    script.write_text("import torch, mpiddp\nmpiddp.init()\nrank = mpiddp.rank()\n"
+                      "mpiddp.allreduce(torch.ones(3), name='t')\nmpiddp.shutdown()\n"
+                      "print('OK rank', rank, flush=True)\n")
+    timeline = tmp_path / "horovod_timeline.json"
     env = {"MPIDDP_VENV": "/somewhere/venv", "MPIDDP_SYSTEM_TESTS": "0",
-           "MPIDDP_STALL_SHUTDOWN_TIM": "5"}
+           "MPIDDP_STALL_SHUTDOWN_TIM": "5", "MPIDDP_LAUNCH_HOSTS": "a,a",
+           "MPIDDP_LOG_LEVEL": "info",
+           # A Horovod job's variables: one honoured, one another meaning, one unknown.
+           "HOROVOD_TIMELINE": str(timeline), "HOROVOD_CYCLE_TIME": "5",
+           "HOROVOD_NO_SUCH_THING": "1"}
     result = run_mpi(str(script), 2, timeout=60, env=env)
     assert_ok(result, expect_lines=2)
     warning = ("unknown setting MPIDDP_STALL_SHUTDOWN_TIM (ignored); "
                "did you mean MPIDDP_STALL_SHUTDOWN_TIME?")
     assert result.output.count(warning) == 1, result.output      # rank 0 only
-    assert "MPIDDP_VENV" not in result.output and "MPIDDP_SYSTEM_TESTS" not in result.output
+    for name in ("MPIDDP_VENV", "MPIDDP_SYSTEM_TESTS", "MPIDDP_LAUNCH_HOSTS"):
+        assert name not in result.output
+    assert result.output.count(f"HOROVOD_TIMELINE={timeline} read as MPIDDP_TIMELINE=") == 1
+    assert result.output.count("HOROVOD_CYCLE_TIME ignored: Horovod waits") == 1
+    assert result.output.count("HOROVOD_NO_SUCH_THING ignored: mpiddp has no such") == 1
+    # The Horovod variable took effect: every rank wrote its trace.
+    for rank in (0, 1):
+        trace = tmp_path / f"horovod_timeline.rank{rank}.json"
+        assert trace.exists() and '"t"' in trace.read_text(), rank
 
 
 def test_tasks_that_each_see_a_world_of_one_fail_at_init():

@@ -10,6 +10,7 @@ import pytest
 from mpiddp.collectives.ring import chunk_bounds
 from mpiddp.config import Settings, read_settings, setting_fields, unknown_settings
 from mpiddp.errors import LaunchError
+from mpiddp.horovod_env import HONOURED, horovod_messages
 from mpiddp.launch_check import check_launch, ranks_on_this_node
 from mpiddp.engine.fusion import plan_batches
 from mpiddp.engine.cache_capacity import CapacityWatch
@@ -58,6 +59,42 @@ def test_every_setting_has_its_own_parser_and_is_documented():
         # The default survives a round trip through its own parser.
         default = f.default if not isinstance(f.default, bool) else int(f.default)
         assert read_settings({f"MPIDDP_{f.name.upper()}": str(default)}) == Settings()
+
+
+def test_horovod_variables_with_our_meaning_are_read_as_settings():
+    env = {"HOROVOD_FUSION_THRESHOLD": "67108864", "HOROVOD_LOG_LEVEL": "trace",
+           "HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_STALL_CHECK_TIME_SECONDS": "30",
+           "HOROVOD_AUTOTUNE": "1", "HOROVOD_CYCLE_TIME": "5", "HOROVOD_TIMELINE": "DYNAMIC",
+           "HOROVOD_CACHE_CAPACITY": "0"}
+    s = read_settings(env)
+    assert (s.fusion_threshold, s.log_level, s.hierarchical_allreduce) == (64 << 20, "DEBUG", "1")
+    assert (s.stall_check_time, s.autotune) == (30.0, True)
+    # Another meaning in Horovod: not read.
+    assert (s.cycle_time, s.timeline, s.cache_capacity) == (50.0, "", 1024)
+    assert {"fusion_threshold", "autotune"} <= s.explicit     # autotune leaves them alone
+    # An MPIDDP_* variable set too wins.
+    assert read_settings({**env, "MPIDDP_FUSION_THRESHOLD": "1024"}).fusion_threshold == 1024
+
+
+def test_horovod_variables_are_each_reported_once():
+    infos, warnings = horovod_messages({
+        "HOROVOD_FUSION_THRESHOLD": "1024", "MPIDDP_FUSION_THRESHOLD": "2048",
+        "HOROVOD_AUTOTUNE_LOG": "/x.csv", "HOROVOD_TIMELINE": "DYNAMIC",
+        "HOROVOD_GPU_OPERATIONS": "NCCL", "HOROVOD_WITH_PYTORCH": "1",
+        "HOROVOD_RANK": "0", "HOROVOD_SIZE": "2", "HOROVOD_FROBNICATE": "1", "PATH": "/bin"})
+    assert infos == ["HOROVOD_AUTOTUNE_LOG=/x.csv read as MPIDDP_AUTOTUNE_LOG=/x.csv"]
+    assert warnings[0].startswith("HOROVOD_FROBNICATE ignored: mpiddp has no such setting")
+    assert warnings[1] == ("HOROVOD_FUSION_THRESHOLD=1024 ignored: "
+                           "MPIDDP_FUSION_THRESHOLD=2048 is set too and wins")
+    assert warnings[2].startswith("HOROVOD_GPU_OPERATIONS ignored: a Horovod build variable")
+    assert warnings[3].startswith("HOROVOD_TIMELINE=DYNAMIC ignored: ")
+    assert "mpiddp.start_timeline()" in warnings[3]
+    assert warnings[4].startswith("HOROVOD_WITH_PYTORCH ignored: a Horovod build variable")
+    assert warnings[5].startswith("HOROVOD_RANK, HOROVOD_SIZE ignored: set by horovodrun")
+    assert len(warnings) == 6
+    # Every honoured variable names a real setting.
+    settings = {f"MPIDDP_{f.name.upper()}" for f in setting_fields()}
+    assert {rule.setting for rule in HONOURED.values()} <= settings
 
 
 def test_unknown_settings_are_ignored_with_a_hint():
@@ -452,7 +489,8 @@ def test_ring_threshold_grows_with_nodes_and_link_speed():
                                                ring_seconds, ring_threshold)
 
     slow, fast = LinkCosts.from_rate(1, 30), LinkCosts.from_rate(100, 5)
-    # 2 nodes on 1 Gbit/s: the 256 KiB measured there (docs/benchmarks.md, "Across nodes").
+    # 2 nodes on 1 Gbit/s: the 256 KiB measured there
+    # (docs/dev/benchmark-record.md, "Across nodes").
     assert 200_000 < ring_threshold(2, slow) < 300_000
     for link in (slow, fast):
         sizes = [ring_threshold(n, link) for n in (2, 4, 8, 16, 64, 512)]

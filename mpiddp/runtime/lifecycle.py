@@ -16,6 +16,7 @@ from ..collectives.topology import Topology, node_layout
 from ..config import Settings, read_settings, unknown_settings
 from ..engine.coordinator import Engine, start_engine
 from ..errors import EngineShutdownError, LaunchError
+from ..horovod_env import horovod_messages
 from ..launch_check import check_launch
 from .abort import ABORT_HOOKS, AbortHooks
 from .mpi_environment import child_process_error, mark_mpi_process, mpi_kept_out
@@ -68,9 +69,8 @@ class Runtime:
                 "Let mpi4py initialise MPI (its default asks for MPI_THREAD_MULTIPLE).")
         settings = agreed_settings(comm)
         _configure_logging(settings)
-        unknown = unknown_settings()
-        if unknown and comm.Get_rank() == 0:                 # once per job, not once per rank
-            log.warning("\n".join(unknown))
+        if comm.Get_rank() == 0:                             # once per job, not once per rank
+            _log_setting_messages()
         if provided < MPI.THREAD_MULTIPLE:
             log.warning("MPI provides only MPI_THREAD_SERIALIZED: do not make MPI calls of "
                         "your own while mpiddp collectives are in flight")
@@ -133,6 +133,17 @@ def agreed_settings(comm: MPI.Comm) -> Settings:
             raise ValueError(f"MPIDDP_{field.upper()} must be the same on every rank, but "
                              f"{listing}")
     return settings
+
+
+def _log_setting_messages() -> None:
+    """Unknown ``MPIDDP_*`` names, and the ``HOROVOD_*`` variables read as mpiddp settings
+    (INFO) or not (a warning naming what to use instead)."""
+    honoured, ignored = horovod_messages(os.environ)
+    for line in honoured:
+        log.info(line)
+    warnings = unknown_settings() + ignored
+    if warnings:
+        log.warning("\n".join(warnings))
 
 
 def _configure_logging(settings: Settings) -> None:
