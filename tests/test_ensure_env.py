@@ -42,3 +42,41 @@ def test_the_running_environment_is_used_as_it_is(tmp_path: Path):
     assert f"python: {prefix}/bin/python" in result.stdout
     assert "installing" not in result.stderr
     assert (stamp.stat().st_mtime_ns if stamp.exists() else None) == before
+
+
+def shell_after_sourcing(env_dir: Path, options: str) -> subprocess.CompletedProcess:
+    """Source the script, as a user does in their own shell, from a bash with ``options``;
+    then print the shell's options and go on."""
+    env = dict(os.environ, MPIDDP_NO_INSTALL="1", MPIDDP_VENV=str(env_dir))
+    env.pop("PYTHONPATH", None)
+    script = (f"{options}\nbefore=$(set +o; shopt -p)\nsource scripts/ensure_env.sh\n"
+              'echo "status $?"\n[ "$before" = "$(set +o; shopt -p)" ] && echo "options kept"\n'
+              "false\necho 'still here'\n")
+    return subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_sourcing_leaves_the_users_shell_options_and_shell_alone(tmp_path: Path):
+    """A user's shell keeps its options (no `set -euo pipefail` left behind: a later failing
+    command, or a job's exit status 75, must not close it), on success and on failure."""
+    prefix = Path(sys.prefix)
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("the suite does not run in a virtual environment")
+    for options in ("", "set -o noclobber"):
+        ok = shell_after_sourcing(prefix, options)
+        assert "status 0" in ok.stdout and "options kept" in ok.stdout, ok
+        assert "still here" in ok.stdout
+        failed = shell_after_sourcing(tmp_path / "nowhere", options)
+        assert "status 1" in failed.stdout and "options kept" in failed.stdout, failed
+        assert "still here" in failed.stdout and "no environment at" in failed.stderr
+
+
+def test_a_strict_caller_stops_at_a_failure(tmp_path: Path):
+    """scripts/test.sh sources it under `set -e`: a failure stops the script there."""
+    env = dict(os.environ, MPIDDP_NO_INSTALL="1", MPIDDP_VENV=str(tmp_path / "nowhere"))
+    result = subprocess.run(["bash", "-c", "set -e; source scripts/ensure_env.sh; echo past"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "past" not in result.stdout
+    ran = subprocess.run(["bash", "scripts/ensure_env.sh"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 1 and "no environment at" in ran.stderr
