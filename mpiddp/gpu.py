@@ -158,10 +158,10 @@ def shared_devices_report(identities: Sequence, shown: int = 4) -> Optional[str]
         groups.append(f"and {len(shared) - shown} more GPUs shared alike")
     return ("several ranks share a GPU: " + "; ".join(groups) + ". Ranks sharing a GPU take "
             "turns on it (each switch between their CUDA contexts costs time). Give each rank "
-            "its own GPU (one rank per GPU, CUDA_VISIBLE_DEVICES per rank or all devices "
-            "visible; srun --gpus-per-task=1), or run the ranks under CUDA MPS if the sharing "
-            "is meant; training on the CPU only: CUDA_VISIBLE_DEVICES= hides the GPUs "
-            "(docs/gpu.md, \"One GPU per rank\")")
+            "its own GPU (as many ranks per node as GPUs, e.g. srun with --ntasks-per-node "
+            "equal to --gpus-per-node: mpiddp uses GPU <local rank>), or run the ranks under "
+            "CUDA MPS if the sharing is meant; training on the CPU only: "
+            "CUDA_VISIBLE_DEVICES= hides the GPUs (docs/running.md, \"GPUs\")")
 
 
 def warn_about_shared_devices(comm, host: str, cuda=None) -> Optional[str]:

@@ -10,6 +10,9 @@
 # Everything it writes lives in one scratch directory, LOCAL_SLURM_DIR (default
 # /tmp/mpiddp-slurm): configuration, munge key and socket, state, spool, logs and pid files.
 # The node has the CPUs slurmd finds; LOCAL_SLURM_CPUS=N at start pretends it has N.
+# It also has LOCAL_SLURM_GPUS (default 2) fake GPUs: Slurm's gpu resources (gres) backed by
+# device files in the scratch directory, so that GPU job scripts (--gpus-per-node) schedule
+# and get CUDA_VISIBLE_DEVICES as on a GPU node; there is no CUDA device behind them.
 #
 # LOCAL_SLURM_NODES=K at start: a K-node cluster on the nodes of scripts/local_cluster.sh
 # (which must be up with K nodes or more): slurmctld in node 0, one slurmd in each node under
@@ -86,6 +89,17 @@ install_packages() {
   [ "$rc" = 0 ] || die "apt-get could not install slurm-wlm and munge"
 }
 
+# N fake GPUs: character devices (the null device's numbers: nothing behind them) in the
+# scratch directory, and a gres.conf beside slurm.conf naming them, without autodetection.
+fake_gpus() {  # fake_gpus N
+  mkdir -p "$DIR/dev"
+  local i
+  for i in $(seq 0 $(($1 - 1))); do
+    [ -e "$DIR/dev/gpu$i" ] || mknod "$DIR/dev/gpu$i" c 1 3
+  done
+  printf 'AutoDetect=off\nName=gpu File=%s/dev/gpu[0-%d]\n' "$DIR" $(($1 - 1)) > "$DIR/gres.conf"
+}
+
 write_config() {
   local host node overrides="" controller nodes_lines i name first_job_id
   host="$(hostname -s)"
@@ -111,6 +125,13 @@ write_config() {
       name="$(in_node "$i" hostname)"
       nodes_lines+="NodeName=$name $node NodeAddr=$(bash "$CLUSTER" address "$i") State=UNKNOWN"$'\n'
     done
+  fi
+  local gpus="${LOCAL_SLURM_GPUS:-2}" gres_types=""
+  [[ "$gpus" =~ ^[0-9]+$ ]] || die "LOCAL_SLURM_GPUS must be a number"
+  if [ "$gpus" -gt 0 ]; then
+    fake_gpus "$gpus"
+    gres_types="GresTypes=gpu"
+    nodes_lines="$(sed '/^NodeName=/s/$/ Gres=gpu:'"$gpus"'/' <<< "$nodes_lines")"
   fi
   # Seconds since the epoch, below Slurm's MaxJobId (67043328): a new range at every start.
   first_job_id=$(( $(date +%s) % 60000000 + 1000 ))
@@ -146,6 +167,7 @@ SlurmctldDebug=info
 SlurmdDebug=info
 ReturnToService=2
 MailProg=/bin/true
+$gres_types
 # Job ids that no earlier start of this script used: MPICH names a job's shared-memory segment
 # after its PMI job ("<job>.<step>"), so job 1 of a new cluster would meet a segment that a
 # killed task of an earlier cluster's job 1 left in /dev/shm, and its ranks stop in MPI_Init

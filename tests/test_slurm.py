@@ -8,6 +8,7 @@ limit, and is cancelled when its test ends, whether it passed, failed or timed o
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -135,3 +136,50 @@ def wait_for_requeued_job(env, job_id: str, timeout: float) -> dict:
             return fields
         assert time.monotonic() < deadline, f"job {job_id} still {fields.get('JobState')}"
         time.sleep(1)
+
+
+def submit_gpu_probe(env, tmp_path, *resources: str) -> tuple[dict, str, list]:
+    """scripts/slurm_gpu.sbatch with ``resources`` on the local Slurm's fake GPUs, running
+    tests/workers/slurm_gpu_probe.py as its training script: (job fields, output, probes)."""
+    env = dict(env, PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "workers"), str(ROOT)]))
+    if sys.prefix != sys.base_prefix:
+        env["MPIDDP_VENV"] = sys.prefix
+    out = tmp_path / "job.out"
+    with job(env) as name:
+        submit = subprocess.run(
+            ["sbatch", "--parsable", f"--job-name={name}", "--nodes=1", *resources,
+             "--cpus-per-task=1", "--time=10", "--no-requeue", f"--output={out}",
+             "scripts/slurm_gpu.sbatch", "tests/workers/slurm_gpu_probe.py"],
+            env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+        assert submit.returncode == 0, submit.stderr
+        fields = wait_for_job(env, submit.stdout.strip().split(";")[0], timeout=300)
+    text = out.read_text() if out.exists() else "(no output file)"
+    probes = [json.loads(line[len("PROBE "):]) for line in text.splitlines()
+              if line.startswith("PROBE ")]
+    return fields, text, sorted(probes, key=lambda probe: probe["rank"])
+
+
+def test_gpu_job_script_gives_each_rank_its_own_gpu(slurm_env, tmp_path):
+    """One rank per GPU: Slurm makes the node's GPUs visible to every rank and mpiddp makes
+    GPU <local rank> current, so the ranks use distinct physical GPUs, with no warning."""
+    fields, text, probes = submit_gpu_probe(slurm_env, tmp_path, "--gpus-per-node=2",
+                                            "--ntasks-per-node=2")
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert "MPICH" in text and "CUDA-aware MPI: no: GPU buffers are staged" in text, text
+    assert [probe["local_rank"] for probe in probes] == [0, 1], text
+    assert all(probe["visible"] == ["0", "1"] and probe["sum"] == 2 for probe in probes), text
+    assert [probe["physical"] for probe in probes] == [0, 1], text
+    assert "share" not in text and "warning" not in text.lower(), text
+
+
+def test_gpu_job_with_more_ranks_than_gpus_names_the_sharing_ranks(slurm_env, tmp_path):
+    """Two ranks on one GPU: they share it, and both the job script and mpiddp.init() say so,
+    naming the ranks, instead of piling up silently."""
+    fields, text, probes = submit_gpu_probe(slurm_env, tmp_path, "--gpus-per-node=1",
+                                            "--ntasks-per-node=2")
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert [probe["physical"] for probe in probes] == [0, 0], text
+    assert "warning: 2 tasks but 1 GPUs per node: ranks will share GPUs" in text, text
+    assert text.count("[mpiddp WARNING]") == 1, text               # rank 0, once
+    assert re.search(r"several ranks share a GPU: ranks 0(-|, )1 on \S+ use one GPU "
+                     r"\(cuda:0, GPU-fake-000000000000\)", text), text
