@@ -20,7 +20,7 @@
 # cluster-benchmarks.txt). Several ranks on this machine's
 # cores: more ranks than cores set MPICH's heavy yield, so waiting ranks give the core back.
 # MPI_GENV="NAME=VALUE ..." passes settings to every rank of every launch, e.g.
-# MPI_GENV="UCX_RNDV_THRESH=inf" for UCX's eager protocol over TCP (docs/multinode.md).
+# MPI_GENV="UCX_RNDV_THRESH=inf" for UCX's eager protocol over TCP (docs/dev/engine.md, "Transfers across nodes").
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RATE="${1:-1gbit}"

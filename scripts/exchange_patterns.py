@@ -8,7 +8,7 @@ step (all ranks start each step together). Run on the emulated cluster as root:
         python scripts/exchange_patterns.py --mib 16
 
 Prints seconds per sequence (the slowest rank's, between barriers), alternating the patterns.
-docs/scaling.md ("What the model leaves out") has what it showed.
+docs/dev/scaling-model.md ("What the model leaves out") has what it showed.
 """
 import argparse
 import time

@@ -63,7 +63,7 @@ from mpiddp.collectives.cost_model import (ENGINE_CYCLE_S,  # noqa: E402
                                            ring_seconds)
 from mpiddp.collectives.topology import Topology  # noqa: E402
 
-NEGOTIATION_BYTES = 3 * 128 + 16     # a cached cycle's bit vectors and flags (engine.md)
+NEGOTIATION_BYTES = 3 * 128 + 16     # a cached cycle's bit vectors and flags (docs/dev/engine.md)
 CYCLE_PROBE_BYTES = 4 << 20          # torch/cycle_budget.py's large all-reduce
 # scripts/benchmark_allreduce.py's rows for the algorithm the engine picks (recursive
 # doubling has no row of its own: ``auto`` takes it for the sizes where the engine would).
@@ -374,7 +374,7 @@ RESULT = re.compile(r"(?P<setting>light|heavy)-(?P<model>sim-[a-z0-9]+)-(?P<regi
                     r"(?P<nodes>\d+)x(?P<local>\d+)\.json$")
 # The node-local link where no 1xG all-reduce was run to fit it from: shared memory on the
 # emulated cluster, about as fitted from 1x2 runs of 4 KiB-64 MiB on 2026-11-27 (2.1-2.7
-# GB/s; docs/scaling.md, "Several GPUs per node").
+# GB/s; docs/dev/scaling-model.md, "Several GPUs per node").
 EMULATED_NODE_LINK = LinkCosts(20e-6, 1 / 2.5e9, HOST_REDUCE_SECONDS_PER_BYTE)
 SETTINGS = {"light": 0.2, "heavy": 1.0}          # link Gbit/s of scripts/scaling_benchmark.sh
 

@@ -1,5 +1,5 @@
 """What an all-reduce costs, by algorithm: the alpha-beta model the automatic choice and
-docs/scaling.md use.
+docs/dev/scaling-model.md use.
 
 For ``N`` ranks in a ring over links of latency ``alpha`` (one message, one way) and
 ``beta`` seconds per byte, an all-reduce of ``n`` bytes costs
@@ -36,7 +36,7 @@ links' measured latency and rate that moves with N and the link: 1 Gbit/s and 30
 ring's threshold is 250 KB at 2 nodes (where the ring was measured to tie), 0.6 MB at 4,
 2.9 MB at 16, 12 MB at 64, halving-doubling's 0.33 MB at 4, 0.53 MB at 16, 0.76 MB at 64;
 100 Gbit/s and 5 us, 25 MB at 2 nodes, at 16 nodes ring 215 MB, halving-doubling 53 MB: on
-fast links the MPI library's all-reduce carries most buffers (docs/scaling.md).
+fast links the MPI library's all-reduce carries most buffers (docs/dev/scaling-model.md).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ from .halving_doubling import power_of_two_below
 
 # Fixed cost of one ring step in Python and MPI beyond the message itself (posting the
 # transfers, waiting, the NumPy reduction's call): 4 KiB all-reduces on 2 emulated nodes of a
-# core each, ring 130 us against MPI_Allreduce's 35 us over 2 steps (docs/scaling.md).
+# core each, ring 130 us against MPI_Allreduce's 35 us over 2 steps (docs/dev/scaling-model.md).
 RING_STEP_OVERHEAD_S = 50e-6
 # The ring takes a buffer when its extra fixed cost is at most this share of the transfer:
 # at 2 nodes that is where the ring and MPI_Allreduce were measured to tie (256 KiB, 1 Gbit/s).
