@@ -1,4 +1,5 @@
-"""Checkpoints that survive preemption, and resuming part-way through an epoch (docs/checkpointing.md).
+"""Checkpoints that survive preemption, and resuming part-way through an epoch
+(docs/checkpointing.md).
 
     ckpt = mpiddp.Checkpoint("checkpoints/run.pt", model=model, optimizer=optimizer,
                              sampler=sampler)       # sampler: a ResumableSampler

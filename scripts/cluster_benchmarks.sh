@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The multi-node benchmarks of docs/benchmarks.md ("Across nodes") in one command, as root:
+# The multi-node benchmarks of docs/benchmarks.md ("Compression across nodes"; earlier rounds: docs/dev/benchmark-record.md, "Across nodes") in one command, as root:
 #
 #   sudo scripts/cluster_benchmarks.sh [RATE] [OUTPUT]     # RATE: tc rate, default 1gbit
 #

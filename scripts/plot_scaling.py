@@ -9,7 +9,8 @@ samples/s per rank, scaling efficiency (the job's throughput over N x one proces
 mpiddp variants against DDP-gloo; and the CPU per step per rank. Draws efficiency against N,
 one panel per setting and regime. From the all-reduce part: per size and node count, mpiddp's
 automatic choice and gloo against MPI_Allreduce (bus bandwidth), their CPU per GB, and the
-synchronous 4 KiB latency; draws bus bandwidth against size, one panel per node count.
+synchronous 4 KiB latency; draws bus bandwidth against size, a panel per node count, a row of
+at most four per setting.
 ``--against`` compares each training step with the same run at half the link rate in another
 directory (the scaling benchmark with ``LINK_SCALE=0.5``): a step the network limits grows
 by the whole wire time added, one the CPU limits by less.
@@ -48,8 +49,10 @@ def pyplot():
     return plt
 
 
-def save(fig, path: str) -> None:
-    fig.tight_layout()
+def save(fig, path: str, top: float = 1.0) -> None:
+    """Write ``fig`` to ``path``; ``top``: the share of the height left to the panels (a
+    legend above them takes the rest)."""
+    fig.tight_layout(rect=(0, 0, 1, top))
     fig.savefig(path, dpi=110)
     print(f"\npicture: {path}")
 
@@ -137,27 +140,47 @@ def allreduce_tables(found: dict) -> None:
                   for n in nodes))
 
 
+# Panels to a row in the all-reduce picture: 4 keeps it about 1300 px wide (at 110 dpi).
+ALLREDUCE_COLUMNS = 4
+
+
 def allreduce_picture(found: dict, path: str) -> None:
+    """Bus bandwidth against size: a row of panels per setting (links), a panel per node
+    layout, at most ALLREDUCE_COLUMNS to a row, one legend above them all."""
     plt = pyplot()
-    panels = [(s, n) for s in sorted(found) for n in sorted(found[s])]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.2), squeeze=False,
-                             sharey=True)
-    for ax, (setting, nodes) in zip(axes[0], panels):
-        rows = found[setting][nodes][0]
-        for method in sorted({m for _, m in rows}):
-            points = sorted((b, r["busbw_gb_s"]) for (b, m), r in rows.items() if m == method)
-            ax.plot([b for b, _ in points], [bw for _, bw in points], marker=".",
-                    label=method, linestyle="--" if method == MPI else "-")
-        ax.set_title(f"{shape_text(nodes)} nodes, {LINKS[setting]}", fontsize=9)
-        ax.set_xscale("log", base=2)
-        ticks = [1 << 12, 1 << 16, 1 << 20, 1 << 24]
-        ax.set_xticks(ticks, [size_text(t) for t in ticks])
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.set_xlabel("all-reduce size")
-    axes[0][0].set_ylabel("bus bandwidth (GB/s)")
-    axes[0][0].legend(fontsize=6, loc="lower right")
-    save(fig, path)
+    rows = []
+    for setting in sorted(found):
+        shapes = sorted(found[setting])
+        rows += [[(setting, shape) for shape in shapes[i:i + ALLREDUCE_COLUMNS]]
+                 for i in range(0, len(shapes), ALLREDUCE_COLUMNS)]
+    columns = max(len(row) for row in rows)
+    fig, axes = plt.subplots(len(rows), columns, figsize=(3.0 * columns, 2.6 * len(rows)),
+                             squeeze=False, sharey=True)
+    lines = {}
+    for row, panels in zip(axes, rows):
+        for ax in row[len(panels):]:
+            ax.set_visible(False)
+        for ax, (setting, nodes) in zip(row, panels):
+            found_rows = found[setting][nodes][0]
+            for method in sorted({m for _, m in found_rows}):
+                points = sorted((b, r["busbw_gb_s"]) for (b, m), r in found_rows.items()
+                                if m == method)
+                line, = ax.plot([b for b, _ in points], [bw for _, bw in points], marker=".",
+                                label=method, linestyle="--" if method == MPI else "-")
+                lines.setdefault(method, line)
+            ax.set_title(f"{shape_text(nodes)} nodes, {LINKS[setting]}", fontsize=9)
+            ax.set_xscale("log", base=2)
+            ticks = [1 << 12, 1 << 16, 1 << 20, 1 << 24]
+            ax.set_xticks(ticks, [size_text(t) for t in ticks])
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            ax.set_xlabel("all-reduce size", fontsize=8)
+        row[0].set_ylabel("bus bandwidth (GB/s)", fontsize=8)
+    across = min(len(lines), 2 * columns)            # legend entries to a line
+    fig.legend(list(lines.values()), list(lines), loc="upper center", ncol=across,
+               fontsize=8, frameon=False)
+    legend_inches = 0.1 + 0.25 * -(-len(lines) // across)
+    save(fig, path, top=1 - legend_inches / (2.6 * len(rows)))
 
 
 # The one-process step as a multiple of the gradients' wire time, per regime.

@@ -13,7 +13,7 @@ What it leaves out: host-device copies (PCIe), the device memory traffic of the 
 of the optimizer, kernel launch costs, and any slowdown of the device's compute by concurrent
 communication kernels. With CPU tensors, mpiddp packs, reduces and casts the gradients on the
 host, as its host-staged transport does for GPU buffers. docs/benchmarks.md, "Simulated
-accelerators", says more and gives the sources of the device profiles.
+accelerators", has the measurements; the device profiles' sources are in ``PROFILES`` below.
 
 Layer costs are multiply-accumulates (MACs) of one forward pass per sample: what torchvision's
 and most papers' "GFLOPs" figures count (ResNet-50 4.1 G at 224x224). Convolutions and linear

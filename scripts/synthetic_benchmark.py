@@ -331,7 +331,7 @@ def parse_args(argv=None):
                              "wire (0.5x: wire-bound)")
     timing.add_argument("--device-profile", choices=sorted(sim.PROFILES), default=None,
                         help="the step a GPU takes (its measured ResNet-50 throughput, scaled "
-                             "by MACs; sources in docs/benchmarks.md)")
+                             "by MACs; sources in scripts/simulated_models.py)")
     s.add_argument("--straggler", type=float, default=1.0, metavar="FACTOR",
                    help="the last node's ranks compute FACTOR times slower (e.g. 1.2: a node "
                         "20%% slower); the one-process baseline keeps the nominal step")

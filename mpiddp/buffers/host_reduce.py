@@ -71,7 +71,7 @@ def scale_(array: np.ndarray, factor: float, dtype: DType, exact: bool = False) 
             # of the float64 product rounded once: x / n lies at least 2^-25 / n (relative)
             # from any float32 rounding boundary, the product's two float64 roundings move
             # it by at most 2^-52, so both round alike for any n below 2^27 (subnormals
-            # too). A third of the time (docs/benchmarks.md: 80 -> 25 us per MiB here).
+            # too). A third of the time (docs/dev/benchmark-record.md: 80 -> 25 us per MiB here).
             np.divide(array, np.float32(divisor), out=array)
         else:
             np.multiply(array, np.float64(factor), out=array, casting="unsafe")

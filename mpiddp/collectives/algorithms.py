@@ -32,7 +32,7 @@ AUTO, HIERARCHICAL = "auto", "hierarchical"
 # ring above these sizes. Within a
 # node MPI's shared-memory algorithms win up to about 2 MiB. On a communicator with one rank
 # per node (one rank per node in the job, or the cross-node part of the hierarchical
-# all-reduce) the ring ties native MPI_Allreduce from 256 KiB (docs/benchmarks.md, "Across
+# all-reduce) the ring ties native MPI_Allreduce from 256 KiB (docs/dev/benchmark-record.md, "Across
 # nodes") and, unlike it, waits for the network without busy-polling the core that backward
 # needs (transport/network.py): ResNet-18 on 2 nodes, its 2 MB fc gradient took 48-52 ms
 # natively during backward, 20 ms in the ring. Where the hierarchical all-reduce applies, the
@@ -123,7 +123,7 @@ class RecursiveDoublingAllreduce:
     over the engine's TCP connections (``Links.partners``): the fewest messages in a row,
     each step's receive a blocking wait in the kernel. Where MPI moves messages only while
     it is called (over TCP), this finished a 4 KiB all-reduce in the engine at 16 emulated
-    nodes in 2.2 ms against 3.7 ms for ``MPI_Allreduce`` (docs/benchmarks.md). Without the
+    nodes in 2.2 ms against 3.7 ms for ``MPI_Allreduce`` (docs/dev/benchmark-record.md). Without the
     connections (device buffers, or MPI kept for the transfers) ``MPI_Allreduce`` runs."""
 
     name = RECURSIVE_DOUBLING
@@ -240,7 +240,7 @@ class AlgorithmChoice:
         ranks it is the library's own single exchange, as fast (2 emulated nodes, 1 Gbit/s,
         8-128 KiB: 82-1,101 us against 90-1,103 us for ``MPI_Allreduce`` in the engine)
         without the library's polling for the whole transfer: 2.5-5.8 CPU s per GB from
-        48 KiB against 7.4-8.4 (docs/benchmarks.md, "Two nodes: recursive doubling
+        48 KiB against 7.4-8.4 (docs/dev/benchmark-record.md, "Two nodes: recursive doubling
         instead of MPI_Allreduce")."""
         topology = self.topology
         if not (self.over_sockets and self.link is not None and topology.spans_nodes
@@ -260,7 +260,7 @@ class AlgorithmChoice:
         follows the cycle's negotiation over the sockets: synchronous 128 KiB all-reduces
         through the engine took 2.5-2.8 ms by native against 1.8-2.0 by halving-doubling over
         the sockets at 4 emulated nodes, 3.3-3.4 against 2.8-2.9 at 8, 8.2-9.1 against 6.9
-        at 16 (docs/benchmarks.md)."""
+        at 16 (docs/dev/benchmark-record.md)."""
         if from_links and self.recursive_doubling_limit and \
                 self.halving_doubling_fits(self.topology):
             return min(self.ring_threshold, self.recursive_doubling_limit)
@@ -335,10 +335,10 @@ class AlgorithmChoice:
         cost at most ``RING_TOLERANCE`` of the transfer (the ring's threshold against the
         MPI library's algorithm), the ring above: on the emulated cluster (16 nodes, 1
         Gbit/s) halving-doubling was ahead at 1 MiB, level at 4 MiB and behind at 16-64 MiB
-        (docs/benchmarks.md, "Halving-doubling"), which the model, blind to what the CPU
-        does per byte, cannot tell. Only where the links were measured, with one rank per
-        node at a power of two from 4 (``halving_doubling_fits``): other rank counts would
-        fold whole buffers; with several ranks per node its first steps would all cross the
+        (docs/dev/benchmark-record.md, "Halving-doubling at 16 nodes"), which the model,
+        blind to what the CPU does per byte, cannot tell. Only where the links were measured, with
+        one rank per node at a power of two from 4 (``halving_doubling_fits``): other rank counts
+        would fold whole buffers; with several ranks per node its first steps would all cross the
         network at once (the hierarchical all-reduce is the answer there)."""
         return self.halving_doubling if nbytes <= self.halving_doubling_limit else self.ring
 

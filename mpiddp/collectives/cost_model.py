@@ -25,11 +25,11 @@ link inside the node; the engine does not use these (its choice needs only the t
 The reduction's arithmetic is the same in both and left out. On these terms the MPI library's
 algorithm is never slower; ours earn their place by what the terms leave out: they wait for
 the network without busy-polling the core that backward needs (with 16 ranks on 2 cores,
-MPI_Allreduce's polling took the CPU the other ranks needed: docs/benchmarks.md), they leave
-transfers in flight (the pipelined hierarchical all-reduce), and over TCP the ring reached the
-link rate where ``MPI_Allreduce`` did not (docs/benchmarks.md, "Across nodes": 4 nodes,
-64 MiB, 1.5x). So our algorithms take a buffer where their extra fixed cost is at most
-``RING_TOLERANCE`` of the transfer time (``halving_doubling_threshold`` where
+MPI_Allreduce's polling took the CPU the other ranks needed: docs/dev/benchmark-record.md),
+they leave transfers in flight (the pipelined hierarchical all-reduce), and over TCP the ring
+reached the link rate where ``MPI_Allreduce`` did not (docs/dev/benchmark-record.md, "Across
+nodes": 4 nodes, 64 MiB, 1.5x). So our algorithms take a buffer where their extra fixed cost is at
+most ``RING_TOLERANCE`` of the transfer time (``halving_doubling_threshold`` where
 halving-doubling applies: one rank per node, a power of two from 4; ``ring_threshold``);
 halving-doubling up to the ring's threshold, the ring above it (``algorithms.py``). With the
 links' measured latency and rate that moves with N and the link: 1 Gbit/s and 30 us, the
@@ -64,24 +64,25 @@ NEVER = 1 << 62          # a threshold no buffer reaches
 HOST_REDUCE_SECONDS_PER_BYTE = 1 / 7e9
 # The engine's own work per cycle beyond the negotiation's messages (the protocol's Python over
 # the pending names, fusion, the hand-offs): forward overlap's cycles cost about this much
-# wall time and CPU each on 2 nodes at ~12 Gbit/s (docs/benchmarks.md, "Forward overlap's
+# wall time and CPU each on 2 nodes at ~12 Gbit/s (docs/dev/benchmark-record.md, "Forward overlap's
 # cycle budget").
 ENGINE_CYCLE_S = 300e-6
 # Forward overlap's cycle budget: a cycle's fixed cost this share of its transfer (before the
 # budget is rounded down to a power of two).
-# Calibrated on the emulated cluster (docs/benchmarks.md, "Forward overlap's cycle budget"),
-# with the rounding down to a power of two, to the budgets measured best: 1 MiB at 2 nodes on
-# 200 Mbit/s (4 MiB 9% slower) and on 1 Gbit/s (level with 4 MiB, 2 MiB 6% slower), 4-8 MiB at
-# 16 nodes on 1 Gbit/s (1 MiB 1.2x slower), 4-16 MiB at 2 nodes on ~12 Gbit/s (1 MiB 1.15x
+# Calibrated on the emulated cluster (docs/dev/benchmark-record.md, "Forward overlap's cycle
+# budget"), with the rounding down to a power of two, to the budgets measured best: 1 MiB at 2
+# nodes on 200 Mbit/s (4 MiB 9% slower) and on 1 Gbit/s (level with 4 MiB, 2 MiB 6% slower), 4-8
+# MiB at 16 nodes on 1 Gbit/s (1 MiB 1.2x slower), 4-16 MiB at 2 nodes on ~12 Gbit/s (1 MiB 1.15x
 # slower).
 PRIORITY_CYCLE_TOLERANCE = 0.03
 # Where nothing was measured (one node), and the least: the best of 0.5 / 1 / 4 / 16 MiB at
-# 2 nodes on 1 Gbit/s when forward overlap was built (docs/benchmarks.md, "Forward overlap").
+# 2 nodes on 1 Gbit/s when forward overlap was built (docs/dev/benchmark-record.md, "Forward
+# overlap").
 PRIORITY_CYCLE_MIN_BYTES = 1 << 20
 PRIORITY_CYCLE_MAX_BYTES = 64 << 20
 # Forward overlap's cycles sized for a known step's gradients (``gradient_cycle_bytes``): the
 # least. 128 KiB cycles were slower than 256 KiB ones at 8 nodes on 200 Mbit/s (37 cycles a
-# step; docs/benchmarks.md, "Forward overlap's cycles sized for the step's gradients").
+# step; docs/dev/benchmark-record.md, "Forward overlap's cycles sized for the step's gradients").
 GRADIENT_CYCLE_MIN_BYTES = 256 << 10
 
 

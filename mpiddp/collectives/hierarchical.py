@@ -27,9 +27,9 @@ from .ring import (allgather_steps, chunk_bounds, complete, reduce_scatter_steps
                    ring_allreduce_steps)
 
 # Pipelining: segments of at least this many bytes, at most this many of them. Measured on
-# the emulated cluster (2 nodes x 2 ranks, 1 Gbit/s, docs/benchmarks.md): 64 MiB in 1 / 4 / 8
-# / 16 segments 588-610 / 575-590 / 567-572 / 563-571 ms (561 ms is TCP's rate); 16 MiB in 1 /
-# 2 / 4 segments 149-153 / 144-147 / 142 ms.
+# the emulated cluster (2 nodes x 2 ranks, 1 Gbit/s, docs/dev/benchmark-record.md): 64 MiB in
+# 1 / 4 / 8 / 16 segments 588-610 / 575-590 / 567-572 / 563-571 ms (561 ms is TCP's rate);
+# 16 MiB in 1 / 2 / 4 segments 149-153 / 144-147 / 142 ms.
 PIPELINE_SEGMENT_BYTES = 4 * 1024 * 1024
 MAX_PIPELINE_SEGMENTS = 16
 # Every segment costs a full set of ring steps, each with a fixed cost in Python and MPI

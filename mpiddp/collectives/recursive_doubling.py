@@ -7,7 +7,7 @@ It sends the whole buffer ``log2 P`` times where halving-doubling sends ``2 (P-1
 ``2 log2 P`` steps: the fewest messages in a row, for buffers so small that the messages'
 latency is the cost. The engine reduces the cycle's bit vector this way over its own TCP
 connections (``engine/channel.py``): at 16 emulated nodes a 400-byte AND took 1.3 ms where
-``MPI_Allreduce`` took 1.9 ms (docs/benchmarks.md).
+``MPI_Allreduce`` took 1.9 ms (docs/dev/benchmark-record.md).
 
 Every rank combines ``(its buffer, its partner's)`` and the partner ``(its own, ours)``: with a
 commutative ``combine`` (AND, a float sum) both get the same bits, so every rank ends with

@@ -6,7 +6,7 @@ number of ranks. A job that uses more names a step than the cache holds (a model
 parameter tensors than ``MPIDDP_CACHE_CAPACITY``, or forward overlap's gradient pieces)
 evicts its least recently used names for room, and each comes back through rank 0 the next
 time it is submitted: then every step pays slow cycles for most of its names, for ever
-(1,500 parameters: 1.19x the step time at 2 ranks, 1.32x at 16 nodes; docs/benchmarks.md,
+(1,500 parameters: 1.19x the step time at 2 ranks, 1.32x at 16 nodes; docs/dev/benchmark-record.md,
 "More names than the response cache holds").
 
 The watch counts the names rank 0 admits to the cache and, of those, the ones it had evicted

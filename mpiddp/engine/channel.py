@@ -13,7 +13,7 @@ recursive doubling over connections of its own to the recursive-doubling partner
 (``use_sockets``): each step's receive blocks in the kernel, the GIL released and no CPU
 spent, and returns the moment the partner's bytes arrive. At 16 emulated nodes a 400-byte AND
 took 1.3 ms that way against 1.7 ms for ``Iallreduce`` with the engine's waiting and 1.9 ms
-for a blocking ``MPI_Allreduce`` (docs/benchmarks.md).
+for a blocking ``MPI_Allreduce`` (docs/dev/benchmark-record.md).
 """
 from __future__ import annotations
 

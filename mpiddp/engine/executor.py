@@ -260,7 +260,7 @@ class Executor:
         # user's bytes, else, where the bit vector travels over the engine's TCP
         # connections (each step a wait in the kernel), what the links move in one latency;
         # none over MPI, whose polite waiting fell into a lasting oscillation with it
-        # (docs/benchmarks.md, "Small all-reduces inside the negotiation").
+        # (docs/dev/benchmark-record.md, "Small all-reduces inside the negotiation").
         over_sockets = "control" in self.partner_sockets
         self.speculation_bytes = settings.speculation_bytes \
             if settings.speculation_bytes is not None else \

@@ -19,7 +19,7 @@ Every rule in one place:
    of a long transfer one sleep apart spun in vain; synchronous 1 MiB all-reduces at 2
    emulated nodes, 1.29 -> 1.22 ms of CPU each; 16 emulated nodes on 2 cores, where a spin
    takes the core from the ranks it waits for, a synchronous 4 KiB all-reduce 6.7 -> 5.2-5.4
-   ms; training unchanged; docs/benchmarks.md). MPI's own blocking waits busy-poll, and a
+   ms; training unchanged; docs/dev/benchmark-record.md). MPI's own blocking waits busy-poll, and a
    spinning coordinator would take the core that backward needs, so waits are tests with
    growing sleeps (see ``wait``).
 """

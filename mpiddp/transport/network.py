@@ -5,7 +5,7 @@ MPI's blocking calls busy-poll until they complete. Within a node that is what m
 blocking ``MPI_Sendrecv`` of a gradient chunk over a 1 Gbit/s link spins a core for the whole
 wire time. Measured on the emulated cluster (2 nodes x 1 rank, ResNet-18): mpiddp used 684 ms
 of CPU per step against DDP's 398 ms, the difference being the wire time, and that spinning
-coordinator took the core from backward, so nothing was hidden (docs/benchmarks.md).
+coordinator took the core from backward, so nothing was hidden (docs/dev/benchmark-record.md).
 
 ``NetworkComm`` gives the collectives the same calls (``Transport``) on a communicator whose
 ranks sit on different nodes. The ring's point-to-point steps (``start_sendrecv``) whose wire
@@ -24,8 +24,8 @@ earlier rule polled harder then: flat out at first, later with sleeps of at most
 bought nothing measurable and cost CPU: 2 emulated nodes at 1 Gbit/s, ring all-reduce of
 1-16 MiB at the link rate either way, 1.9-2.4 s of CPU per GB all-reduced with 20 us, 1.2-1.8
 with 200 us; the MLP, communication-bound, 437-463 ms of CPU per step with 20 us, 295-335 with
-200 us, 0.95-0.98x and 0.98-1.02x DDP-gloo's throughput, alternating runs, docs/benchmarks.md
-"CPU per byte".)
+200 us, 0.95-0.98x and 0.98-1.02x DDP-gloo's throughput, alternating runs,
+docs/dev/benchmark-record.md "CPU per byte".)
 
 Everything else keeps MPI's blocking calls: small steps are over in moments, and MPI's
 collectives run several rounds, each of which would wait for a sleeping partner (measured: a

@@ -8,7 +8,7 @@ sleeps ``s`` between tests therefore caps the transfer at about that amount per 
 - on fast links that cap is the bottleneck. 2 emulated nodes on ~16 Gbit/s links, ring
   all-reduce of 4-64 MiB: 0.18-0.26 GB/s with 200 us sleeps (0.14-0.23x MPI_Allreduce), 1.1-1.4
   GB/s blocking in MPI (0.78-1.46x); training at 10 Gbit/s 0.52x DDP-gloo before, 1.03-1.09x
-  after (docs/benchmarks.md, "Fast links");
+  after (docs/dev/benchmark-record.md, "Fast links");
 - on slow links a fixed short cap wakes the thread more often than the link needs: each
   wake costs a task switch and a test (200 Mbit/s, the training below: 44 ms of CPU per step
   with a 200 us cap, 40 with 1 ms, 37 with 3 ms).
@@ -29,7 +29,7 @@ at 1 Gbit/s with one test per wake.
 
 Sleeps start from a tenth of the exchange's expected wire time on the measured link, not
 from 10 us: the ramp took most wakes of a 1-4 MiB all-reduce (2 nodes, 1 Gbit/s: 1.2-2.3 ->
-0.85-1.6 s of CPU per GB at 1-4 MiB, docs/benchmarks.md "Fast links").
+0.85-1.6 s of CPU per GB at 1-4 MiB, docs/dev/benchmark-record.md "Fast links").
 
 Which exchanges are left in flight and waited for politely: those whose wire time is at least
 ``POLITE_MIN_SECONDS`` (shorter ones keep MPI's blocking call, which busy-polls for no
@@ -49,7 +49,8 @@ TESTS_PER_WAKE = 8                  # tests in a row after each sleep
 SLEEP_CALLS = 6                     # the cap: the wire time of this many calls' bytes
 MIN_SLEEP_SECONDS = 100e-6          # one call's wire time shorter: block in MPI instead
 MAX_SLEEP_SECONDS = 2e-3            # slow links: a finished transfer is noticed this late at most
-UNKNOWN_LINK_SLEEP_SECONDS = 200e-6  # keeps 1 Gbit/s full (docs/benchmarks.md "CPU per byte")
+# Keeps 1 Gbit/s full (docs/dev/benchmark-record.md "CPU per byte").
+UNKNOWN_LINK_SLEEP_SECONDS = 200e-6
 POLITE_MIN_SECONDS = 0.5e-3
 POLITE_MIN_BYTES = 256 * 1024       # link unknown, or blocking (pieces stay in flight for overlap)
 SMALLEST_POLITE_BYTES = 4 * 1024

@@ -4,8 +4,8 @@ Over TCP an MPI library moves a message only while it is called (``pacing.py``),
 call costs user-space CPU on top of the kernel's copies: measured on the emulated cluster
 (1 Gbit/s), the ring over MPICH/UCX spent 0.44-0.51 ms of user CPU per 1 MiB all-reduce at
 2 nodes where the same ring over plain sockets spent 0.17-0.18, and at 16 nodes 20-25% more
-CPU in all (docs/benchmarks.md "A TCP transport across nodes"). A socket moves bytes inside
-the kernel whether or not anyone calls: the receiving thread blocks in ``recv`` (the GIL
+CPU in all (docs/dev/benchmark-record.md "A TCP transport across nodes"). A socket moves bytes
+inside the kernel whether or not anyone calls: the receiving thread blocks in ``recv`` (the GIL
 released, no CPU while the wire works, woken when the chunk is in: ``MSG_WAITALL``), and the
 caller (where the socket's buffer takes the whole chunk at once) or a sender thread hands
 the outgoing chunk to the kernel. No polling, no pacing, nothing to tune.
