@@ -181,8 +181,14 @@ class Checkpoint:
             raise ValueError(f"the checkpoint {self.path} stopped part-way through epoch "
                              f"{epoch + 1}: resuming there needs Checkpoint(sampler=...) with "
                              "an mpiddp.checkpoint.ResumableSampler")
+        per_batch = getattr(loader, "batch_size", None)
+        if skip and per_batch is None:
+            raise ValueError(f"the checkpoint {self.path} stopped part-way through epoch "
+                             f"{epoch + 1}: resuming there needs a DataLoader with a "
+                             "batch_size (the samples to skip are the steps done times it), "
+                             "not a batch_sampler")
         if self.sampler is not None:
-            self.sampler.set_epoch(epoch, skip=skip * getattr(loader, "batch_size", 1))
+            self.sampler.set_epoch(epoch, skip=skip * (per_batch or 0))
         batches = iter(loader)      # draws the loader's seed: restore the random state after
         if skip and self._rng_states is not None:
             _set_rng_state(self._rng_states[rank()])
