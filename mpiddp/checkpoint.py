@@ -15,6 +15,9 @@ with status 75, ``EXIT_PREEMPTED``) ends the script, so that the job script can 
 """
 from __future__ import annotations
 
+__all__ = ["Checkpoint", "ResumableSampler", "PreemptionWatch", "Preempted", "EXIT_PREEMPTED",
+           "save_durably"]
+
 import itertools
 import os
 import signal
@@ -48,12 +51,20 @@ class Preempted(SystemExit):
     def __str__(self) -> str:
         return (f"{signal.Signals(self.signum).name} received: stopped at step {self.step} "
                 f"of epoch {self.epoch + 1} on every rank, checkpoint written to {self.path}; "
-                f"exiting with status {EXIT_PREEMPTED} (requeue the job to resume)")
+                f"exiting with status {EXIT_PREEMPTED} (requeue or resubmit the job to resume)")
 
 
 def save_durably(path: str, state: dict) -> None:
     """``torch.save(state, path)`` such that ``path`` always holds a whole checkpoint, the old
-    or the new one, whatever happens meanwhile (the writer killed, the node losing power)."""
+    or the new one, whatever happens meanwhile (the writer killed, the node losing power).
+
+    Args:
+        path: the file; its directory is made if missing.
+        state: what ``torch.save`` writes.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write_durably(path, lambda f: torch.save(state, f))
 
@@ -67,6 +78,13 @@ class ResumableSampler(DistributedSampler):
         self.skip = 0
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        """Start epoch ``epoch`` (its shuffle, the same on every rank).
+
+        Args:
+            epoch: the epoch, counted from 0.
+            skip: samples of this rank's share to leave out at the start (those a resumed
+                epoch has done).
+        """
         super().set_epoch(epoch)
         self.skip = min(skip, self.num_samples)
 
@@ -95,11 +113,16 @@ class PreemptionWatch:
         self.received = signum
 
     def start_step(self) -> None:
+        """Submit this rank's flag for the step about to run (collective, not waited for)."""
         self._handle = allreduce_async(torch.tensor([float(self.received)]), op=Max,
                                        name="mpiddp.checkpoint.preemption")
 
     def stop_agreed(self) -> int:
-        """The signal some rank received before this step (0: none), the same on every rank."""
+        """Collect the step's flags (after the step's compute).
+
+        Returns:
+            The signal some rank received before this step (0: none), the same on every rank.
+        """
         handle, self._handle = self._handle, None
         return int(synchronize(handle).item()) if handle is not None else 0
 
@@ -144,8 +167,17 @@ class Checkpoint:
     # ---- resuming ---------------------------------------------------------------------
     def restore(self) -> bool:
         """Load the checkpoint if its file exists (rank 0 looks) and hand it to every rank.
-        Returns whether it did. Without a file, the model's and optimizer's state are still
-        broadcast from rank 0, so every rank starts from the same weights."""
+        Without a file, the model's and optimizer's state are still broadcast from rank 0,
+        so every rank starts from the same weights.
+
+        Returns:
+            Whether a checkpoint was loaded (then ``epoch``, ``step``, ``ranks`` and
+            ``extra`` say what it held).
+
+        Raises:
+            OSError, RuntimeError: rank 0 cannot read the file (``torch.load``); the job
+                ends as for any exception on one rank.
+        """
         state = None
         if rank() == 0 and os.path.exists(self.path):
             state = torch.load(self.path, map_location="cpu", weights_only=False)
@@ -166,15 +198,38 @@ class Checkpoint:
         return True
 
     def epochs(self, num_epochs: int) -> range:
-        """The epochs left to train: from the restored one (0 when nothing was restored)."""
+        """The epochs left to train.
+
+        Args:
+            num_epochs: the epochs the whole training has.
+
+        Returns:
+            ``range(epoch, num_epochs)``: from the restored epoch (0 when nothing was
+            restored).
+        """
         return range(self.epoch, num_epochs)
 
     # ---- training -----------------------------------------------------------------------
     def batches(self, loader: Iterable, epoch: int) -> Iterator[tuple[int, Any]]:
-        """``(step, batch)`` for each batch of ``loader`` in ``epoch``, steps counted from 1.
+        """The batches of one epoch, with a preemption check after each step.
+
         Sets the sampler's epoch; in the restored epoch skips the batches already done.
         After each step, checks (with every rank) for a preemption signal: on one, writes the
-        checkpoint of this exact position and raises ``Preempted`` on every rank."""
+        checkpoint of this exact position and raises ``Preempted`` on every rank.
+
+        Args:
+            loader: the epoch's batches (a ``DataLoader`` over the ``sampler``).
+            epoch: the epoch, counted from 0.
+
+        Returns:
+            An iterator of ``(step, batch)``, steps counted from 1 (from the first step not
+            done, in the restored epoch).
+
+        Raises:
+            Preempted: a preemption signal reached some rank; the checkpoint is written.
+            ValueError: resuming part-way through an epoch without a ``ResumableSampler``
+                or through a loader without ``batch_size``.
+        """
         skip = self.step if epoch == self.epoch else 0
         self.step = 0                               # the skip applies once
         if skip and self.sampler is None:
@@ -206,9 +261,19 @@ class Checkpoint:
                 raise Preempted(signum, epoch, step, self.path)
 
     def save(self, epoch: int, step: int = 0, **extra: Any) -> None:
-        """Write the checkpoint (rank 0) of the position after ``step`` steps of ``epoch``;
-        ``step=0`` means ``epoch`` has not begun (call ``save(epoch + 1)`` after an epoch).
-        ``extra`` values are kept in ``self.extra`` and saved with it."""
+        """Write the checkpoint (rank 0, durably: temporary file, fsync, rename).
+
+        Args:
+            epoch: the epoch the position is in, counted from 0; after an epoch, call
+                ``save(epoch + 1)``.
+            step: the steps of ``epoch`` done (0: it has not begun). Part-way through an
+                epoch every rank's random state is saved too.
+            **extra: values of your own (plain data, tensors), kept in ``self.extra`` and
+                saved with it.
+
+        Raises:
+            OSError: rank 0 cannot write the file.
+        """
         self.extra.update(extra)
         rng = allgather_object(_rng_state(), name="mpiddp.checkpoint.rng") if step else None
         if rank() == 0:

@@ -85,7 +85,8 @@ ADVICE: dict[str, str] = {
     "HOROVOD_CYCLE_TIME": (
         "Horovod waits this long between cycles to batch tensors; mpiddp starts a cycle as "
         "soon as a tensor is ready and fuses whatever is ready then, so there is no batching "
-        "delay to set (MPIDDP_CYCLE_TIME only bounds how long an idle rank sleeps: leave it)"),
+        "delay to set (MPIDDP_CYCLE_TIME only bounds how long an idle rank waits to notice "
+        "the others; autotune may tune it: docs/tuning.md)"),
     "HOROVOD_TIMELINE_MARK_CYCLES": (
         "mpiddp's timeline has no cycle markers: each tensor's 'agreed' event is the cycle "
         "that agreed on it (docs/timeline.md)"),

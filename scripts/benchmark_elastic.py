@@ -1,6 +1,6 @@
 """Snapshot overhead of ``mpiddp.elastic`` on the training example: the time per step with a
 commit every N steps against the same steps without commits, in alternating rounds of one run
-(docs/elastic.md; the issue's target: at most 2% at a commit every 50 steps).
+(docs/dev/elastic.md; the issue's target: at most 2% at a commit every 50 steps).
 
     mpiexec -n 2 python scripts/benchmark_elastic.py --commit-every 50 --rounds 6
 

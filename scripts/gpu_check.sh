@@ -18,7 +18,7 @@
 # step 4's --variants. MPS=1 runs everything under CUDA MPS (the script starts the daemon
 # with its pipe and log in a directory of its own and stops it on exit): the ranks sharing
 # one GPU then run their kernels side by side instead of time-slicing the GPU, the nearest a
-# one-GPU machine comes to a GPU per rank (docs/gpu.md, "Measured on a GPU").
+# one-GPU machine comes to a GPU per rank (docs/dev/gpu.md, "Measured on a GPU").
 # Exit status: the tests' (the benchmarks are for reading).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

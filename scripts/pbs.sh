@@ -4,8 +4,8 @@
 #   qsub scripts/pbs.sh                                 # submit from the repository root
 #   qsub -v TRAIN_ARGS="--epochs 30" scripts/pbs.sh     # arguments for train.py
 #
-# Adapt the #PBS lines and the environment block to your site (docs/training.md, "On a
-# cluster"). The job resumes from its checkpoint when it is rerun.
+# Adapt the #PBS lines and the environment block to your site (docs/running.md, "Batch
+# scripts"). The job resumes from its checkpoint when it is rerun.
 #PBS -N mpiddp-train
 #PBS -l select=2:ncpus=32:mpiprocs=8
 #PBS -l walltime=00:30:00

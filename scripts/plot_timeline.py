@@ -9,7 +9,9 @@ last ``--steps`` steps, the picture has four lanes:
 
 * forward + backward (from the end of one step to the end of the next backward pass),
 * reductions (the engine reducing fused gradient buffers; ticks mark when backward handed
-  each gradient over),
+  each gradient over): a ``DistributedOptimizer``'s own reductions only (rows ``opt<i>.*``),
+  not other collectives of the script (a checkpoint's per-step preemption flag, metrics),
+  which would count as hidden gradient traffic,
 * waiting for reductions at the end of backward (communication that was *not* hidden),
 * the optimizer step.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -31,6 +34,8 @@ LANES = [("COMPUTE", "forward + backward", "#4c72b0"),
          ("REDUCE", "reductions", "#dd8452"),
          ("WAIT", "waiting for reductions", "#c44e52"),
          ("STEP", "optimizer step", "#55a868")]
+# The rows of a DistributedOptimizer (its gradients, its phases): ``opt<i>`` and ``opt<i>.*``.
+OPTIMIZER_ROW = re.compile(r"^opt\d+(\.|$)")
 
 
 def load(path: Path) -> tuple[int, dict[str, list[tuple[float, float]]]]:
@@ -39,6 +44,8 @@ def load(path: Path) -> tuple[int, dict[str, list[tuple[float, float]]]]:
     rank = events[0]["pid"] if events else 0
     spans: dict[str, list[tuple[float, float]]] = {}
     for event in events:
+        if not OPTIMIZER_ROW.match(str(event.get("tid", ""))):
+            continue                # another collective of the script: not the gradients'
         begin = event["ts"] / 1e6
         spans.setdefault(event["name"], []).append((begin, begin + event["dur"] / 1e6))
     for name in spans:

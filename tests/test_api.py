@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 import mpiddp
-from mpiddp import build_info, process_sets, runtime
+from mpiddp import build_info, checkpoint, process_sets, runtime
 from mpiddp.torch import (async_ops, collectives, compression, functions, handles, optimizer,
                           requests, sync_batch_norm)
 
 ROOT = Path(__file__).parent.parent
 PUBLIC_MODULES = [mpiddp, runtime, handles, async_ops, collectives, requests, functions,
-                  optimizer, compression, build_info, process_sets, sync_batch_norm]
+                  optimizer, compression, build_info, process_sets, sync_batch_norm,
+                  checkpoint]
 
 # Functions that raise nothing of their own (no "Raises:" section needed).
 RAISES_NOTHING = {"is_initialized", "mpi_threads_supported", "shutdown",

@@ -73,6 +73,26 @@ def test_sbatch_job_script_trains_on_two_ranks(slurm_env, tmp_path):
     assert (tmp_path / "digits.pt").exists()
 
 
+def test_sbatch_job_script_runs_a_users_script(slurm_env, tmp_path):
+    """``sbatch scripts/slurm.sbatch my_train.py args``: the job runs that script instead of
+    the example."""
+    env = dict(slurm_env)
+    if sys.prefix != sys.base_prefix:
+        env["MPIDDP_VENV"] = sys.prefix
+    out = tmp_path / "job.out"
+    with job(env) as name:
+        submit = subprocess.run(
+            ["sbatch", "--parsable", f"--job-name={name}", "--nodes=1", "--ntasks=2",
+             "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10", "--no-requeue",
+             f"--output={out}", "scripts/slurm.sbatch", "examples/readme_example.py"],
+            env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+        assert submit.returncode == 0, submit.stderr
+        fields = wait_for_job(env, submit.stdout.strip().split(";")[0], timeout=300)
+    text = out.read_text() if out.exists() else "(no output file)"
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), text
+    assert "training on 2 rank(s)" not in text, text            # not scripts/train.py
+
+
 def test_srun_with_pmi2_makes_one_mpi_job(slurm_env):
     code = ("import mpiddp, torch; mpiddp.init(); total = mpiddp.allreduce(torch.ones(1), "
             "op=mpiddp.Sum); print(f'rank {mpiddp.rank()} of {mpiddp.size()}: sum "

@@ -348,7 +348,7 @@ def device_priority_cycle_bytes(cycle_s: float, seconds_per_byte: float,
     ``PRIORITY_CYCLE_MIN_BYTES`` to ``PRIORITY_CYCLE_MAX_BYTES``. The device's own fixed costs
     (the kernels, the staging copies, the waits for them) are in the measurement where the
     host rule's modelled cost has none: on an H200 shared by two ranks, ~0.7 ms a cycle
-    against ~0.1 ms for host memory (docs/gpu.md, "Forward overlap on GPUs")."""
+    against ~0.1 ms for host memory (docs/dev/gpu.md, "Forward overlap on GPUs")."""
     if seconds_per_byte <= 0:
         return PRIORITY_CYCLE_MAX_BYTES
     return power_of_two_between(cycle_s / (tolerance * seconds_per_byte),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 from typing import Sequence
 
 from mpi4py import MPI
@@ -13,6 +14,8 @@ from ..transport.cuda_aware import mpi_cuda_aware as _mpi_cuda_aware
 from . import current, deferred_work
 from .lifecycle import Runtime, check_mpi_here
 from .process_set_table import ProcessSet
+
+log = logging.getLogger("mpiddp")
 
 _atexit_registered = False
 
@@ -267,14 +270,28 @@ def set_allreduce_algorithm(algorithm: str, ring_threshold: int | None = None) -
 
 
 @shared_doc()
-def start_timeline() -> None:
+def start_timeline(file_path: str | None = None, mark_cycles: bool = False) -> None:
     """Start recording, on this rank, when each tensor is submitted, agreed and reduced;
     discards the events recorded so far (see ``timeline_events``).
 
+    Args:
+        file_path: as Horovod's ``start_timeline(file_path)``: ``stop_timeline()`` (or
+            ``shutdown()``) writes the trace there, each rank to its own file
+            (``<stem>.rank<r>.json`` when there are several ranks). Default None: kept in
+            memory for ``stop_timeline(path)`` and ``timeline_events()``.
+        mark_cycles: Horovod's cycle markers; mpiddp has none (each tensor's ``agreed``
+            event is the cycle that agreed on it): True logs a warning.
+
     Raises:
         {needs_init}
+        ValueError: ``file_path``'s directory does not exist and cannot be made.
     """
-    current.require("start_timeline()").engine.timeline.start()
+    runtime = current.require("start_timeline()")
+    if mark_cycles:
+        log.warning("start_timeline(mark_cycles=True): mpiddp's timeline has no cycle "
+                    "markers; each tensor's 'agreed' event is the cycle that agreed on it")
+    runtime.set_timeline_file(file_path, "start_timeline(file_path)")
+    runtime.engine.timeline.start()
 
 
 @shared_doc()
@@ -297,6 +314,9 @@ def stop_timeline(path: str | None = None) -> list[tuple[str, str, float]]:
     events = runtime.engine.timeline.stop()
     if path:
         runtime.engine.timeline.write_chrome_trace(path, runtime.topology.rank)
+    elif runtime.timeline_file:
+        runtime.write_timeline_file(runtime.timeline_file)
+    runtime.timeline_file = None
     return events
 
 

@@ -49,6 +49,22 @@ class Runtime:
         self.engine = engine
         self.abort_hooks = abort_hooks
         self.process_sets = ProcessSetTable(comm, engine, settings, start_engine)
+        # Where the trace goes at the end: start_timeline(file_path), or MPIDDP_TIMELINE=path.
+        self.timeline_file = None
+        if settings.timeline not in ("", "1"):
+            self.set_timeline_file(settings.timeline, "MPIDDP_TIMELINE")
+
+    def set_timeline_file(self, path, what: str) -> None:
+        """Write the timeline to ``path`` at the end; its directory is made now, so that a
+        missing one fails here, naming ``what`` (not at the end, with the trace lost)."""
+        if path:
+            directory = os.path.dirname(os.path.abspath(path))
+            try:
+                os.makedirs(directory, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"{what}={path!r}: cannot make its directory {directory}: "
+                                 f"{exc.strerror}") from None
+        self.timeline_file = path
 
     @classmethod
     def start(cls, comm: MPI.Comm) -> "Runtime":
@@ -99,14 +115,13 @@ class Runtime:
         timeline file if ``MPIDDP_TIMELINE`` names one."""
         self.process_sets.close("shutdown() was called")
         self.engine.shutdown("shutdown() was called")
-        self._write_timeline_file()
+        if self.timeline_file:
+            self.write_timeline_file(self.timeline_file)
 
-    def _write_timeline_file(self) -> None:
-        """MPIDDP_TIMELINE=path: every rank writes its events as a Chrome trace at shutdown,
-        rank r to ``<path stem>.rank<r><suffix>`` (one file when there is one rank)."""
-        path = self.settings.timeline
-        if path in ("", "1"):
-            return
+    def write_timeline_file(self, path: str) -> None:
+        """Every rank writes its events as a Chrome trace (``MPIDDP_TIMELINE=path`` at
+        shutdown, ``start_timeline(file_path)`` at ``stop_timeline()``), rank r to
+        ``<path stem>.rank<r><suffix>`` (one file when there is one rank)."""
         rank, size = self.topology.rank, self.topology.size
         if size > 1:
             stem, dot, suffix = path.rpartition(".")

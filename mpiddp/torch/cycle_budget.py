@@ -11,7 +11,7 @@ short wait for the cycle in flight), at the first submission on each engine
 device buffers also waits for kernels and staging copies: on an H200 shared by two ranks a
 one-element all-reduce of a CUDA tensor took ~0.74 ms against ~0.09 ms in host memory, and
 forward overlap in the host's 1 MiB cycles ran ResNet-18 at 0.55x the standard path's speed
-(16 MiB cycles: 0.94x; docs/gpu.md, "Forward overlap on GPUs"). So where forward overlap
+(16 MiB cycles: 0.94x; docs/dev/gpu.md, "Forward overlap on GPUs"). So where forward overlap
 reduces gradients in device memory and the user has not set ``MPIDDP_PRIORITY_CYCLE_BYTES``,
 every rank times the engine's all-reduce of a device buffer (fixed cost and cost per byte),
 the ranks agree on the slowest, and the pieces and the engine's budget are sized from that

@@ -29,7 +29,7 @@ import torch
 
 from .. import runtime
 from ..errors import TensorMismatchError
-from ..reduce_ops import ADASUM_UNSUPPORTED, ReduceOp
+from ..reduce_ops import ReduceOp
 from ..runtime import ProcessSet
 from .collectives import allreduce
 from .compression import Compression
@@ -163,6 +163,9 @@ class _DistributedOptimizer:
                 set_to_none, lambda params: _clear_grads(params, set_to_none)):
             return                      # the deferred ones are cleared after their update
         self._mpiddp.wait_all()
+        # Gradients written after this (by backward, or by hand) are new: a synchronize()
+        # after them must reduce them, not return because the last ones were reduced.
+        self._mpiddp.synchronized = False
         super().zero_grad(set_to_none)
 
     def state_dict(self) -> dict:
@@ -383,7 +386,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         bucket_cap_mb: gradients that become ready are submitted together once they add up
             to this many MiB (and at the last gradient of a step). Fewer, larger submissions
             cost fewer engine cycles; smaller ones start reducing earlier. 0 submits every
-            gradient on its own. See docs/training.md for measurements.
+            gradient on its own. See docs/dev/training-internals.md
+            for measurements.
         process_set: average the gradients among this ``ProcessSet``'s ranks only (each set
             trains its own replica); default None: every rank. Only its ranks may build it.
         overlap_forward: True: ``step()`` returns before the gradients are averaged and
@@ -435,7 +439,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     except ValueError:
         raise ValueError(f"unknown op {op!r}: use mpiddp.Average or mpiddp.Sum") from None
     if op == ReduceOp.ADASUM:
-        raise ValueError(f"DistributedOptimizer: {ADASUM_UNSUPPORTED}")
+        raise ValueError("DistributedOptimizer(op=Adasum) is not supported yet: use "
+                         "op=Average with a learning rate scaled by mpiddp.size()")
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum, not {op.name}")
     factor = float(gradient_predivide_factor)

@@ -79,7 +79,7 @@ class SyncBatchNorm(_BatchNorm):
         mean = total[:channels] / count
         var = (total[channels:2 * channels] / count - mean * mean).clamp_min(0)
         if self.training and self.track_running_stats:
-            self._update_running_stats(mean.detach(), var.detach(), float(count))
+            self._update_running_stats(mean.detach(), var.detach(), float(count.detach()))
         shape = [1, channels] + [1] * (input.dim() - 2)
         y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:

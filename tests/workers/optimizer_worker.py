@@ -318,6 +318,19 @@ def clip():
     with opt.skip_synchronize():
         opt.step()
     assert_identical_everywhere(model, "clip.skip")
+
+    # Gradients set by hand after a synchronize() (no step() between, zero_grad() only) are
+    # new: the next synchronize() averages them instead of returning at once.
+    opt.zero_grad()
+    F.cross_entropy(model(my_slice(x, B)), my_slice(y, B)).backward()
+    opt.synchronize()
+    opt.zero_grad(set_to_none=False)
+    for p in model.parameters():
+        p.grad.fill_(float(RANK + 1))
+    opt.synchronize()
+    average = (SIZE + 1) / 2
+    assert all(torch.all(p.grad == average) for p in model.parameters()), \
+        "hand-set gradients after zero_grad() were not averaged by synchronize()"
     ok(f"clipping via synchronize()+skip_synchronize() matches one process (max_diff={diff:.1e})"
        "; backward() returns with gradients averaged on every rank")
 
