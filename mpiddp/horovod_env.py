@@ -119,7 +119,7 @@ ADVICE: dict[str, str] = {
     "HOROVOD_DISABLE_GROUP_FUSION": "mpiddp has no such switch",
     "HOROVOD_ENABLE_ASYNC_COMPLETION": "mpiddp has no such switch",
     "HOROVOD_TORUS_ALLREDUCE": "mpiddp chooses its algorithm (MPIDDP_ALLREDUCE_ALGORITHM)",
-    "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "mpiddp has no Adasum",
+    "HOROVOD_ADASUM_MPI_CHUNK_SIZE": "nothing to set: mpiddp's Adasum moves whole halves",
     "HOROVOD_CCL_CACHE": "mpiddp does not use oneCCL",
     "HOROVOD_LOG_HIDE_TIME": "mpiddp's log lines carry no time",
 }

@@ -17,9 +17,12 @@ class ReduceOp(enum.IntEnum):
     * ``MIN``, ``MAX``: every dtype but complex; on bool they are logical and / logical or.
     * complex64 and complex128 reduce with ``SUM`` and ``AVERAGE`` only (as real and
       imaginary parts, each summed).
-    * ``ADASUM`` (``mpiddp.Adasum``): Horovod's name, accepted so that scripts import; any
-      collective or ``DistributedOptimizer`` given it raises ``ValueError`` naming the
-      alternative (Average with a learning rate scaled by ``size()``).
+    * ``ADASUM`` (``mpiddp.Adasum``): Horovod's scale-invariant combination (Maleki et al.,
+      2021): two ranks' tensors ``a`` and ``b`` give ``a (1 - a.b / 2|a|^2) + b (1 - a.b /
+      2|b|^2)`` (orthogonal ones add, parallel ones average), per tensor, ranks paired as a
+      tree (``collectives/adasum.py``, docs/adasum.md). ``allreduce`` and its forms and
+      ``DistributedOptimizer`` take it, on float16, bfloat16, float32 and float64; not the
+      reduce-scatter.
     """
 
     AVERAGE = 0
@@ -27,7 +30,7 @@ class ReduceOp(enum.IntEnum):
     MIN = 2
     MAX = 3
     PRODUCT = 4
-    ADASUM = 5      # Horovod's Adasum: accepted as a name, refused with the alternative
+    ADASUM = 5      # Horovod's Adasum: not elementwise (collectives/adasum.py)
 
 
 Average = ReduceOp.AVERAGE
@@ -37,10 +40,9 @@ Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 Adasum = ReduceOp.ADASUM
 
-ADASUM_UNSUPPORTED = (
-    "op=Adasum is not supported by mpiddp: its scale-invariant combination needs a reduction "
-    "tree of its own. Use op=Average (the default) and scale the learning rate with "
-    "mpiddp.size(), as Horovod's scripts do without Adasum")
+ADASUM_FLOAT_ONLY = (
+    "op=Adasum combines floating-point tensors (float16, bfloat16, float32, float64) by their "
+    "dot products")
 
 
 # The one reduction table: the elementwise function that combines two ranks' values, by its
@@ -61,15 +63,18 @@ def combine_function(op: ReduceOp, dtype_kind: str) -> str:
 
 
 def reducible_ops(dtype_kind: str) -> tuple[ReduceOp, ...]:
-    """The ops the buffer backends (host and device) can reduce on ``dtype_kind`` values: those
-    ``combine_function`` has a function for. Adasum is never among them."""
+    """The elementwise ops the buffer backends (host and device) can reduce on ``dtype_kind``
+    values: those ``combine_function`` has a function for. Adasum, not elementwise, is never
+    among them (its own algorithm reduces it)."""
     return tuple(_TABLES.get(dtype_kind, _COMBINE))
 
 
 def check_op_for_dtype(op: ReduceOp, dtype_kind: str, dtype_name: str, tensor_name: str) -> None:
     """Raise ``ValueError`` for an (op, dtype) pair that has no sensible meaning."""
     if op == ReduceOp.ADASUM:
-        raise ValueError(f"'{tensor_name}': {ADASUM_UNSUPPORTED}")
+        if dtype_kind != "float":
+            raise ValueError(f"{ADASUM_FLOAT_ONLY}: '{tensor_name}' is {dtype_name}")
+        return
     if dtype_kind == "bool" and op not in (ReduceOp.MIN, ReduceOp.MAX):
         raise ValueError(
             f"op={op.name.title()} is not defined for bool tensor '{tensor_name}': "

@@ -16,6 +16,10 @@ A separate latency section times a synchronous 4 KiB mpiddp.allreduce (median of
 training step's small gradients are: the engine fuses them into one cycle) against one MPI
 call per tensor, blocking or all started at once.
 ``--json`` also writes every row and the latency for scripts/plot_scaling.py.
+``--adasum`` compares ``op=Adasum`` with the engine's ``op=Average`` instead (both through the
+engine, the same sizes; the baseline is the average); the check then expects each method's
+own result for the ranks' constant vectors (Adasum of parallel vectors: pairwise averages in
+its pairing tree).
 
     mpiexec -n 2 python scripts/benchmark_allreduce.py --device cuda
 
@@ -103,6 +107,27 @@ def make_methods(comm: MPI.Comm, with_gloo: bool):
         import torch.distributed as dist
         methods["torch gloo"] = (no_setup, lambda t: dist.all_reduce(t))
     return methods
+
+
+def adasum_of_constants(size: int) -> float:
+    """Adasum of rank r's vector full of r + 1 (parallel vectors: each pair averages), in
+    mpiddp's pairing: the first 2E ranks pair first, then neighbours (docs/adasum.md)."""
+    pof2 = 1 << (size.bit_length() - 1)
+    extra = size - pof2
+    level = [(2 * i + 1 + 2 * i + 2) / 2 for i in range(extra)] + \
+        [float(r + 1) for r in range(2 * extra, size)]
+    while len(level) > 1:
+        level = [(level[i] + level[i + 1]) / 2 for i in range(0, len(level), 2)]
+    return level[0]
+
+
+def make_adasum_methods(comm: MPI.Comm):
+    """name -> (setup, run, expected value): Adasum against the average, both by the engine."""
+    def run(op):
+        return lambda t: mpiddp.allreduce_(t, name=f"bench.{op.name}", op=op)
+    auto = use_algorithm("auto")
+    return {"mpiddp average": (auto, run(mpiddp.Average), (comm.size + 1) / 2),
+            "mpiddp adasum": (auto, run(mpiddp.Adasum), adasum_of_constants(comm.size))}
 
 
 def make_piece_methods(comm: MPI.Comm, pieces: int):
@@ -205,11 +230,11 @@ def make_cuda_methods(comm: MPI.Comm, with_nccl: bool):
     return methods
 
 
-def check(comm, name, setup, run, count):
+def check(comm, name, setup, run, count, want=None):
     tensor = torch.full((count,), float(comm.rank + 1), device=DEVICE)
     setup(tensor)
     run(tensor)
-    want = comm.size * (comm.size + 1) / 2
+    want = comm.size * (comm.size + 1) / 2 if want is None else want
     if count and not (torch.all(tensor == want)):
         raise SystemExit(f"{name}: wrong result at {count * 4} bytes (want {want}, "
                          f"got {tensor[:4].tolist()})")
@@ -246,15 +271,15 @@ def table(comm, methods: dict, baseline: str, sizes: list, args, pieces: int = 1
     rows on rank 0 and return them."""
     factor = 2 * (comm.size - 1) / comm.size if comm.size > 1 else 0.0
     if comm.rank == 0:
-        print("| size | method | time (us) | algbw (GB/s) | busbw (GB/s) | busbw vs MPI | "
-              "CPU s/GB | user |")
+        print(f"| size | method | time (us) | algbw (GB/s) | busbw (GB/s) | busbw vs {baseline} "
+              "| CPU s/GB | user |")
         print("|---:|---|---:|---:|---:|---:|---:|---:|")
     rows = []
     for nbytes in sizes:
         count = nbytes // 4 * pieces
         results = {}
-        for name, (setup, run) in methods.items():
-            check(comm, name, setup, run, count)
+        for name, (setup, run, *want) in methods.items():
+            check(comm, name, setup, run, count, *want)
             results[name] = time_method(comm, setup, run, count, args.seconds, args.min_iters)
         if comm.rank == 0:
             base = results[baseline][0]
@@ -299,6 +324,8 @@ def main():
                              "per tensor (host only)")
     parser.add_argument("--pieces-max-size", default="256K")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--adasum", action="store_true",
+                        help="op=Adasum against op=Average, both through the engine")
     args = parser.parse_args()
     if args.pieces > 1 and args.device == "cuda":
         parser.error("--pieces times host tensors only")
@@ -310,7 +337,10 @@ def main():
     comm = MPI.COMM_WORLD
     if not args.no_gloo:
         init_gloo(comm, "nccl" if DEVICE == "cuda" else "gloo")
-    if DEVICE == "cuda":
+    baseline = "MPI_Allreduce"
+    if args.adasum:
+        methods, baseline = make_adasum_methods(comm), "mpiddp average"
+    elif DEVICE == "cuda":
         methods = make_cuda_methods(comm, not args.no_gloo)
     else:
         methods = make_methods(comm, not args.no_gloo)
@@ -327,7 +357,7 @@ def main():
     while nbytes <= parse_size(args.max_size):
         sizes.append(nbytes)
         nbytes *= 4
-    rows = table(comm, methods, "MPI_Allreduce", sizes, args)
+    rows = table(comm, methods, baseline, sizes, args)
     piece_rows = []
     if args.pieces > 1:
         if rank == 0:

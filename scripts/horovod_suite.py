@@ -1,7 +1,7 @@
 """Run Horovod's own PyTorch test suite against mpiddp, one test per ``mpiexec`` launch.
 
     python scripts/horovod_suite.py --horovod /path/to/horovod --ranks 2 [--ranks 3 ...]
-        [-k PATTERN] [--timeout 120] [--json results.json]
+        [-k PATTERN] [--timeout 120] [--json results.json] [--file test_adasum_pytorch.py]
 
 ``/path/to/horovod`` is a checkout of github.com/horovod/horovod (nothing is fetched at run
 time); Horovod's test utilities also need ``pip install mock pytest``. The tests import
@@ -34,12 +34,15 @@ from mpiddp import *  # noqa: F401,F403
 
 
 def make_shim(directory: Path, horovod: Path) -> Path:
-    """``horovod.torch`` re-exporting mpiddp, plus the one launcher helper Horovod's test
-    utilities import (``horovod.runner.util.threads``), taken from the checkout itself."""
+    """``horovod.torch`` (and ``horovod.torch.mpi_ops``) re-exporting mpiddp, plus the one
+    launcher helper Horovod's test utilities import (``horovod.runner.util.threads``), taken
+    from the checkout itself."""
     package = directory / "horovod" / "torch"
     package.mkdir(parents=True)
     (directory / "horovod" / "__init__.py").write_text("")
     (package / "__init__.py").write_text(SHIM)
+    # Horovod's module of the collectives, which some tests import from by that name.
+    (package / "mpi_ops.py").write_text(SHIM)
     util = directory / "horovod" / "runner" / "util"
     util.mkdir(parents=True)
     (directory / "horovod" / "runner" / "__init__.py").write_text("")
@@ -51,7 +54,10 @@ def make_shim(directory: Path, horovod: Path) -> Path:
 
 
 def collect(test_file: Path, env: dict, pattern: str | None) -> list[str]:
-    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", str(test_file)]
+    # Test ids relative to the test's directory, where the ranks run them (not to the
+    # checkout's root, which its configuration file would make pytest's root).
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "--rootdir",
+           str(test_file.parent), str(test_file)]
     if pattern:
         cmd += ["-k", pattern]
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300,
@@ -119,12 +125,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--horovod", required=True, type=Path,
                    help="a checkout of horovod (its test/parallel/test_torch.py is run)")
+    p.add_argument("--file", default="test_torch.py",
+                   help="the test file of test/parallel to run (e.g. test_adasum_pytorch.py)")
     p.add_argument("--ranks", type=int, action="append", help="rank counts (default: 2)")
     p.add_argument("-k", dest="pattern", default=None, help="only tests matching (pytest -k)")
     p.add_argument("--timeout", type=float, default=120, help="seconds per test launch")
     p.add_argument("--json", type=Path, default=None, help="write every outcome here")
     args = p.parse_args(argv)
-    test_file = (args.horovod / "test" / "parallel" / "test_torch.py").resolve()
+    test_file = (args.horovod / "test" / "parallel" / args.file).resolve()
     if not test_file.exists():
         p.error(f"{test_file} does not exist: --horovod must be a horovod checkout")
     results: dict = {}

@@ -40,6 +40,7 @@ from cupy.cuda import runtime
 from ..errors import MpiddpError
 from ..reduce_ops import ReduceOp, combine_function
 from .default_device import default_device
+from .adasum_kernels import TorchAdasumKernels
 from .device_kernels import COMPILE_OPTIONS, KERNEL_SOURCE, THREADS_PER_BLOCK, launch_blocks
 from .dtypes import DType, as_real
 from .host_reduce import reduce_into as host_reduce_into
@@ -296,6 +297,11 @@ class DeviceBackend:
         state.kernel(name)((launch_blocks(n),), (THREADS_PER_BLOCK,),
                            (array, np.int64(n), factor))
 
+    def adasum_kernels(self, dtype: DType) -> "EngineStreamAdasumKernels":
+        """Adasum's dot products and combinations on device buffers of ``dtype``: torch's
+        kernels, queued on the engine stream."""
+        return EngineStreamAdasumKernels(TorchAdasumKernels(dtype), self)
+
     def wait_ready(self, entry) -> None:
         """Make the engine stream wait (on the device) for the event recorded on the stream
         that produced the entry's tensor."""
@@ -326,3 +332,25 @@ class DeviceBackend:
         if copier is None:
             copier = self._copiers[device_id] = CupyCopier(self.state(device_id))
         return copier
+
+
+class EngineStreamAdasumKernels:
+    """Adasum's kernels (``adasum_kernels.py``) with the engine stream as torch's current
+    stream, so that they run after the engine's packing and received transfers and before its
+    later copies; host arrays (staged memory) are handled on the host."""
+
+    def __init__(self, kernels: TorchAdasumKernels, backend: DeviceBackend):
+        self.kernels, self.backend = kernels, backend
+
+    def dots(self, a, b, segments):
+        if isinstance(a, np.ndarray):
+            return self.kernels.dots(a, b, segments)
+        with self.backend.allocating():
+            return self.kernels.dots(a, b, segments)
+
+    def combine(self, x, y, segments, coefficients) -> None:
+        if isinstance(x, np.ndarray):
+            self.kernels.combine(x, y, segments, coefficients)
+            return
+        with self.backend.allocating():
+            self.kernels.combine(x, y, segments, coefficients)

@@ -76,7 +76,7 @@ def identity_value(dtype: DType, op: int):
     rank's values unchanged (0 for sums, 1 for products, the type's extremes for min/max).
     Returned as a scalar of the storage type."""
     op = ReduceOp(op)
-    if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+    if op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.ADASUM):     # Adasum: a + 0 = a
         return dtype.storage.type(0)
     if dtype.kind == "bool":
         return np.bool_(op == ReduceOp.MIN)          # and: True, or: False

@@ -6,6 +6,7 @@ import contextlib
 import numpy as np
 
 from .dtypes import DType
+from .adasum_kernels import TorchAdasumKernels
 from .host_reduce import reduce_into, scale_
 
 
@@ -26,6 +27,11 @@ class HostBackend:
     @staticmethod
     def copy(dst, src) -> None:
         np.copyto(dst, src)
+
+    @staticmethod
+    def adasum_kernels(dtype: DType) -> TorchAdasumKernels:
+        """Adasum's dot products and combinations on host buffers of ``dtype``."""
+        return TorchAdasumKernels(dtype)
 
     @staticmethod
     def fill(array, value) -> None:

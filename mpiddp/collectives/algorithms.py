@@ -14,15 +14,17 @@ from __future__ import annotations
 import math
 from typing import NamedTuple, Optional
 
+import numpy as np
+
 from ..buffers.dtypes import DType
 from ..reduce_ops import ReduceOp
-from . import cost_model, halving_doubling
+from . import adasum, cost_model, halving_doubling
 from .cost_model import LinkCosts, halving_doubling_threshold, ring_threshold
 from .flat import HALVING_DOUBLING, NATIVE, RECURSIVE_DOUBLING, RING
 from .hierarchical import hierarchical_allreduce, pipeline_segments, scratch_elements
 from .native import native_allreduce
 from .recursive_doubling import recursive_doubling
-from .ring import ring_allreduce
+from .ring import allgather_steps, chunk_bounds, complete, reduce_scatter_steps, ring_allreduce
 from .topology import Topology
 
 AUTO, HIERARCHICAL = "auto", "hierarchical"
@@ -182,6 +184,65 @@ class HierarchicalAllreduce:
         return segments
 
 
+class AdasumAllreduce:
+    """Adasum instead of a sum (``adasum.py``): across all the ranks, or, ``hierarchical``,
+    across nodes of each node's average. The hierarchical form is Horovod's on GPUs: a
+    node-local reduce-scatter of the sum, scaled by ``1 / local_size``; Adasum across nodes
+    of each chunk, its dot products summed over the node's chunks (so still per tensor);
+    a node-local all-gather. The average, not the sum: the ranks of a node then act as one
+    worker with a larger batch, whose gradient has the magnitude of one rank's, as Adasum's
+    inputs across nodes have in the flat form; a sum would grow it with the ranks per node."""
+
+    name = "adasum"
+
+    def __init__(self, hierarchical: bool):
+        self.hierarchical = hierarchical
+
+    def applies(self, topology: Topology) -> bool:
+        return topology.hierarchical_usable if self.hierarchical else True
+
+    def scratch_elements(self, count: int, itemsize: int, links: Links) -> int:
+        if not self.hierarchical:
+            return adasum.scratch_elements(count, links.whole.Get_size())
+        chunk = math.ceil(count / links.local.Get_size())
+        return max(chunk, adasum.scratch_elements(chunk, links.cross.Get_size()))
+
+    def run(self, links: Links, buf, scratch, dtype: DType, bounds, backend, dots_links: Links,
+            postprocess=None) -> int:
+        """Adasum-reduce ``buf`` in place (``bounds``: its tensors' offsets); ``dots_links``:
+        the host transports the dot products travel over. Returns 1 (one piece)."""
+        kernels = backend.adasum_kernels(dtype)
+        if not self.hierarchical:
+            adasum.adasum_allreduce(links.whole, buf, scratch, bounds, kernels, postprocess,
+                                    dots_comm=dots_links.whole)
+            return 1
+        local, local_dots = links.local, dots_links.local
+        size, rank = local.Get_size(), local.Get_rank()
+        chunks = chunk_bounds(len(buf), size)
+        complete(reduce_scatter_steps(
+            local, buf, scratch, chunks,
+            lambda dst, src: backend.reduce_into(dst, src, ReduceOp.SUM, dtype), owner_shift=-1))
+        lo, hi = chunks[rank], chunks[rank + 1]
+        mine = buf[lo:hi]
+        backend.scale_(mine, 1.0 / size, dtype, exact=True)          # the node's average
+        parts = [min(max(offset - lo, 0), hi - lo) for offset in bounds]
+
+        def node_sum(partial):
+            """Every local rank's partial dot products, summed in rank order (the same bits on
+            each)."""
+            gathered = np.empty((size,) + partial.shape)
+            local_dots.Allgatherv(partial, [gathered, [partial.size] * size])
+            total = gathered[0].copy()
+            for other in gathered[1:]:
+                total += other
+            return total
+
+        adasum.adasum_allreduce(links.cross, mine, scratch, parts, kernels, postprocess,
+                                sum_dots=node_sum, dots_comm=dots_links.cross)
+        complete(allgather_steps(local, buf, chunks, owner_shift=-1))
+        return 1
+
+
 class AlgorithmChoice:
     """Which algorithm all-reduces a fused buffer, from the settings every rank agreed on
     (``MPIDDP_ALLREDUCE_ALGORITHM``, ``MPIDDP_RING_THRESHOLD``,
@@ -229,6 +290,7 @@ class AlgorithmChoice:
             ring_threshold if ring_threshold is not None else cross)
         self._by_name = {a.name: a for a in (self.ring, self.halving_doubling, self.native,
                                              self.recursive_doubling, self.hierarchical)}
+        self._adasum = {False: AdasumAllreduce(False), True: AdasumAllreduce(True)}
 
     def _recursive_doubling_limit(self) -> int:
         """Up to where recursive doubling over the sockets replaces ``MPI_Allreduce``: the
@@ -328,6 +390,14 @@ class AlgorithmChoice:
                 (self.hierarchical_setting == "1" or by_size is not self.native):
             return self.hierarchical
         return by_size
+
+    def adasum(self) -> AdasumAllreduce:
+        """How ``op=Adasum`` buffers reduce: hierarchically where the hierarchical all-reduce
+        is asked for (``MPIDDP_HIERARCHICAL_ALLREDUCE=1``) and the layout suits it; else across
+        all the ranks. Never by ``auto``: the two compute different results (the node's
+        average first), so only the user chooses."""
+        return self._adasum[self.hierarchical_setting == "1" and
+                            self.hierarchical.applies(self.topology)]
 
     def own_algorithm(self, nbytes: int):
         """Which of our algorithms takes a buffer above the threshold. Halving-doubling has

@@ -67,6 +67,14 @@ def fold_layout(rank: int, size: int) -> tuple[int, int, Optional[int]]:
     return pof2, extra, virtual_rank(rank, extra)
 
 
+def folded_steps(comm, buf, tags: tuple[int, int]) -> Iterator[Transfer]:
+    """A folded rank's part (``fold_layout`` says None): hand ``buf`` to the rank above,
+    which takes part for both, then take the result back (``tags``: fold, unfold)."""
+    rank, nothing = comm.Get_rank(), buf[:0]
+    yield start_sendrecv(comm, as_bytes(buf), rank + 1, as_bytes(nothing), rank + 1, tags[0])
+    yield start_sendrecv(comm, as_bytes(nothing), rank + 1, as_bytes(buf), rank + 1, tags[1])
+
+
 def partners(rank: int, size: int) -> set[int]:
     """The ranks ``rank`` exchanges with in ``halving_doubling_steps`` over ``size``."""
     pof2, extra, virtual = fold_layout(rank, size)
@@ -94,9 +102,7 @@ def halving_doubling_steps(comm, buf, scratch, reduce_into: ReduceInto,
     pof2, extra, virtual = fold_layout(rank, size)
     nothing = buf[:0]
     if virtual is None:          # folded: hand the buffer over, take the result back
-        yield start_sendrecv(comm, as_bytes(buf), rank + 1, as_bytes(nothing), rank + 1, _TAG_FOLD)
-        yield start_sendrecv(comm, as_bytes(nothing), rank + 1, as_bytes(buf), rank + 1,
-                             _TAG_UNFOLD)
+        yield from folded_steps(comm, buf, (_TAG_FOLD, _TAG_UNFOLD))
         return
     if rank < 2 * extra:         # takes part for itself and the even rank below it
         incoming = scratch[:count]

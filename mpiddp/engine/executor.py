@@ -13,6 +13,7 @@ after the device work themselves (``transport/staging.py``). Statistics are reco
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -119,8 +120,8 @@ class Allreduce(Operation):
                     backend.copy(part, entry.input)
                 offset += count
         backend.scale_(job.buf, request.prescale, dtype)
-        job.algorithm = ex.algorithms.choose(total * dtype.itemsize,
-                                             host=backend.device_type == "cpu")
+        job.algorithm = ex.algorithms.adasum() if request.op == ReduceOp.ADASUM else \
+            ex.algorithms.choose(total * dtype.itemsize, host=backend.device_type == "cpu")
         scratch = job.algorithm.scratch_elements(total, dtype.itemsize, ex.links(backend))
         job.scratch = ex.pool.get(backend, request.device, dtype, "scratch", scratch) \
             if scratch else None
@@ -128,9 +129,16 @@ class Allreduce(Operation):
 
     def communicate(self, ex, job, comm, backend):
         request, dtype = job.request, job.dtype
+        scaling = result_scaling(backend, request, ex.size, dtype)
+        if request.op == ReduceOp.ADASUM:
+            # Per tensor: the fused tensors' offsets; the dot products travel in host memory.
+            bounds = [0, *itertools.accumulate(job.counts)]
+            job.segments = job.algorithm.run(ex.links(backend), job.buf, job.scratch, dtype,
+                                             bounds, backend, ex.links(backend_for("cpu")),
+                                             scaling)
+            return
         job.segments = job.algorithm.run(ex.links(backend), job.buf, job.scratch, dtype,
-                                         request.op, backend.reduce_into,
-                                         result_scaling(backend, request, ex.size, dtype))
+                                         request.op, backend.reduce_into, scaling)
 
     def unpack(self, ex, job, backend):
         offset = 0

@@ -25,6 +25,7 @@ class EngineStats:
     recursive_doubling_batches: int = 0  # batches reduced by recursive doubling (sockets)
     native_batches: int = 0         # batches reduced by MPI_Allreduce
     hierarchical_batches: int = 0   # batches reduced by the hierarchical all-reduce
+    adasum_batches: int = 0         # batches reduced by Adasum (op=Adasum)
     pipelined_batches: int = 0      # of those, batches cut into pipelined segments
     reducescatter_bytes: int = 0    # bytes of reduce-scattered tensors
     speculated_tensors: int = 0     # all-reduces summed beside the negotiation (speculation.py)

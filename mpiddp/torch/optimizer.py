@@ -30,6 +30,7 @@ import torch
 from .. import runtime
 from ..errors import TensorMismatchError
 from ..reduce_ops import ReduceOp
+from .adasum_optimizer import wrap_adasum
 from ..runtime import ProcessSet
 from .collectives import allreduce
 from .compression import Compression
@@ -355,6 +356,22 @@ def _check_same_everywhere(sync: GradientSync, named, what: str) -> None:
                     f"{show(a)}, rank {rank} has {show(b)}")
 
 
+def _adasum_optimizer(optimizer, named, compression, passes, factor, process_set,
+                      overlap_forward, settings):
+    """``DistributedOptimizer(op=Adasum)`` (``adasum_optimizer.py``), after refusing what it
+    cannot combine with."""
+    if overlap_forward or (overlap_forward is None and settings.overlap_forward):
+        raise ValueError(
+            "DistributedOptimizer(op=Adasum) does not combine with forward overlap "
+            "(overlap_forward, MPIDDP_OVERLAP_FORWARD): each rank's local step must run "
+            "before the deltas are combined, not after the next forward. Use "
+            "overlap_forward=False (Adasum's reductions overlap backward instead)")
+    if factor != 1.0:
+        raise ValueError("gradient_predivide_factor is only supported with op=Average, "
+                         "not op=Adasum")
+    return wrap_adasum(optimizer, named, compression, passes, process_set)
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable] = None,
                          compression: Any = Compression.none,
@@ -377,7 +394,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             ``Compression.bf16``: the dtype gradients are reduced in.
         backward_passes_per_step: backward passes accumulated locally before one reduction;
             call ``step()`` after that many passes (scale the loss by 1/passes to average).
-        op: ``mpiddp.Average`` (default) or ``mpiddp.Sum``.
+        op: ``mpiddp.Average`` (default) or ``mpiddp.Sum``; or ``mpiddp.Adasum``: each rank
+            steps on its own gradient and the parameter deltas are combined with Adasum
+            (Horovod's delta optimizer; docs/adasum.md). Not with ``overlap_forward``,
+            ``gradient_predivide_factor`` or LBFGS.
         gradient_predivide_factor: divide gradients by this factor before the sum and by
             ``size / factor`` after it (Average only); keeps float16 sums in range.
         sparse_as_dense: reduce sparse gradients (``nn.Embedding(sparse=True)``) as dense
@@ -414,7 +434,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             pairs; ``compression`` lacks ``compress``/``decompress``.
         ValueError: ``optimizer`` is already a DistributedOptimizer; a parameter already
             belongs to another live DistributedOptimizer; ``backward_passes_per_step`` is
-            not a positive integer; ``op`` is not Average or Sum;
+            not a positive integer; ``op`` is not Average, Sum or Adasum; Adasum with
+            forward overlap, a predivide factor or LBFGS;
             ``gradient_predivide_factor`` is not positive, or not 1.0 with Sum;
             ``bucket_cap_mb`` is negative; ``named_parameters`` repeats a name for different
             parameters or misses parameters of ``optimizer``; ``overlap_forward`` with
@@ -438,11 +459,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         op = ReduceOp(op)
     except ValueError:
         raise ValueError(f"unknown op {op!r}: use mpiddp.Average or mpiddp.Sum") from None
-    if op == ReduceOp.ADASUM:
-        raise ValueError("DistributedOptimizer(op=Adasum) is not supported yet: use "
-                         "op=Average with a learning rate scaled by mpiddp.size()")
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum, not {op.name}")
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM):
+        raise ValueError(f"DistributedOptimizer supports op=Average, op=Sum or op=Adasum, "
+                         f"not {op.name}")
     factor = float(gradient_predivide_factor)
     if factor <= 0:
         raise ValueError(f"gradient_predivide_factor must be positive, not {factor}")
@@ -455,6 +474,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     named, name_map = _names_for(optimizer, named_parameters)
     # Bad arguments are reported before a missing init(), as Horovod does.
     settings = runtime.require("DistributedOptimizer()").settings
+    if op == ReduceOp.ADASUM:
+        return _adasum_optimizer(optimizer, named, compression, backward_passes_per_step,
+                                 factor, process_set, overlap_forward, settings)
     if overlap_forward is None:
         overlap_forward = settings.overlap_forward
     if overlap_forward not in (True, False, "auto"):

@@ -170,6 +170,10 @@ def reducescatter_entry(tensor, name: str, op, prescale_factor: float,
     reduce_op = resolve_op(op, None)
     dtype = check_tensor(tensor, name)
     check_dims(tensor, name, "reducescatter")
+    if reduce_op == ReduceOp.ADASUM:
+        raise ValueError(f"op=Adasum is not defined for reducescatter '{name}': Adasum "
+                         "combines whole tensors (use allreduce with op=Adasum, or op=Sum / "
+                         "op=Average here)")
     check_op_for_dtype(reduce_op, dtype_named(dtype).kind, dtype, name)
     check_scaling(dtype, prescale_factor, postscale_factor, name)
     holder: dict = {}
