@@ -14,7 +14,7 @@ ALL = ("equivalence,unused,clip,compression,two_optimizers,mismatch,state,misuse
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    result = run_mpi("optimizer_worker.py", 2, ALL + ",overlap,compiled", timeout=150)
+    result = run_mpi("optimizer_worker.py", 2, ALL + ",overlap,compiled", timeout=300)
     assert_ok(result)
     return result
 
@@ -22,7 +22,7 @@ def two_ranks():
 @pytest.fixture(scope="module")
 def four_ranks():
     # 4 ranks on a small machine: oversubscribed; the overlap check (timing) runs on 2 only.
-    result = run_mpi("optimizer_worker.py", 4, ALL, timeout=150)
+    result = run_mpi("optimizer_worker.py", 4, ALL, timeout=300)
     assert_ok(result)
     return result
 
