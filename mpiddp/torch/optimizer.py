@@ -460,7 +460,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     except ValueError:
         raise ValueError(f"unknown op {op!r}: use mpiddp.Average or mpiddp.Sum") from None
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM):
-        raise ValueError(f"DistributedOptimizer supports op=Average, op=Sum or op=Adasum, "
+        raise ValueError(f"DistributedOptimizer supports op=Average or op=Sum (or op=Adasum), "
                          f"not {op.name}")
     factor = float(gradient_predivide_factor)
     if factor <= 0:
