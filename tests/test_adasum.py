@@ -9,14 +9,14 @@ from mpi_launch import assert_ok, run_mpi
 COLLECTIVE_CHECKS = 5          # 'OK' lines of adasum_worker.py at 2 ranks (more above)
 
 
-@pytest.mark.parametrize("ranks", [2, 3, 4, 5])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_adasum_allreduce_matches_the_reference(ranks):
     result = run_mpi("adasum_worker.py", ranks, timeout=240)
     assert_ok(result, expect_lines=COLLECTIVE_CHECKS + (ranks >= 3))
 
 
-@pytest.mark.parametrize("ranks,per_node", [(4, 2), (6, 2), (6, 3)],
-                         ids=["2nodes-x2", "3nodes-x2", "2nodes-x3"])
+@pytest.mark.parametrize("ranks,per_node", [(4, 2), (6, 2)],
+                         ids=["2nodes-x2", "3nodes-x2"])
 def test_hierarchical_adasum_is_adasum_of_node_averages(ranks, per_node):
     result = run_mpi("adasum_hierarchical_worker.py", ranks, per_node, timeout=240)
     assert_ok(result, expect_lines=1)
