@@ -4,6 +4,10 @@ rank counts; and a learning-curve picture.
 
     python scripts/benchmark_adasum.py --ranks 1 2 4 8 -o docs/img/adasum_convergence.png
 
+``--sgd-lr`` and ``--adam-lr`` set one rank's learning rates (defaults: those that suit one
+rank); larger ones make the problem harder for averaging, whose learning rate grows with the
+ranks.
+
 Every run trains the same small network (64-128-128-10, tanh) on scikit-learn's handwritten
 digits (1,797 images, nothing to download) with 32 samples per rank per step, so the global
 batch grows with the ranks, as in data-parallel training; every run starts from the same
@@ -43,7 +47,7 @@ def worker(args) -> None:
     model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(),
                           nn.Linear(128, 10))
     adasum = args.op == "adasum"
-    lr = SETTINGS[args.optimizer] * (1 if adasum else size)
+    lr = args.lr * (1 if adasum else size)
     inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9) \
         if args.optimizer == "sgd" else torch.optim.Adam(model.parameters(), lr=lr)
     optimizer = mpiddp.DistributedOptimizer(
@@ -75,6 +79,7 @@ def run(ranks: int, optimizer: str, op: str, args) -> list:
         env["MPIR_CVAR_ENABLE_HEAVY_YIELD"] = "1"
     cmd = [str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(ranks), sys.executable,
            __file__, "--worker", "--optimizer", optimizer, "--op", op,
+           "--lr", str(args.learning_rates[optimizer]),
            "--steps", str(args.steps), "--every", str(args.every)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900,
                          start_new_session=True)
@@ -89,7 +94,7 @@ def steps_to(curve: list, target: float):
     return next((step for step, loss in curve if loss <= target), None)
 
 
-def plot(results: dict, output: Path, ranks: list) -> None:
+def plot(results: dict, output: Path, ranks: list, learning_rates: dict) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -103,7 +108,8 @@ def plot(results: dict, output: Path, ranks: list) -> None:
             steps, losses = zip(*curve)
             ax.plot(steps, losses, color=colors[n], linestyle="-" if op == "adasum" else "--",
                     label=f"{n} rank(s), {op}")
-        ax.set_title(f"{optimizer.upper()}: solid Adasum (one rank's lr), dashed average (lr x N)")
+        ax.set_title(f"{optimizer.upper()} (lr {learning_rates[optimizer]:g}): solid Adasum "
+                     "(one rank's lr), dashed average (lr x N)", fontsize=10)
         ax.set_xlabel("step")
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
@@ -122,16 +128,21 @@ def main(argv=None) -> int:
     p.add_argument("--target", type=float, default=0.1, help="training loss to reach")
     p.add_argument("-o", "--output", type=Path, default=None, help="the picture (PNG)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--sgd-lr", type=float, default=SETTINGS["sgd"], help="one rank's (SGD)")
+    p.add_argument("--adam-lr", type=float, default=SETTINGS["adam"], help="one rank's (Adam)")
+    p.add_argument("--lr", type=float, default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--optimizer", choices=list(SETTINGS), default="sgd", help=argparse.SUPPRESS)
     p.add_argument("--op", choices=["average", "adasum"], default="average",
                    help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.learning_rates = {"sgd": args.sgd_lr, "adam": args.adam_lr}
     if args.worker:
         worker(args)
         return 0
     results = {}
-    print(f"steps to a training loss of {args.target} (of {args.steps}; '-': not reached)")
+    print(f"steps to a training loss of {args.target} (of {args.steps}; '-': not reached); "
+          f"one rank's lr: SGD {args.sgd_lr:g}, Adam {args.adam_lr:g}")
     print(f"{'ranks':>5} {'optimizer':>9} {'average (lr x N)':>17} {'adasum':>7}")
     for n in args.ranks:
         for optimizer in SETTINGS:
@@ -145,7 +156,7 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps([{"ranks": n, "optimizer": o, "op": op, "curve": c}
                                           for (n, o, op), c in results.items()]))
     if args.output:
-        plot(results, args.output, args.ranks)
+        plot(results, args.output, args.ranks, args.learning_rates)
     return 0
 
 

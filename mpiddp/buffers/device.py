@@ -40,7 +40,7 @@ from cupy.cuda import runtime
 from ..errors import MpiddpError
 from ..reduce_ops import ReduceOp, combine_function
 from .default_device import default_device
-from .adasum_kernels import TorchAdasumKernels
+from .adasum_kernels import HostAdasumKernels, TorchAdasumKernels
 from .device_kernels import COMPILE_OPTIONS, KERNEL_SOURCE, THREADS_PER_BLOCK, launch_blocks
 from .dtypes import DType, as_real
 from .host_reduce import reduce_into as host_reduce_into
@@ -300,7 +300,7 @@ class DeviceBackend:
     def adasum_kernels(self, dtype: DType) -> "EngineStreamAdasumKernels":
         """Adasum's dot products and combinations on device buffers of ``dtype``: torch's
         kernels, queued on the engine stream."""
-        return EngineStreamAdasumKernels(TorchAdasumKernels(dtype), self)
+        return EngineStreamAdasumKernels(TorchAdasumKernels(dtype), HostAdasumKernels(dtype), self)
 
     def wait_ready(self, entry) -> None:
         """Make the engine stream wait (on the device) for the event recorded on the stream
@@ -339,18 +339,19 @@ class EngineStreamAdasumKernels:
     stream, so that they run after the engine's packing and received transfers and before its
     later copies; host arrays (staged memory) are handled on the host."""
 
-    def __init__(self, kernels: TorchAdasumKernels, backend: DeviceBackend):
-        self.kernels, self.backend = kernels, backend
+    def __init__(self, kernels: TorchAdasumKernels, host: HostAdasumKernels,
+                 backend: DeviceBackend):
+        self.kernels, self.host, self.backend = kernels, host, backend
 
     def dots(self, a, b, segments):
         if isinstance(a, np.ndarray):
-            return self.kernels.dots(a, b, segments)
+            return self.host.dots(a, b, segments)
         with self.backend.allocating():
             return self.kernels.dots(a, b, segments)
 
     def combine(self, x, y, segments, coefficients) -> None:
         if isinstance(x, np.ndarray):
-            self.kernels.combine(x, y, segments, coefficients)
+            self.host.combine(x, y, segments, coefficients)
             return
         with self.backend.allocating():
             self.kernels.combine(x, y, segments, coefficients)

@@ -6,7 +6,7 @@ import contextlib
 import numpy as np
 
 from .dtypes import DType
-from .adasum_kernels import TorchAdasumKernels
+from .adasum_kernels import HostAdasumKernels
 from .host_reduce import reduce_into, scale_
 
 
@@ -29,9 +29,9 @@ class HostBackend:
         np.copyto(dst, src)
 
     @staticmethod
-    def adasum_kernels(dtype: DType) -> TorchAdasumKernels:
+    def adasum_kernels(dtype: DType) -> HostAdasumKernels:
         """Adasum's dot products and combinations on host buffers of ``dtype``."""
-        return TorchAdasumKernels(dtype)
+        return HostAdasumKernels(dtype)
 
     @staticmethod
     def fill(array, value) -> None:
