@@ -31,6 +31,7 @@ completes what is deferred and ends overlap for good (``_entering_compiled_code`
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import weakref
@@ -48,11 +49,8 @@ from .overlap_trial import OverlapTrial
 
 log = logging.getLogger("mpiddp")
 
-# True while torch.compile traces (a constant in the traced code); torch.compiler has it
-# from torch 2.3, torch._dynamo before.
-_compiling = getattr(torch.compiler, "is_compiling", None)
-if _compiling is None:
-    from torch._dynamo import is_compiling as _compiling
+# True while torch.compile traces (a constant in the traced code).
+_compiling = torch.compiler.is_compiling
 
 _live: "weakref.WeakSet[ForwardOverlap]" = weakref.WeakSet()
 # Schedules holding a deferred update, held here until it has run: a script may drop its
@@ -411,6 +409,7 @@ class _Guard(TorchFunctionMode):
         super().__init__()
         self.overlap = weakref.ref(overlap)
         self.inert = False       # a compiled region met: the standard path from then on
+        self.enter_compiled_code = _untraced_entry()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # torch.compile traces this method into its graphs, where nothing runs per call:
@@ -419,7 +418,7 @@ class _Guard(TorchFunctionMode):
         if self.inert:
             return func(*args, **(kwargs or {}))
         if _compiling():
-            _entering_compiled_code(self)
+            self.enter_compiled_code(self)
             return func(*args, **(kwargs or {}))
         overlap = self.overlap()
         if overlap is None:
@@ -434,7 +433,14 @@ class _Guard(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@torch.compiler.disable
+@functools.cache
+def _untraced_entry() -> Callable[[_Guard], None]:
+    """``_entering_compiled_code`` under ``torch.compiler.disable``, made by the first guard:
+    it imports torch._dynamo, seconds of CPU that every rank of every job paid at
+    ``import mpiddp`` when this was a decorator."""
+    return torch.compiler.disable(_entering_compiled_code)
+
+
 def _entering_compiled_code(guard: _Guard) -> None:
     """Run (not traced: a graph break) where torch.compile'd code first meets the guard, before
     the compiled region's first torch call: a compiled graph reads every parameter inside
