@@ -3,6 +3,8 @@ and every public function, class and method has type hints and a Google-style do
 (Args / Returns / Raises), so that an IDE shows a user what a call takes, returns and raises.
 The package ships its type hints (PEP 561 ``py.typed``). No MPI launch: import only."""
 import inspect
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -167,3 +169,13 @@ def test_public_api_matches_the_recorded_one():
     added, removed = sorted(set(current) - set(recorded)), sorted(set(recorded) - set(current))
     assert not added and not removed, f"added: {added}\nremoved: {removed}"
 
+
+
+def test_import_leaves_torch_compile_machinery_unloaded():
+    # torch._dynamo costs about 2.5 s of CPU to import: every rank of every job would pay it
+    # at `import mpiddp` (it is loaded only when forward overlap first runs).
+    probe = ("import sys, mpiddp\n"
+             "print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
