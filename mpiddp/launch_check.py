@@ -39,7 +39,8 @@ def launcher_tasks(environ) -> tuple[int, str, str] | None:
     in_step = "SLURM_STEP_ID" in environ
     pmi_size = _count(environ, "PMI_SIZE")     # MPICH/Intel MPI hydra, srun --mpi=pmi2
     if pmi_size is not None and not in_step:
-        return pmi_size, f"mpiexec started {pmi_size} processes (PMI_SIZE={pmi_size})", \
+        who = "Intel MPI's mpiexec" if "I_MPI_HYDRA_UUID" in environ else "mpiexec"
+        return pmi_size, f"{who} started {pmi_size} processes (PMI_SIZE={pmi_size})", \
             _MPIEXEC_FIX
     # Only a job step started by srun counts: the batch script has SLURM_NTASKS of the whole
     # job (and SLURM_PROCID=0) but is one process, and has no SLURM_STEP_ID.

@@ -6,17 +6,21 @@ died or became unreachable, run it again on the nodes still alive (docs/elastic.
 
 The job itself goes on from its last ``mpiddp.elastic`` snapshot. Lost nodes are named by the
 ranks' lost-peer watchdog (files in ``MPIDDP_LOST_NODES_DIR``), by mpiexec (hydra: a rank
-"KILLED BY SIGNAL: 9" "RUNNING AT host"; Open MPI: "process rank N ... exited on signal 9"), by
-srun ("srun: error: host: task N: Killed") or, before
-every relaunch through mpiexec, by a probe that cannot start a process there in time; they
-are left out of the next launch, and may rejoin a later one when the host discovery command
-lists them again. A rank that crashed (a segmentation fault or an abort: MPICH's survivors
-can crash when a peer's link goes) does not make its node lost. A job that fails with no node
-lost and no rank killed or crashed (a bug in the script) is not run again.
+"KILLED BY SIGNAL: 9" "RUNNING AT host"; Open MPI: "process rank N ... exited on signal 9";
+Intel MPI: no proxy starts there, "Unable to run bstrap_proxy on host"), by srun ("srun:
+error: host: task N: Killed") or, before every relaunch through mpiexec, by a probe that
+cannot start a process there in time; they are left out of the next launch, and may rejoin a
+later one when the host discovery command lists them again. A rank that crashed (a
+segmentation fault or an abort: MPICH's survivors can crash when a peer's link goes), or a
+node whose launcher daemon was lost (Open MPI's, Intel MPI's proxy), does not make its node
+lost by itself: the probe decides. A job that fails with no node lost and no rank killed or
+crashed (a bug in the script) is not run again.
 
-Both families of ``mpiexec`` are driven: hydra's (MPICH, Intel MPI, MVAPICH: ``-hosts``) and
-Open MPI's (``--host``, ``--map-by slot``, every ``MPIDDP_*`` variable forwarded with ``-x``,
-which hydra does by itself), told apart by ``mpiexec --version``.
+The three families of ``mpiexec`` are driven, told apart by ``mpiexec --version``: MPICH's
+hydra (and MVAPICH's: ``-hosts a:2,b:2``), Intel MPI's hydra (``-hosts a,b -ppn 2``, or a
+machine file of ``host:slots`` lines where the hosts' slots differ: its ``-hosts`` takes no
+slot counts) and Open MPI's (``--host``, ``--map-by slot``, every ``MPIDDP_*`` variable
+forwarded with ``-x``, which both hydras do by themselves).
 
 No torch and no MPI here: this process only starts and watches the launcher.
 """
@@ -37,8 +41,10 @@ import time
 EXIT_TOO_FEW_NODES = 3
 EXIT_PREEMPTED = 75          # the job asked to be requeued (mpiddp.checkpoint)
 # Hydra's report of a rank that ended badly: "=   RUNNING AT host" then "=   EXIT CODE: n"
-# (or "KILLED BY SIGNAL: n"), n the signal for a signalled rank.
-HYDRA_ENDED = re.compile(r"RUNNING AT (\S+)\s*\n[=\s]*(?:EXIT CODE|KILLED BY SIGNAL): (\d+)")
+# (MPICH) or "=   KILLED BY SIGNAL: n (Killed)" (Intel MPI, and MPICH for some), n the signal
+# for a signalled rank. Intel MPI reports every rank of the node that its proxy then killed.
+HYDRA_RUNNING_AT = re.compile(r"RUNNING AT (\S+)")
+HYDRA_ENDED_BY = re.compile(r"(?:EXIT CODE|KILLED BY SIGNAL): (\d+)")
 KILLED_SIGNALS = (9, 15)       # the node went (or its processes were killed with it)
 CRASH_SIGNALS = (6, 7, 11)     # the rank crashed on a node that may well be alive
 # Open MPI's (PRRTE's) report of a rank that ended by a signal; the node is its hostname, so
@@ -47,6 +53,11 @@ OPEN_MPI_ENDED = re.compile(r"process rank (\d+) with PID \d+ on node (\S+) exit
                             r"signal (\d+)")
 # ... and of a node whose daemon it lost (a node or its link gone), named by hostname only.
 OPEN_MPI_LOST_DAEMON = re.compile(r"lost communication with a remote daemon")
+# Intel MPI's mpiexec: a node whose proxy it lost ("[mpiexec@vm] Error: Downstream from host
+# h exited abnormally"), and a host where it could not start its proxy at all (down, a wrong
+# name, no passwordless ssh: "Error: Unable to run bstrap_proxy on h (pid 1, exit code 65280)").
+INTEL_LOST_PROXY = re.compile(r"Downstream from host (\S+) exited abnormally")
+INTEL_NO_PROXY = re.compile(r"Unable to run bstrap_proxy on (\S+)")
 # Each rank's host as launched, in rank order ('a,a,b,b'): the watchdog's name for its node
 # (engine/liveness.py ``launch_host``) where the launcher does not say it (Open MPI).
 LAUNCH_HOSTS = "MPIDDP_LAUNCH_HOSTS"
@@ -89,13 +100,32 @@ def rank_hosts(hosts: list[tuple[str, int]]) -> list[str]:
 
 
 def mpiexec_family(mpiexec: list[str]) -> str:
-    """'openmpi' for Open MPI's mpiexec, else 'hydra' (MPICH, Intel MPI, MVAPICH)."""
+    """'openmpi' for Open MPI's mpiexec, 'intel' for Intel MPI's, else 'hydra' (MPICH,
+    MVAPICH)."""
     try:
         out = subprocess.run([*mpiexec, "--version"], capture_output=True, text=True,
                              timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return "hydra"
-    return "openmpi" if "Open MPI" in out.stdout + out.stderr else "hydra"
+    text = out.stdout + out.stderr
+    if "Open MPI" in text:
+        return "openmpi"
+    return "intel" if "Intel(R) MPI Library" in text else "hydra"
+
+
+def hydra_ended(output: str) -> list[tuple[str, str]]:
+    """(host, exit code or signal) of each rank hydra reports as ended badly: each "RUNNING AT
+    host" with the first "EXIT CODE: n" or "KILLED BY SIGNAL: n" after it, before the next
+    report. Searched in the whole text, not line by line: the ranks' own output may share
+    lines with it (Intel MPI forwards it in pieces, not whole lines)."""
+    found = []
+    reports = list(HYDRA_RUNNING_AT.finditer(output))
+    for report, following in zip(reports, reports[1:] + [None]):
+        end = following.start() if following else len(output)
+        ended = HYDRA_ENDED_BY.search(output, report.end(), end)
+        if ended:
+            found.append((report.group(1), ended.group(1)))
+    return found
 
 
 def slurm_hosts() -> list[str]:
@@ -143,6 +173,7 @@ class Launcher:
             and bool(os.environ.get("SLURM_JOB_ID")))
         self.excluded: set[str] = set()
         self._family = None
+        self._files: tempfile.TemporaryDirectory | None = None    # Intel MPI's machine files
 
     @property
     def family(self) -> str:
@@ -152,13 +183,34 @@ class Launcher:
 
     def host_arguments(self, hosts: list[tuple[str, int]], env=None) -> list[str]:
         """mpiexec's arguments for ``hosts`` (and, for Open MPI, forwarding every
-        ``MPIDDP_*`` variable of ``env`` to the other nodes, as hydra does by itself)."""
+        ``MPIDDP_*`` variable of ``env`` to the other nodes, as hydra does by itself). Ranks
+        fill the hosts in order, each its slots, in every family (``rank_hosts``)."""
         listed = ",".join(f"{h}:{n}" for h, n in hosts)
         if self.family == "openmpi":
             forward = [arg for name in sorted(env or {}) if name.startswith("MPIDDP_")
                        for arg in ("-x", name)]
             return ["--host", listed, "--map-by", "slot", *forward]
+        if self.family == "intel":
+            # Its -hosts takes names only ("a:2" is a host it cannot reach), and without -ppn
+            # it puts as many ranks on the first host as it has cores.
+            if len({n for _, n in hosts}) == 1:
+                return ["-hosts", ",".join(h for h, _ in hosts), "-ppn", str(hosts[0][1])]
+            return ["-machinefile", self.machine_file(hosts)]
         return ["-hosts", listed]
+
+    def machine_file(self, hosts: list[tuple[str, int]]) -> str:
+        """A file of ``host:slots`` lines (Intel MPI's -machinefile), removed by ``close``."""
+        if self._files is None:
+            self._files = tempfile.TemporaryDirectory(prefix="mpiddp-run-hosts-")
+        fd, path = tempfile.mkstemp(dir=self._files.name, suffix=".hosts", text=True)
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(f"{h}:{n}\n" for h, n in hosts))
+        return path
+
+    def close(self) -> None:
+        if self._files is not None:
+            self._files.cleanup()
+            self._files = None
 
     def candidates(self) -> list[tuple[str, int]]:
         args = self.args
@@ -265,7 +317,7 @@ class Launcher:
                 say(f"rank {name[5:]}'s watchdog found lost: {', '.join(sorted(named))}")
                 reports.setdefault(reporter, set()).update(named)
         placed = rank_hosts(list(hosts))
-        ended = HYDRA_ENDED.findall(output) + [
+        ended = hydra_ended(output) + [
             (placed[int(rank)] if int(rank) < len(placed) else node, code)
             for rank, node, code in OPEN_MPI_ENDED.findall(output)]
         for host, code in ended:        # (host, signal or exit code), hydra's and Open MPI's
@@ -277,6 +329,16 @@ class Launcher:
             # Named by hostname, which need not be how the hosts were given: let the probe
             # before the relaunch find which node it was.
             crashed.add("a node whose Open MPI daemon was lost")
+        # A proxy that ended abnormally may have been killed on a node that is alive: the probe
+        # decides. A host where no proxy could start is lost, as it would fail the probe.
+        crashed.update(f"{host}, whose Intel MPI proxy was lost"
+                       for host in INTEL_LOST_PROXY.findall(output))
+        for host in sorted(set(INTEL_NO_PROXY.findall(output))):
+            say(f"mpiexec could not start its proxy on {host} (\"Unable to run bstrap_proxy on "
+                f"{host}\"): the host is down or unreachable, its name is wrong, or ssh to it "
+                "asks for a password (Intel MPI starts its proxies over passwordless ssh, or "
+                "through the scheduler inside a Slurm or PBS job)")
+            lost.add(host)
         # Once srun aborts the step (a rank called MPI_Abort: it found a partner gone), it
         # kills the tasks still running, which it then reports "Killed" too: only the tasks
         # killed before that, and nodes that failed, are lost.
@@ -383,7 +445,11 @@ class Launcher:
 
 
 def main(argv=None) -> int:
-    return Launcher(parse_args(argv)).run()
+    launcher = Launcher(parse_args(argv))
+    try:
+        return launcher.run()
+    finally:
+        launcher.close()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 #   export SLURM_CONF=/tmp/mpiddp-slurm/slurm.conf    # (start prints it) for sbatch, srun, squeue
 #   bash scripts/local_slurm.sh status    # daemons, node and queue
 #   bash scripts/local_slurm.sh stop      # cancel jobs, stop the daemons, remove the scratch dir
+#   bash scripts/local_slurm.sh pmi2-library   # install libpmi2-0 if missing, print its path
 #
 # Everything it writes lives in one scratch directory, LOCAL_SLURM_DIR (default
 # /tmp/mpiddp-slurm): configuration, munge key and socket, state, spool, logs and pid files.
@@ -20,6 +21,9 @@
 # commands must then run in a node: scripts/local_cluster.sh exec 0 -- sbatch ...
 # Nothing under /etc is written and no system service is started, so `stop` leaves the machine
 # as it was, except for the packages `start` installed (it says so).
+#
+# pmi2-library: Slurm's PMI-2 client library (Debian's libpmi2-0), which MPIs without a PMI-2
+# client of their own load under `srun --mpi=pmi2` (Intel MPI: I_MPI_PMI_LIBRARY=<its path>).
 set -euo pipefail
 
 DIR="${LOCAL_SLURM_DIR:-/tmp/mpiddp-slurm}"
@@ -87,6 +91,24 @@ install_packages() {
     { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive "${install[@]}" >&2; } || rc=$?
   [ -z "$made_policy" ] || rm -f "$policy"
   [ "$rc" = 0 ] || die "apt-get could not install slurm-wlm and munge"
+}
+
+# Slurm's PMI-2 library (libpmi2.so.0), installed if missing; prints its path.
+pmi2_library() {
+  need_root pmi2-library
+  local found
+  found="$(ldconfig -p | awk '$1 == "libpmi2.so.0" { print $NF; exit }')"
+  if [ -z "$found" ]; then
+    command -v apt-get >/dev/null || die "libpmi2.so.0 is missing and there is no apt-get"
+    say "installing libpmi2-0 with apt-get (it stays installed)"
+    local install=(apt-get install -y -q --no-install-recommends libpmi2-0)
+    DEBIAN_FRONTEND=noninteractive "${install[@]}" >&2 ||
+      { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive "${install[@]}" >&2; } ||
+      die "apt-get could not install libpmi2-0"
+    found="$(ldconfig -p | awk '$1 == "libpmi2.so.0" { print $NF; exit }')"
+    [ -n "$found" ] || die "libpmi2-0 is installed but libpmi2.so.0 is not in ldconfig's cache"
+  fi
+  echo "$found"
 }
 
 # N fake GPUs: character devices (the null device's numbers: nothing behind them) in the
@@ -320,5 +342,6 @@ case "${1:-}" in
   start) start ;;
   stop) stop ;;
   status) status ;;
-  *) echo "usage: $0 start|stop|status   (scratch directory: $DIR)" >&2; exit 2 ;;
+  pmi2-library) pmi2_library ;;
+  *) echo "usage: $0 start|stop|status|pmi2-library   (scratch directory: $DIR)" >&2; exit 2 ;;
 esac

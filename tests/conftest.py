@@ -124,15 +124,24 @@ def _mapped_shm() -> set[str]:
     return held
 
 
+# Shared-memory segments a rank SIGKILLed leaves in /dev/shm: MPICH's (its node's segment,
+# mpich_shm_*), and Intel MPI's (one of 16 MiB, sparse, per rank, named after its pid:
+# "<pid>:0:0"; scripts/test_intelmpi.sh).
+LEAKED_SEGMENTS = ("/dev/shm/mpich_*", "/dev/shm/[0-9]*:[0-9]*:[0-9]*")
+
+
+def _segments() -> set[str]:
+    return {path for pattern in LEAKED_SEGMENTS for path in glob.glob(pattern)}
+
+
 @pytest.fixture(scope="session", autouse=True)
-def no_leaked_mpich_segments():
-    """Remove the MPICH shared-memory segments that ranks the tests killed on purpose left in
-    /dev/shm (a rank SIGKILLed never unlinks its node's segment): only those that appeared
-    during this run and that no live process holds, so the machine is left as it was."""
-    pattern = "/dev/shm/mpich_*"
-    before = set(glob.glob(pattern))
+def no_leaked_mpi_segments():
+    """Remove the MPI shared-memory segments that ranks the tests killed on purpose left in
+    /dev/shm (a rank SIGKILLed never unlinks them): only those that appeared during this run
+    and that no live process holds, so the machine is left as it was."""
+    before = _segments()
     yield
-    leaked = set(glob.glob(pattern)) - before
+    leaked = _segments() - before
     if leaked:
         for path in leaked - _mapped_shm():
             try:

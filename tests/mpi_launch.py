@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -153,7 +154,12 @@ def reported(result: MPIResult, *fragments: str) -> list[dict]:
     """The values of every ``OK`` line whose check contains all ``fragments`` (the workers'
     ``checks.ok``: ``OK <check> | {json}``), each with its ``check`` text."""
     found = []
-    for line in result.output.splitlines():
+    # Two reports on one line (a rank's newline came after another rank's report) are split
+    # where a report's JSON ends and the next begins. Intel MPI's mpiexec may also cut a line
+    # in the middle to forward another rank's output: such a report cannot be read.
+    lines = [part for line in result.output.splitlines()
+             for part in re.split(r"(?<=\})(?=OK )", line)]
+    for line in lines:
         if not line.startswith("OK "):
             continue
         check, _, values = line[3:].partition(" | ")

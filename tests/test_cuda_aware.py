@@ -21,7 +21,9 @@ OMPI_5 = "Open MPI v5.0.3, package: Open MPI builder Distribution, ident: 5.0.3"
 MPICH = "MPICH Version:      4.2.0\nMPICH Release date: Fri Feb  9 2024\nMPICH Device: ch4:ucx"
 CRAY = "MPI VERSION    : CRAY MPICH version 8.1.28.2 (ANL base 3.4a2)\nMPI BUILD INFO : ..."
 MVAPICH = "MVAPICH2 Version      :\t2.3.7\nMVAPICH2 Release date :\tWed March 02 22:00:00 EST 2022"
-INTEL = "Intel(R) MPI Library 2021.10 for Linux* OS"
+INTEL = "Intel(R) MPI Library 2021.14 for Linux* OS"
+OTHER = "Some Vendor MPI 1.0"
+_CUDA = {"I_MPI_OFFLOAD": "1", "I_MPI_OFFLOAD_MODE": "cuda"}
 
 # (row, version, MPIX_GPU_query_support flag, MPIX_Query_cuda_support(), environment,
 #  expected supported: True yes / False no / None unsure, text the reason must contain)
@@ -49,7 +51,21 @@ ROWS = [
      "MV2_USE_CUDA=1"),
     ("mvapich2 without MV2_USE_CUDA", MVAPICH, None, None, {}, False, "not set"),
     ("mvapich2 MV2_USE_CUDA=0", MVAPICH, None, None, {"MV2_USE_CUDA": "0"}, False, "not set"),
-    ("unknown library without a query", INTEL, None, None, {}, None, ""),
+    # Intel MPI exports both queries, which answer 0 without offload (2021.14, seen here).
+    ("intel without I_MPI_OFFLOAD", INTEL, 0, 0, {}, False, "I_MPI_OFFLOAD=1 set"),
+    ("intel I_MPI_OFFLOAD=0", INTEL, 0, 0, dict(_CUDA, I_MPI_OFFLOAD="0"), False, "it is 0"),
+    ("intel offload in the cuda mode", INTEL, 0, 0, _CUDA, True, "I_MPI_OFFLOAD_MODE=cuda"),
+    ("intel offload, another true value", INTEL, 0, 0, dict(_CUDA, I_MPI_OFFLOAD="2"), True,
+     "I_MPI_OFFLOAD=2"),
+    ("intel offload in the level_zero mode", INTEL, 0, 0,
+     dict(_CUDA, I_MPI_OFFLOAD_MODE="level_zero"), False, "not CUDA's"),
+    ("intel offload in the auto mode: unsure", INTEL, 0, 0, {"I_MPI_OFFLOAD": "1"}, None,
+     "set I_MPI_OFFLOAD_MODE=cuda"),
+    ("intel offload in the auto mode, a query yes", INTEL, 1, 0, {"I_MPI_OFFLOAD": "1"},
+     True, "I_MPI_OFFLOAD_MODE=auto"),
+    ("I_MPI_OFFLOAD under mpich: not its switch", MPICH, 0, 0, _CUDA, False,
+     "this MPI is not Intel MPI"),
+    ("unknown library without a query", OTHER, None, None, {}, None, ""),
 ]
 
 
@@ -78,6 +94,100 @@ def test_unsure_answer_is_logged_with_its_reason(monkeypatch, caplog):
         assert "MPIDDP_CUDA_AWARE=1" in caplog.text
     finally:
         cuda_aware.reset()
+
+
+def test_offload_asked_for_and_not_had_is_a_warning(monkeypatch, caplog):
+    """I_MPI_OFFLOAD=1 where device buffers cannot go to MPI (another MPI, Intel MPI's Level
+    Zero mode) stages, and says why."""
+    for version, environ, needle in [
+            (MPICH, _CUDA, "this MPI is not Intel MPI"),
+            (INTEL, dict(_CUDA, I_MPI_OFFLOAD_MODE="level_zero"), "not CUDA's")]:
+        found = interpret(Answers(version, 0, 0), environ, "/opt/mpi/lib/libmpi.so.12")
+        monkeypatch.setattr(cuda_aware, "probe", lambda: found)
+        for name, value in environ.items():
+            monkeypatch.setenv(name, value)
+        caplog.clear()
+        try:
+            with caplog.at_level(logging.WARNING, logger="mpiddp"):
+                assert cuda_aware.configure("auto").cuda_aware is False
+        finally:
+            cuda_aware.reset()
+        assert "I_MPI_OFFLOAD=1 asks Intel MPI to take device buffers, but" in caplog.text
+        assert needle in caplog.text and "staged through host memory" in caplog.text
+
+
+# ---- Intel MPI's switches before MPI starts ------------------------------------------------
+def _loads(*present):
+    """A stand-in for ``intel_mpi.load_error``: the libraries in ``present`` load."""
+    return lambda name: None if name in present else f"{name}: cannot open shared object file"
+
+
+@pytest.mark.parametrize("environ, present, needles", [
+    ({}, (), None),                                            # no offload: nothing to load
+    ({"I_MPI_OFFLOAD": "0"}, (), None),
+    ({"I_MPI_OFFLOAD": "-1"}, (), None),              # Intel MPI disables offload on it
+    (_CUDA, ("libcuda.so",), None),
+    (dict(_CUDA, I_MPI_OFFLOAD_CUDA_LIBRARY="libcuda.so.1"), ("libcuda.so.1",), None),
+    ({"I_MPI_OFFLOAD": "1"}, ("libze_loader.so.1",), None),    # auto finds Level Zero
+    (dict(_CUDA, I_MPI_OFFLOAD_MODE="level_zero"), (), None),  # Intel MPI says why itself
+    (_CUDA, ("libcuda.so.1",), ["I_MPI_OFFLOAD=1 asks Intel MPI to take GPU buffers "
+                                "(I_MPI_OFFLOAD_MODE=cuda)", "libcuda.so: cannot open",
+                                "crash in MPI_Init", "I_MPI_OFFLOAD_CUDA_LIBRARY=libcuda.so.1",
+                                "unset I_MPI_OFFLOAD"]),
+    ({"I_MPI_OFFLOAD": "1"}, (), ["I_MPI_OFFLOAD_MODE=auto (the default), and Level Zero "
+                                  "(libze_loader.so.1) cannot be loaded either"]),
+    (dict(_CUDA, I_MPI_OFFLOAD_MODE="CUDA"), ("libcuda.so",),
+     ["I_MPI_OFFLOAD_MODE=CUDA, which is not one of auto, cuda, level_zero"]),
+])
+def test_intel_offload_that_would_crash_mpi_init(environ, present, needles):
+    from mpiddp.intel_mpi import offload_crash
+    reason = offload_crash(environ, load=_loads(*present))
+    if needles is None:
+        assert reason is None, reason
+    else:
+        assert reason is not None
+        for needle in needles:
+            assert needle in reason, reason
+
+
+def test_the_offload_check_runs_only_before_an_intel_mpi_starts():
+    from mpiddp.errors import LaunchError
+    from mpiddp.intel_mpi import likely_intel_mpi
+    from mpiddp.runtime.mpi_environment import refuse_crashing_offload
+    crash = lambda environ: "it would crash"          # noqa: E731
+    assert likely_intel_mpi({"I_MPI_HYDRA_UUID": "8574-..."}, installed=lambda: False)
+    assert likely_intel_mpi({"I_MPI_PMI_LIBRARY": "/usr/lib/libpmi2.so"}, installed=lambda: False)
+    assert likely_intel_mpi({}, installed=lambda: True)
+    assert not likely_intel_mpi({"I_MPI_OFFLOAD": "1"}, installed=lambda: False)
+    intel = {"I_MPI_ROOT": "/opt/intel/mpi", "I_MPI_OFFLOAD": "1"}
+    with pytest.raises(LaunchError, match="it would crash"):
+        refuse_crashing_offload(intel, modules={}, crash=crash)
+    refuse_crashing_offload(intel, modules={"mpi4py.MPI": None},
+                            crash=crash)                    # MPI started: too late, no check
+    refuse_crashing_offload(dict(intel, I_MPI_OFFLOAD="0"), modules={}, crash=crash)
+
+
+def test_intel_mpi_with_offload_and_no_cuda_driver_stops_with_the_reason(tmp_path):
+    """Under Intel MPI (scripts/test_intelmpi.sh), I_MPI_OFFLOAD=1 with a CUDA driver library
+    that cannot be loaded crashes MPI_Init with a segmentation fault; importing mpiddp first
+    refuses with the reason instead, on every rank."""
+    from mpi4py import MPI
+    if "Intel(R) MPI" not in MPI.Get_library_version():
+        pytest.skip("needs Intel MPI (scripts/test_intelmpi.sh)")
+    from mpi_launch import assert_ok, run_mpi
+    script = tmp_path / "start.py"
+    script.write_text("import mpiddp\nmpiddp.init()\nprint('OK started', flush=True)\n")
+    missing = str(tmp_path / "libcuda.so")
+    result = run_mpi(str(script), 2, timeout=60, mpi4py_run=False, env={
+        **_CUDA, "I_MPI_OFFLOAD_CUDA_LIBRARY": missing})
+    assert not result.timed_out and result.returncode != 0, result.output
+    assert "Segmentation fault" not in result.output, result.output
+    assert result.output.count("LaunchError: I_MPI_OFFLOAD=1 asks Intel MPI to take GPU "
+                               "buffers") == 2, result.output
+    assert f"{missing}: cannot open shared object file" in result.output, result.output
+    # ... and with the switch off, the same launch runs.
+    assert_ok(run_mpi(str(script), 2, timeout=60, mpi4py_run=False,
+                      env={**_CUDA, "I_MPI_OFFLOAD": "0"}), expect_lines=2)
 
 
 # ---- stub MPI libraries -------------------------------------------------------------------
@@ -118,5 +228,5 @@ def test_probe_of_stub_libraries(tmp_path, row, version, gpu, cuda, environ, exp
     assert found.library == path
     assert found.supported is expected, found
     assert reason in found.reason, found
-    if gpu is not None and "CRAY" not in version and "Open MPI" not in version:
+    if gpu is not None and not any(name in version for name in ("CRAY", "Open MPI", "Intel")):
         assert found.query == cuda_aware.GPU_QUERY

@@ -176,6 +176,24 @@ def test_launcher_does_not_rerun_a_failing_script(tmp_path):
     assert result.output.count("launch") == 1, result.output
 
 
+def test_a_host_intel_mpi_cannot_reach_is_named(tmp_path):
+    """Under Intel MPI (scripts/test_intelmpi.sh): a host where its mpiexec cannot start its
+    proxy is named, with the likely causes, and left out like a lost node."""
+    from mpi_launch import mpiexec_path
+    from mpiddp.run import mpiexec_family
+    if mpiexec_family([mpiexec_path()]) != "intel":
+        pytest.skip("needs Intel MPI's mpiexec (scripts/test_intelmpi.sh)")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    result = Job([sys.executable, "-m", "mpiddp.run", "--hosts", "no-such-host.invalid:1",
+                  "--", sys.executable, "-c", "print('STARTED')"], env).wait(60)
+    assert result.returncode == 3, result.output
+    assert "mpiexec could not start its proxy on no-such-host.invalid (\"Unable to run " \
+           "bstrap_proxy on no-such-host.invalid\"): the host is down or unreachable, its " \
+           "name is wrong, or ssh to it asks for a password" in result.output, result.output
+    assert "only 0 node(s) left (none; lost: no-such-host.invalid)" in result.output
+    assert "STARTED" not in result.output
+
+
 def test_the_launcher_imports_no_torch():
     code = "import sys, runpy; sys.modules['torch'] = None; " \
            "import importlib.util as u; spec = u.spec_from_file_location('r', 'mpiddp/run.py');" \
@@ -294,6 +312,57 @@ def test_open_mpi_and_hydra_commands(tmp_path):
     launcher = Launcher(parse_args(["--mpiexec", hydra, "--", "python", "t.py"]))
     assert launcher.command(hosts, env) == [hydra, "-hosts", "n1:2,n2:2", "-n", "4", "python",
                                             "t.py"]
+
+
+def test_intel_mpi_commands(tmp_path):
+    """Intel MPI's -hosts takes names only (an entry 'n1:2' is a host it cannot reach) and,
+    without -ppn, fills the first host with as many ranks as it has cores: -ppn when every
+    host has the same slots, a machine file of 'host:slots' lines when they differ."""
+    from mpiddp.run import Launcher, mpiexec_family, parse_args
+    intel = fake_mpiexec(tmp_path, "Intel(R) MPI Library for Linux* OS, Version 2021.14 "
+                                   "Build 20240911 (id: b3fc682)")
+    assert mpiexec_family([intel]) == "intel"
+    launcher = Launcher(parse_args(["--mpiexec", intel, "--", "python", "t.py"]))
+    env = {"MPIDDP_LOST_NODES_DIR": "/d"}
+    assert launcher.command([("n1", 2), ("n2", 2)], env) == [
+        intel, "-hosts", "n1,n2", "-ppn", "2", "-n", "4", "python", "t.py"]
+    assert launcher.host_arguments([("n3", 1)]) == ["-hosts", "n3", "-ppn", "1"]   # the probe
+    cmd = launcher.command([("n1", 2), ("n2", 1)], env)
+    machine_file = cmd[cmd.index("-machinefile") + 1]
+    assert cmd == [intel, "-machinefile", machine_file, "-n", "3", "python", "t.py"], cmd
+    with open(machine_file) as f:
+        assert f.read() == "n1:2\nn2:1\n"
+    launcher.close()
+    assert not os.path.exists(machine_file)
+
+
+def test_lost_nodes_from_intel_mpi_output(tmp_path):
+    """Intel MPI's reports, as its mpiexec 2021.14 printed them here: a rank killed (it reports
+    every rank of that node, which its proxy killed too), a crash, a node whose proxy was lost,
+    and a host where no proxy could start. The ranks' own output shares lines with them."""
+    from mpiddp.run import Launcher, parse_args
+    launcher = Launcher(parse_args(["--", "true"]))
+    killed = ("upup 0 30488\n 1 30489\nup 2 30486\n\n" + "=" * 83 + "\n"
+              "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n"
+              "=   RANK 2 PID 30486 RUNNING AT 127.0.0.1\n=   KILLED BY SIGNAL: 9 (Killed)\n"
+              + "=" * 83 + "\nstep 12 done\n" + "=" * 83 + "\n"
+              "=   BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES\n"
+              "=   RANK 3 PID 30487 RUNNING AT 127.0.0.1\n=   KILLED BY SIGNAL: 9 (Killed)\n")
+    assert launcher.lost_nodes(killed, str(tmp_path)) == ({"127.0.0.1"}, set(), {})
+    crashed = ("=   RANK 1 PID 30070 RUNNING AT node-b\n"
+               "=   KILLED BY SIGNAL: 11 (Segmentation fault)\n")
+    assert launcher.lost_nodes(crashed, str(tmp_path)) == (set(), {"node-b"}, {})
+    lost_proxy = ("up 1 31487\n[mpiexec@vm] Error: Downstream from host node-c exited "
+                  "abnormally\n[mpiexec@vm] Trying to close other downstreams\n")
+    lost, crashed, _ = launcher.lost_nodes(lost_proxy, str(tmp_path))
+    assert not lost and crashed == {"node-c, whose Intel MPI proxy was lost"}   # the probe decides
+    no_proxy = ("[mpiexec@vm] Error: Unable to run bstrap_proxy on node-d (pid 30858, exit code "
+                "65280)\n[mpiexec@vm] Error setting up the bootstrap proxies\n")
+    assert launcher.lost_nodes(no_proxy, str(tmp_path)) == ({"node-d"}, set(), {})
+    # An MPI_Abort (a watchdog ending the job) names no node.
+    aborted = ("Abort(1) on node 0 (rank 0 in comm 0): application called "
+               "MPI_Abort(MPI_COMM_WORLD, 1) - process 0\n")
+    assert launcher.lost_nodes(aborted, str(tmp_path)) == (set(), set(), {})
 
 
 def test_lost_nodes_from_open_mpi_output(tmp_path):

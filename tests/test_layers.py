@@ -12,7 +12,8 @@ PACKAGE = Path(__file__).parent.parent / "mpiddp"
 # Lower index = lower layer (the table in docs/dev/architecture.md). Modules at the package root
 # are listed by name; a subpackage by its name.
 LAYERS = [
-    {"reduce_ops", "errors", "config", "docstrings", "launcher_env", "horovod_env"},
+    {"reduce_ops", "errors", "config", "docstrings", "launcher_env", "horovod_env",
+     "intel_mpi"},
     {"buffers"},
     {"transport"},
     {"collectives"},

@@ -203,3 +203,38 @@ def test_gpu_job_with_more_ranks_than_gpus_names_the_sharing_ranks(slurm_env, tm
     assert text.count("[mpiddp WARNING]") == 1, text               # rank 0, once
     assert re.search(r"several ranks share a GPU: ranks 0(-|, )1 on \S+ use one GPU "
                      r"\(cuda:0, GPU-fake-000000000000\)", text), text
+
+
+INTEL_CODE = ("import os, mpiddp, torch; mpiddp.init(); total = mpiddp.allreduce(torch.ones(1), "
+              "op=mpiddp.Sum); print(f'rank {mpiddp.rank()} of {mpiddp.size()}, local "
+              "{mpiddp.local_rank()} of {mpiddp.local_size()}: sum {int(total)}', flush=True)")
+
+
+def test_srun_starts_intel_mpi_ranks_through_slurms_pmi2(slurm_env):
+    """Intel MPI (scripts/test_intelmpi.sh) under ``srun --mpi=pmi2``: one job, through Slurm's
+    PMI-2 library (``I_MPI_PMI_LIBRARY``, Debian's libpmi2-0, installed here if missing; the
+    PyPI wheel also needs ``I_MPI_ROOT``, which mpiddp sets) and through Intel MPI's own PMI
+    client (no library); without a PMI, the launch check stops every task."""
+    from mpi4py import MPI
+    if "Intel(R) MPI" not in MPI.Get_library_version():
+        pytest.skip("needs Intel MPI (scripts/test_intelmpi.sh)")
+    found = subprocess.run(["bash", str(LOCAL_SLURM), "pmi2-library"], capture_output=True,
+                           text=True, timeout=300)
+    if found.returncode != 0:
+        pytest.skip("Slurm's PMI-2 library (libpmi2-0) is missing and could not be installed:\n"
+                    + found.stderr[-2000:])
+    library = found.stdout.strip().splitlines()[-1]
+    env = {name: value for name, value in slurm_env.items() if name != "I_MPI_ROOT"}
+    for extra in ({"I_MPI_PMI_LIBRARY": library}, {}):
+        with job(env) as name:
+            result = srun(dict(env, **extra), name, "--mpi=pmi2", "-n", "2", sys.executable,
+                          "-c", INTEL_CODE, timeout=120)
+        assert result.returncode == 0, (extra, result.stdout)
+        for rank in (0, 1):
+            assert f"rank {rank} of 2, local {rank} of 2: sum 2" in result.stdout, \
+                (extra, result.stdout)
+    with job(env) as name:
+        result = srun(env, name, "--mpi=none", "-n", "2", sys.executable, "-c", INTEL_CODE,
+                      timeout=120)
+    assert result.returncode != 0, result.stdout
+    assert result.stdout.count(SINGLETON_ERROR) == 2, result.stdout

@@ -126,6 +126,11 @@ def test_stall_shutdown_is_finite_by_default_and_zero_waits_forever():
 _BATCH = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_NPROCS": "2", "SLURM_PROCID": "0"}
 _STEP = dict(_BATCH, SLURM_STEP_ID="0", SLURM_STEPID="0", SLURM_STEP_NUM_TASKS="2")
 _PMI2_STEP = dict(_STEP, PMI_SIZE="2", PMI_RANK="1", SLURM_MPI_TYPE="pmi2")
+# What Intel MPI's mpiexec (2021.14) sets in rank 1 of 2 (among many I_MPI_INFO_* and
+# HYDRA_BSTRAP_* variables): hydra's PMI and local-rank variables, no PMI_HOSTNAME.
+_INTEL_HYDRA = {"PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "11", "MPI_LOCALRANKID": "1",
+                "MPI_LOCALNRANKS": "2", "I_MPI_HYDRA_UUID": "85740000-2bcd-77e1-5661-060032fd876e",
+                "I_MPI_PIN_MAPPING": "2:0 0,1 1", "HYDRA_BSTRAP_LOCALHOST": "vm"}
 
 
 @pytest.mark.parametrize("mpi_size,env", [
@@ -135,6 +140,8 @@ _PMI2_STEP = dict(_STEP, PMI_SIZE="2", PMI_RANK="1", SLURM_MPI_TYPE="pmi2")
     (2, _STEP), (2, _PMI2_STEP),                     # srun that MPI understood
     (1, {"PMI_SIZE": "1"}), (4, {"PMI_SIZE": "4"}),  # mpiexec -n 1 / -n 4
     (3, {"OMPI_COMM_WORLD_SIZE": "3"}),
+    (2, _INTEL_HYDRA),                               # Intel MPI's mpiexec -n 2
+    (2, dict(_PMI2_STEP, I_MPI_PMI_LIBRARY="/usr/lib/x86_64-linux-gnu/libpmi2.so.0")),
     (1, dict(_STEP, PMI_SIZE="1")),                  # mpiexec -n 1 run inside a 2-task step
     (1, dict(_STEP, MPIDDP_LAUNCH_CHECK="0")),       # the escape hatch
 ])
@@ -153,6 +160,8 @@ def test_launch_check_accepts_real_launches(mpi_size, env):
                                           "MPI.Get_library_version()"]),
     ({"OMPI_COMM_WORLD_SIZE": "8"}, ["Open MPI's mpirun started 8 processes",
                                      "mpiexec of the MPI library mpi4py uses"]),
+    (_INTEL_HYDRA, ["Intel MPI's mpiexec started 2 processes (PMI_SIZE=2) but MPI sees 1",
+                    "mpiexec of the MPI library mpi4py uses"]),
 ])
 def test_launch_check_refuses_singletons(env, needles):
     with pytest.raises(LaunchError) as info:
@@ -200,6 +209,7 @@ def test_a_rank_marks_itself_for_its_children_and_knows_its_parents():
 
 @pytest.mark.parametrize("env, expected", [
     ({"MPI_LOCALNRANKS": "8"}, 8),                                     # hydra
+    (_INTEL_HYDRA, 2),                                                 # Intel MPI's hydra
     ({"OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, 3),                          # Open MPI
     ({"SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}, 3),  # srun, 3rd node
     ({"SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "1"}, 4),
@@ -210,6 +220,37 @@ def test_a_rank_marks_itself_for_its_children_and_knows_its_parents():
 def test_ranks_on_this_node_from_the_launcher(env, expected):
     # Decides whether waiting MPICH ranks must yield their core (more ranks than cores).
     assert ranks_on_this_node(env) == expected
+
+
+def test_the_intel_mpi_wheel_gets_its_root_under_srun(tmp_path):
+    # Under srun with I_MPI_PMI_LIBRARY and no I_MPI_ROOT, impi-rt 2021.14 spins in MPI_Init
+    # forever (tests/test_slurm.py runs the real thing): mpiddp names the wheel's prefix.
+    from mpiddp.intel_mpi import wheel_root
+    from mpiddp.runtime.mpi_environment import point_intel_mpi_at_its_files
+    (tmp_path / "opt" / "mpi" / "etc").mkdir(parents=True)
+    srun = {"I_MPI_PMI_LIBRARY": "/lib/x86_64-linux-gnu/libpmi2.so.0"}
+    root = lambda env, **kw: wheel_root(env, str(tmp_path), installed=lambda: True)  # noqa
+    assert root(srun) == str(tmp_path)
+    assert root(dict(srun, I_MPI_ROOT="/opt/intel/oneapi/mpi/2021.14")) is None   # a module's
+    assert root({}) is None                           # mpiexec, or srun with Intel's own PMI
+    assert wheel_root(srun, str(tmp_path), installed=lambda: False) is None   # no wheel here
+    assert wheel_root(srun, str(tmp_path / "elsewhere"), installed=lambda: True) is None
+    environ = dict(srun)
+    point_intel_mpi_at_its_files(environ, root=root)
+    assert environ["I_MPI_ROOT"] == str(tmp_path)
+
+
+@pytest.mark.parametrize("env, expected", [
+    (_INTEL_HYDRA, (1, "MPI_LOCALRANKID")),                    # Intel MPI's (and MPICH's) hydra
+    (dict(_INTEL_HYDRA, SLURM_LOCALID="0"), (1, "MPI_LOCALRANKID")),   # mpiexec in an srun step
+    ({"OMPI_COMM_WORLD_LOCAL_RANK": "3", "SLURM_LOCALID": "0"}, (3, "OMPI_COMM_WORLD_LOCAL_RANK")),
+    (dict(_PMI2_STEP, SLURM_LOCALID="1"), (1, "SLURM_LOCALID")),   # srun --mpi=pmi2 (Intel too)
+    ({"MPI_LOCALRANKID": "x"}, None),
+])
+def test_local_rank_from_the_launcher(env, expected):
+    # The GPU a rank takes before MPI starts (local_device.py).
+    from mpiddp.launcher_env import launcher_local_rank
+    assert launcher_local_rank(env) == expected
 
 
 @pytest.mark.parametrize("count,parts", [(0, 1), (0, 4), (1, 4), (7, 3), (10, 4), (97, 8)])

@@ -7,12 +7,16 @@ running mpiddp goes through ``require()`` (``current.py``), which says clearly w
 """
 from ..local_device import select_before_mpi
 from .mpi_environment import (keep_mpi_out_of_rank_children, mark_mpi_process,
-                              prefer_yielding_waits)
+                              point_intel_mpi_at_its_files, prefer_yielding_waits,
+                              refuse_crashing_offload)
 
-# Before the first import of mpi4py.MPI below initialises MPI: the environment MPI reads, and
-# the GPU a CUDA-aware MPI binds to. Not in a process a rank started (a DataLoader worker that
-# 'spawn' or 'forkserver' started): no MPI there, and no CUDA context on the rank's GPU either.
+# Before the first import of mpi4py.MPI below initialises MPI: the environment MPI reads
+# (refused where it would crash MPI_Init, completed where it would hang it), and the GPU a
+# CUDA-aware MPI binds to. Not in a process a rank started (a DataLoader worker that 'spawn'
+# or 'forkserver' started): no MPI there, and no CUDA context on the rank's GPU either.
 if not keep_mpi_out_of_rank_children():
+    refuse_crashing_offload()
+    point_intel_mpi_at_its_files()
     prefer_yielding_waits()
     select_before_mpi()
 

@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Optional
 
+from ..errors import LaunchError
+from ..intel_mpi import likely_intel_mpi, offload, offload_crash, wheel_root
 from ..launch_check import launcher_tasks, ranks_on_this_node
 
 # The pid of a rank whose mpiddp found MPI initialised, for the processes it starts.
@@ -21,6 +23,29 @@ def prefer_yielding_waits(environ=os.environ) -> None:
     ranks_here = ranks_on_this_node(environ)
     if ranks_here is not None and ranks_here > (os.cpu_count() or 1):
         environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+
+
+def refuse_crashing_offload(environ=os.environ, modules=sys.modules,
+                            crash=offload_crash) -> None:
+    """Raise ``LaunchError`` where Intel MPI would crash in ``MPI_Init`` on its GPU switches
+    (``intel_mpi.offload_crash``: ``I_MPI_OFFLOAD=1`` without a CUDA driver library it can
+    load), instead of letting the rank die of a segmentation fault with no word of why. Only
+    before MPI starts, and where Intel MPI is likely: other MPIs ignore Intel's switches."""
+    if "mpi4py.MPI" in modules or not offload(environ).requested or \
+            not likely_intel_mpi(environ):
+        return
+    reason = crash(environ)
+    if reason:
+        raise LaunchError(f"{reason} (docs/gpu.md, Intel MPI)")
+
+
+def point_intel_mpi_at_its_files(environ=os.environ, root=wheel_root) -> None:
+    """Set ``I_MPI_ROOT`` to the ``impi-rt`` wheel's prefix where Intel MPI would hang in
+    ``MPI_Init`` without it (``intel_mpi.wheel_root``: under srun with ``I_MPI_PMI_LIBRARY``),
+    as Intel's own environment scripts would have set it."""
+    found = root(environ)
+    if found:
+        environ["I_MPI_ROOT"] = found
 
 
 def reimporting_main() -> bool:

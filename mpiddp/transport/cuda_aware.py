@@ -18,6 +18,12 @@ logged: a wrong "yes" crashes or corrupts data, a wrong "no" only costs copies.
   (built with CUDA, not necessarily usable), so stage; 0 is no.
 * Open MPI 5 release candidates answer 0 even with CUDA support: 0 is unsure (stage), 1 yes.
 * MVAPICH2 (-GDR) has no query function: yes with ``MV2_USE_CUDA=1``, else no.
+* Intel MPI (2021.14 and later take NVIDIA device pointers): its switches decide
+  (``intel_mpi.py``). No without ``I_MPI_OFFLOAD=1``, and with ``I_MPI_OFFLOAD_MODE=level_zero``
+  (Intel GPUs); yes with ``I_MPI_OFFLOAD_MODE=cuda``; in the ``auto`` mode (the default), which
+  may have chosen Level Zero, yes only when a query says yes, else unsure. Its query functions
+  answer 0 without offload; what they answer with it on a GPU has not been seen, so they are
+  not needed for a yes.
 * Any other library: the answer of whichever query it has; none: no.
 
 The functions are looked up in the MPI library this process has loaded (the one mpi4py uses,
@@ -33,10 +39,12 @@ import ctypes
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from mpi4py import MPI
+
+from ..intel_mpi import offload
 
 log = logging.getLogger("mpiddp")
 
@@ -130,6 +138,16 @@ _OPEN_MPI = re.compile(r"Open MPI v(\d+)\.(\d+)(?:\.\d+)?(\S*)")
 
 def interpret(answers: Answers, environ=os.environ, library: Optional[str] = None) -> Probe:
     """The decision table of the module docstring: what the library's answers mean."""
+    if "INTEL(R) MPI" in (answers.version or "").upper():
+        return _intel(answers, environ, library)
+    found = _interpret_others(answers, environ, library)
+    if found.supported is False and offload(environ).requested:
+        note = "I_MPI_OFFLOAD=1 is Intel MPI's switch, and this MPI is not Intel MPI"
+        found = replace(found, reason=f"{found.reason}; {note}" if found.reason else note)
+    return found
+
+
+def _interpret_others(answers: Answers, environ, library: Optional[str]) -> Probe:
     version = answers.version or ""
     gpu, cuda = answers.gpu_query, answers.cuda_query
     if "CRAY MPICH" in version.upper():
@@ -169,6 +187,31 @@ def interpret(answers: Answers, environ=os.environ, library: Optional[str] = Non
     if cuda is not None:
         return Probe(bool(cuda), library, CUDA_QUERY)
     return Probe(None, library, None)
+
+
+def _intel(answers: Answers, environ, library: Optional[str]) -> Probe:
+    """Intel MPI's rows of the table: its offload switches decide."""
+    switches = offload(environ)
+    if not switches.requested:
+        return Probe(False, library, None,
+                     "Intel MPI takes device buffers only with I_MPI_OFFLOAD=1 set before MPI "
+                     f"starts (it is {switches.setting or 'not set'})")
+    if switches.mode == "cuda":
+        return Probe(True, library, None,
+                     f"Intel MPI, I_MPI_OFFLOAD={switches.setting} and I_MPI_OFFLOAD_MODE=cuda")
+    if switches.mode == "level_zero":
+        return Probe(False, library, None,
+                     "Intel MPI with I_MPI_OFFLOAD_MODE=level_zero takes Intel GPUs' buffers, "
+                     "not CUDA's: set I_MPI_OFFLOAD_MODE=cuda")
+    for query, answer in ((GPU_QUERY, answers.gpu_query), (CUDA_QUERY, answers.cuda_query)):
+        if answer:
+            return Probe(True, library, query,
+                         f"Intel MPI, I_MPI_OFFLOAD={switches.setting}, "
+                         f"I_MPI_OFFLOAD_MODE={switches.mode}")
+    return Probe(None, library, None,
+                 f"Intel MPI with I_MPI_OFFLOAD={switches.setting} and I_MPI_OFFLOAD_MODE="
+                 f"{switches.mode} may have chosen Level Zero rather than CUDA, and its queries "
+                 "do not say yes: set I_MPI_OFFLOAD_MODE=cuda")
 
 
 def _call_version(library: ctypes.CDLL) -> str:
@@ -246,6 +289,11 @@ def configure(setting: str) -> Decision:
         log.warning("CUDA-aware MPI: unsure (%s); device buffers are staged through host "
                     "memory. Set MPIDDP_CUDA_AWARE=1 if this MPI can read device memory.",
                     _decision.probe.describe())
+    elif setting == "auto" and not _decision.cuda_aware and offload().requested:
+        # Asked for, and not to be had: say so rather than stage in silence.
+        log.warning("I_MPI_OFFLOAD=%s asks Intel MPI to take device buffers, but %s; device "
+                    "buffers are staged through host memory", offload().setting,
+                    _decision.probe.describe())
     return _decision
 
 
@@ -269,8 +317,8 @@ def mpi_cuda_aware() -> bool:
 
     Decided at ``init()`` from ``MPIDDP_CUDA_AWARE`` (default ``auto``: ask the loaded MPI
     library through ``MPIX_GPU_query_support`` or ``MPIX_Query_cuda_support``, or for
-    MVAPICH2 and Cray MPICH their environment switches; an answer that cannot be trusted, or
-    none, counts as not CUDA-aware). Before ``init()`` the answer is worked out now,
+    MVAPICH2, Cray MPICH and Intel MPI their environment switches; an answer that cannot be
+    trusted, or none, counts as not CUDA-aware). Before ``init()`` the answer is worked out now,
     from the environment and a fresh probe.
 
     Returns:

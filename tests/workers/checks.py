@@ -7,6 +7,7 @@ rank got past a check, with the values it measured, as one line the test reads b
 rather than the wording of a line.
 """
 import json
+import sys
 from typing import Callable, Optional
 
 REPORT_SEPARATOR = " | "
@@ -24,7 +25,10 @@ def ok(check: str, rank: int, barrier: Optional[Callable[[], None]] = None,
     line = f"OK {rank} {check}" if every_rank else f"OK {check}"
     if values:
         line += REPORT_SEPARATOR + json.dumps(values, sort_keys=True)
-    print(line, flush=True)
+    # One write, newline included: print() writes the newline separately when Python is
+    # unbuffered (the tests' PYTHONUNBUFFERED=1), and another rank's line could come between.
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def expect(exc_type, fn, *needles) -> str:
