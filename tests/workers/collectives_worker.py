@@ -288,29 +288,36 @@ def check_out_of_order():
 def check_cache_grows():
     """More names a step than the response cache holds (1,500 against 1,024 places, the
     capacity not set): the cache doubles, on every rank alike, and from then on a step needs
-    no negotiation through rank 0; every sum right. Six steps: the growth is decided within
-    about three (when a step's cycles happen to evict fewer names it can take one more), and
-    names evicted before it need one slow cycle each to come back."""
+    no negotiation through rank 0; every sum right. Seven steps: the growth is decided within
+    about three (when a step's cycles happen to evict fewer names it can take one more),
+    names evicted before it need one slow cycle each to come back, and the last is not judged
+    (see below)."""
     engine = current.require("check").engine
     assert engine.protocol.cache.capacity == 1024
     names = 1500
-    slow = []
-    for step in range(6):
-        before = mpiddp.engine_stats()["slow_cycles"]
+    slow, hits = [], []
+    for step in range(7):
+        before = mpiddp.engine_stats()
         handles = [mpiddp.allreduce_async(torch.full((4,), float(RANK + i + step)),
                                           name=f"many.{i}", op=mpiddp.Sum)
                    for i in range(names)]
         for i, handle in enumerate(handles):
             want = sum(r + i + step for r in range(SIZE))
             assert torch.all(mpiddp.synchronize(handle) == want), i
-        slow.append(mpiddp.engine_stats()["slow_cycles"] - before)
+        after = mpiddp.engine_stats()
+        slow.append(after["slow_cycles"] - before["slow_cycles"])
+        hits.append(after["cache_hits"] - before["cache_hits"])
     capacities = mpiddp.allgather_object(engine.protocol.cache.capacity, name="capacities")
     assert capacities == [2048] * SIZE, capacities
-    # After the growth whole steps run without rank 0; a single slow cycle can still turn up
-    # in a late step under load (seen 1 run in 3 here, on the code before this session too;
-    # its cause is not found yet: the session note of 2026-11-28 says what was seen).
-    assert slow[0] > 0 and min(slow[2:]) == 0 and slow[-1] <= 1, slow
-    ok("more names than the response cache holds: it grows", slow_cycles=slow)
+    # The last step is not judged: a rank that has finished it goes on to a new name
+    # (allgather_object below, or shutdown), and the slow cycle that costs every rank lands
+    # in the step's count on a rank that reads its stats later (the stray slow cycle seen in
+    # the last step about 1 run in 3). After the growth every name of a step is found in the
+    # cache (none evicted, none negotiated again) and steps run without rank 0.
+    slow, hits = slow[:-1], hits[:-1]
+    assert slow[0] > 0 and hits[0] < names, (slow, hits)
+    assert slow[3:] == [0] * 3 and hits[3:] == [names] * 3, (slow, hits)
+    ok("more names than the response cache holds: it grows", slow_cycles=slow, hits=hits)
 
 
 def check_autograd():
