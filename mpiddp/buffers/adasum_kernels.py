@@ -78,7 +78,7 @@ class HostAdasumKernels:
         if self.dtype.name == "bfloat16":          # torch rounds to nearest even
             import torch
 
-            torch.from_numpy(target).view(torch.bfloat16).copy_(torch.from_numpy(values))
+            torch_view(target, self.dtype).copy_(torch.from_numpy(values))
         else:
             np.copyto(target, values, casting="unsafe")
 
@@ -97,7 +97,7 @@ class HostAdasumKernels:
             yield start, stop, first, offsets
 
     def dots(self, a, b, segments: Sequence[tuple[int, int]]) -> np.ndarray:
-        nonempty = [i for i, (start, stop) in enumerate(segments) if stop > start]
+        nonempty = _nonempty(segments)
         out = np.zeros((len(segments), 3))
         out[nonempty] = self._dots(a, b, [segments[i] for i in nonempty])
         return out
@@ -118,7 +118,7 @@ class HostAdasumKernels:
 
     def combine(self, x, y, segments: Sequence[tuple[int, int]],
                 coefficients: np.ndarray) -> None:
-        nonempty = [i for i, (start, stop) in enumerate(segments) if stop > start]
+        nonempty = _nonempty(segments)
         self._combine(x, y, [segments[i] for i in nonempty], coefficients[nonempty])
 
     def _combine(self, x, y, segments: Sequence[tuple[int, int]],
@@ -137,3 +137,8 @@ class HostAdasumKernels:
             v *= cy
             u += v
             self._store(x[start:stop], u)
+
+
+def _nonempty(segments: Sequence[tuple[int, int]]) -> list[int]:
+    """The indices of the segments that hold elements (``_chunks`` takes no empty one)."""
+    return [i for i, (start, stop) in enumerate(segments) if stop > start]
