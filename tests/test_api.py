@@ -13,12 +13,12 @@ import pytest
 import mpiddp
 from mpiddp import build_info, checkpoint, process_sets, runtime
 from mpiddp.torch import (async_ops, collectives, compression, functions, handles, optimizer,
-                          requests, sync_batch_norm)
+                          requests, sync_batch_norm, zero_optimizer)
 
 ROOT = Path(__file__).parent.parent
 PUBLIC_MODULES = [mpiddp, runtime, handles, async_ops, collectives, requests, functions,
                   optimizer, compression, build_info, process_sets, sync_batch_norm,
-                  checkpoint]
+                  checkpoint, zero_optimizer]
 
 # Functions that raise nothing of their own (no "Raises:" section needed).
 RAISES_NOTHING = {"is_initialized", "mpi_threads_supported", "shutdown",
@@ -40,6 +40,8 @@ def public_functions():
                     seen.setdefault(qualified, method)
     # The methods DistributedOptimizer puts in front of the wrapped optimizer's class.
     for qualified, method in public_methods(optimizer._DistributedOptimizer):
+        seen.setdefault(qualified, method)
+    for qualified, method in public_methods(zero_optimizer.ShardedOptimizer):   # zero_stage
         seen.setdefault(qualified, method)
     return sorted(seen.items())
 

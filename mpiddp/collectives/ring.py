@@ -112,9 +112,17 @@ def ring_allreduce(comm, buf, scratch, reduce_into: ReduceInto,
 
 
 def ring_reduce_scatter(comm: MPI.Comm, buf, scratch, bounds: Sequence[int],
-                        reduce_into: ReduceInto) -> None:
+                        reduce_into: ReduceInto, ring_order: bool = False) -> None:
     """Reduce ``buf`` so that rank ``r`` ends with the reduced chunk ``bounds[r]:bounds[r+1]``
-    (in place; the other chunks hold partial sums afterwards)."""
+    (in place; the other chunks hold partial sums afterwards). ``ring_order``: rank ``r``
+    ends with chunk ``(r + 1) % size`` instead, summed in the order ``ring_allreduce`` sums
+    it (``owned_chunk``)."""
     if comm.Get_size() == 1:
         return
-    complete(reduce_scatter_steps(comm, buf, scratch, bounds, reduce_into, owner_shift=-1))
+    complete(reduce_scatter_steps(comm, buf, scratch, bounds, reduce_into,
+                                  owner_shift=0 if ring_order else -1))
+
+
+def owned_chunk(rank: int, size: int, ring_order: bool) -> int:
+    """The chunk a reduce-scatter leaves reduced on ``rank`` (see ``ring_reduce_scatter``)."""
+    return (rank + 1) % size if ring_order else rank

@@ -28,7 +28,7 @@ from ..collectives.cost_model import (LinkCosts, describe_threshold, gradient_cy
                                       measure_link_costs, priority_cycle_bytes,
                                       speculation_bytes)
 from ..collectives.native import allgatherv, alltoallv, broadcast
-from ..collectives.ring import chunk_bounds, ring_reduce_scatter
+from ..collectives.ring import chunk_bounds, owned_chunk, ring_reduce_scatter
 from ..collectives.topology import node_layout
 from ..config import Settings
 from ..errors import MpiddpError
@@ -207,10 +207,12 @@ class Reducescatter(Operation):
     def communicate(self, ex, job, comm, backend):
         op, dtype = job.request.op, job.dtype
         ring_reduce_scatter(comm, job.buf, job.scratch, job.bounds,
-                            lambda dst, src: backend.reduce_into(dst, src, op, dtype))
+                            lambda dst, src: backend.reduce_into(dst, src, op, dtype),
+                            ring_order=job.request.ring_order)
 
     def unpack(self, ex, job, backend):
-        request, rank = job.request, ex.rank
+        request = job.request
+        rank = owned_chunk(ex.rank, ex.size, request.ring_order)
         mine = job.buf[job.bounds[rank]:job.bounds[rank + 1]]
         rows = job.row_bounds[rank + 1] - job.row_bounds[rank]
         output = allocate(backend, job.entries[0], (rows,) + tuple(request.shape[1:]))

@@ -130,6 +130,8 @@ def agree(requests: dict[int, Request], size: int) -> Response:
         checks.append(("reduction ops", lambda r: r.op, lambda op: ReduceOp(op).name.title()))
         checks.append(("prescale factors", lambda r: r.prescale, str))
         checks.append(("postscale factors", lambda r: r.postscale, str))
+    if kind == REDUCESCATTER:
+        checks.append(("chunk orders (ring_order)", lambda r: r.ring_order, str))
     if kind == BROADCAST:
         checks.append(("root ranks", lambda r: r.root, str))
     if kind in (ALLGATHER, ALLTOALL):

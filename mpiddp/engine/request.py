@@ -53,6 +53,11 @@ class Request(NamedTuple):
     # engine's Settings.priority_cycle_bytes. The agreed request's value counts, so every
     # rank cuts a cycle at the same place.
     cycle_bytes: int = 0
+    # Reduce-scatter only: True leaves rank r the chunk ``(r + 1) % size`` of a flat buffer,
+    # summed in the ring all-reduce's order (its first half, ``ring.reduce_scatter_steps``
+    # with ``owner_shift=0``), so that a sharded optimizer's shard holds the bits the
+    # all-reduce would have produced (torch/zero.py). False: rank r keeps chunk r.
+    ring_order: bool = False
 
     @property
     def device_type(self) -> str:

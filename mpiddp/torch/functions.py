@@ -276,6 +276,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, not "
                         f"{type(optimizer).__name__}")
+    stage = getattr(optimizer.__dict__.get("_mpiddp"), "zero_stage", 0)
+    if stage:
+        raise ValueError(
+            f"broadcast_optimizer_state cannot copy a DistributedOptimizer(zero_stage={stage})"
+            "'s state from one rank: each rank holds its own shard. Load the whole state on "
+            "every rank with optimizer.load_state_dict(state) instead (each keeps its shard), "
+            "or the sharded states with load_sharded_state_dict (docs/sharding.md)")
     base = collective_name(prefix, None, process_set)
     is_root = runtime.rank() == root_rank
     state_dict = optimizer.state_dict()

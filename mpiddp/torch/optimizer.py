@@ -273,13 +273,13 @@ def _synchronized_closure(optimizer, closure):
 _classes: dict = {}
 
 
-def _distributed_class(base: type) -> type:
-    cls = _classes.get(base)
+def _distributed_class(base: type, methods: type = _DistributedOptimizer) -> type:
+    cls = _classes.get((base, methods))
     if cls is None:
-        cls = type(base.__name__, (_DistributedOptimizer, base),
+        cls = type(base.__name__, (methods, base),
                    {"__module__": base.__module__,
                     "__doc__": f"{base.__name__} averaging gradients across ranks (mpiddp)."})
-        _classes[base] = cls
+        _classes[(base, methods)] = cls
     return cls
 
 
@@ -327,6 +327,7 @@ def _check_same_everywhere(sync: GradientSync, named, what: str) -> None:
     """Collective: every rank must reduce the same parameters with the same settings. Raises
     TensorMismatchError, on every rank, naming the first difference."""
     config = {"backward_passes_per_step": sync.passes_per_step, "op": ReduceOp(sync.op).name,
+              "zero_stage": getattr(sync, "zero_stage", 0),
               "compression": getattr(sync.compression, "__name__",
                                      type(sync.compression).__name__),
               "gradient_predivide_factor": sync.postscale}
@@ -381,7 +382,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          sparse_as_dense: bool = False,
                          bucket_cap_mb: float = 4.0,
                          process_set: ProcessSet | None = None,
-                         overlap_forward: bool | str | None = None) -> torch.optim.Optimizer:
+                         overlap_forward: bool | str | None = None,
+                         zero_stage: int = 0) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged across all ranks.
 
     Args:
@@ -417,6 +419,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             by all ranks; logged at INFO). Default None: the ``MPIDDP_OVERLAP_FORWARD``
             setting (off unless set). Not with a closure-based optimizer (LBFGS). See
             docs/training.md.
+        zero_stage: 0 (default): every rank keeps the whole optimizer state. 1: each rank
+            keeps the state of its shard (about 1/size) of the parameters' elements only;
+            gradients are reduce-scattered, each rank steps its shard and the parameters
+            are all-gathered. 2: also releases each full-size gradient once it is packed
+            for its reduction. The result's param groups hold this rank's shards. Only
+            elementwise optimizers (``mpiddp.elementwise_optimizer``); not with Adasum,
+            LBFGS or custom compressors. See docs/sharding.md.
 
     Construction is collective: every rank must build its DistributedOptimizers in the same
     order, for the same parameters. Different models on different ranks raise
@@ -467,6 +476,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError(f"gradient_predivide_factor must be positive, not {factor}")
     if factor != 1.0 and op != ReduceOp.AVERAGE:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
+    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
+        raise ValueError(f"zero_stage must be 0, 1 or 2, not {zero_stage!r}")
+    if zero_stage and op == ReduceOp.ADASUM:
+        raise ValueError("DistributedOptimizer(op=Adasum) cannot shard (zero_stage): Adasum "
+                         "combines each rank's whole parameter deltas. Use zero_stage=0.")
     if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
         raise TypeError("compression must be Compression.none, .fp16, .bf16 or an object with "
                         "compress() and decompress()")
@@ -500,8 +514,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                     f"({owner().prefix}); a gradient must be reduced by one optimizer only")
     if not bucket_cap_mb >= 0:
         raise ValueError(f"bucket_cap_mb must be >= 0, not {bucket_cap_mb!r}")
-    sync = GradientSync(next(_optimizer_index), compression, backward_passes_per_step, op,
-                        factor, sparse_as_dense, float(bucket_cap_mb), process_set)
+    sharded = zero_stage and (process_set is None or process_set.included())
+    if sharded:
+        from . import zero_optimizer
+        zero_optimizer.check_shardable(optimizer, named, compression, zero_stage)
+        sync = zero_optimizer.ShardedSync(
+            next(_optimizer_index), compression, backward_passes_per_step, op, factor,
+            sparse_as_dense, float(bucket_cap_mb), process_set, zero_stage=zero_stage)
+    else:
+        sync = GradientSync(next(_optimizer_index), compression, backward_passes_per_step, op,
+                            factor, sparse_as_dense, float(bucket_cap_mb), process_set)
     sync.extra_names = name_map
     if process_set is None or process_set.included():
         _check_same_everywhere(sync, named, "construction")     # collective
@@ -509,7 +531,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     # else: this rank is outside the optimizer's process set: it trains on its own, a plain
     # local optimizer (Horovod's behaviour), so every rank can run the same script.
 
-    cls = _distributed_class(type(optimizer))
+    cls = _distributed_class(type(optimizer), zero_optimizer.ShardedOptimizer if sharded
+                             else _DistributedOptimizer)
     wrapped = cls.__new__(cls)
     wrapped.__dict__ = optimizer.__dict__       # one optimizer, two views: state is shared
     patched = wrapped.__dict__.get("step")
@@ -525,6 +548,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         step._wrapped_by_lr_sched = True
         wrapped.__dict__["step"] = step
     wrapped.__dict__["_mpiddp"] = sync
+    # Horovod's parameter -> name map, read by scripts and tests.
+    wrapped.__dict__["_parameter_names"] = {param: name for name, param in named}
+    if sharded:
+        zero_optimizer.shard_param_groups(wrapped)
+        zero_optimizer.install_clip_guard()
+        if overlap_forward:
+            sync.gathers.enable_overlap()
+        return wrapped
     if overlap_forward and sync.params:
         # The wrapped class's own step, run parameter subset by subset in the next forward.
         wrapped_ref = weakref.ref(wrapped)
@@ -532,7 +563,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             sync, lambda: super(_DistributedOptimizer, wrapped_ref()).step(),
             auto=overlap_forward == "auto")
         sync.schedule.attach(wrapped)
-    # Horovod's parameter -> name map, read by scripts and tests.
-    wrapped.__dict__["_parameter_names"] = {param: name for name, param in named}
     return wrapped
 

@@ -1,0 +1,405 @@
+"""Sharded gradients and parameter gathers for ``DistributedOptimizer(zero_stage=1|2)``.
+
+The parameters are laid out once in fixed buckets (``ShardLayout``): reverse parameter order,
+the order backward makes gradients final, cut where a bucket reaches ``bucket_cap_mb`` (as
+the standard path cuts its submissions). When every gradient of a bucket is final its
+gradients are packed into one flat buffer and the engine reduce-scatters it around the ring in
+the ring all-reduce's own order (``Request.ring_order``): rank r keeps chunk ``(r + 1) % N``,
+holding the bits the ring all-reduce of that bucket would have left there.
+
+Rank r's *shards* are 1-D views of the parameters' storage covering its chunk of each bucket;
+the wrapped optimizer holds only those in its param groups, so it keeps state for them alone
+and steps them in place. After the step each bucket's chunks are all-gathered into every
+rank's parameters (``Gathers``): at once, or with ``overlap_forward`` just before each
+parameter's first use in the next forward.
+
+Stage 1 keeps the full-size local gradient in ``param.grad`` (backward accumulates into it);
+stage 2 releases it as soon as it is packed for its bucket's reduction.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import weakref
+from typing import Optional
+
+import torch
+
+from .. import runtime
+from ..collectives.ring import chunk_bounds, owned_chunk
+from ..reduce_ops import ReduceOp
+from .collectives import allreduce
+from .forward_overlap import _Guard
+from .gradient_sync import GradientSync, Pending
+from .requests import (allgather_entry, allreduce_request_, reducescatter_entry,
+                       submit_together)
+from .streams import ready_event
+
+SHARD_ATTR = "_mpiddp_shard_of"   # on a shard: weakref to the ShardedSync that made it
+
+# A parameter's part in this rank's chunk of its bucket.
+Piece = collections.namedtuple("Piece", "param start stop chunk_offset shard")
+
+
+class Bucket:
+    """Parameters reduced together: their offsets in the flat buffer, the ring's chunks of it
+    and this rank's pieces of each parameter."""
+
+    def __init__(self, index: int, params: list, rank: int, size: int, wire_dtype):
+        self.index = index
+        self.params = params
+        self.offsets = {}
+        total = 0
+        for param in params:
+            self.offsets[param] = total
+            total += param.numel()
+        self.numel = total
+        self.dtype = params[0].dtype
+        self.wire_dtype = wire_dtype
+        self.device = params[0].device
+        self.bounds = chunk_bounds(total, size)
+        self.size = size
+        own = owned_chunk(rank, size, ring_order=True)
+        self.lo, self.hi = self.bounds[own], self.bounds[own + 1]
+        self.pieces: list[Piece] = []
+        for param in params:
+            start = max(self.lo, self.offsets[param]) - self.offsets[param]
+            stop = min(self.hi, self.offsets[param] + param.numel()) - self.offsets[param]
+            if stop > start:
+                shard = param.detach().view(-1)[start:stop]
+                self.pieces.append(Piece(param, start, stop,
+                                         self.offsets[param] + start - self.lo, shard))
+
+    def unpack_gathered(self, gathered: torch.Tensor) -> None:
+        """Write an all-gather of every rank's chunk (rank order: rank q sent chunk
+        ``(q + 1) % size``, so chunk 0 comes last) into the parameters."""
+        first = self.bounds[1] - self.bounds[0]        # chunk 0, sent by the last rank
+        if self.size > 1:
+            gathered = torch.cat([gathered[gathered.numel() - first:],
+                                  gathered[:gathered.numel() - first]])
+        for param in self.params:
+            offset = self.offsets[param]
+            param.detach().view(-1).copy_(gathered[offset:offset + param.numel()])
+
+
+class ShardLayout:
+    """The buckets of a sharded optimizer's parameters (see the module docstring)."""
+
+    def __init__(self, rank: int, size: int, cap_bytes: int, wire_dtype_of):
+        self.rank, self.size, self.cap_bytes = rank, size, cap_bytes
+        self.wire_dtype_of = wire_dtype_of
+        self.buckets: list[Bucket] = []
+        self.bucket_of: dict = {}
+        self.shards: dict = {}               # parameter -> its shards (0 or 1 here)
+
+    def add(self, params: list) -> None:
+        """Lay out ``params`` (new ones, in optimizer order) in new buckets."""
+        current, current_bytes = [], 0
+        for param in reversed(params):
+            if current and (param.dtype != current[0].dtype
+                            or param.device != current[0].device):
+                self._close(current)
+                current, current_bytes = [], 0
+            current.append(param)
+            current_bytes += param.numel() * self.wire_dtype_of(param).itemsize
+            if current_bytes >= self.cap_bytes:
+                self._close(current)
+                current, current_bytes = [], 0
+        if current:
+            self._close(current)
+
+    def _close(self, params: list) -> None:
+        bucket = Bucket(len(self.buckets), list(params), self.rank, self.size,
+                        self.wire_dtype_of(params[0]))
+        self.buckets.append(bucket)
+        for param in params:
+            self.bucket_of[param] = bucket
+            self.shards[param] = [piece.shard for piece in bucket.pieces
+                                  if piece.param is param]
+
+    def pieces(self):
+        for bucket in self.buckets:
+            yield from bucket.pieces
+
+
+class Reduction:
+    """One bucket's reduce-scatter in flight."""
+
+    __slots__ = ("bucket", "handle", "output", "flat")
+
+    def __init__(self, bucket, handle, output, flat):
+        self.bucket, self.handle, self.output, self.flat = bucket, handle, output, flat
+
+
+class ShardedSync(GradientSync):
+    """``GradientSync`` for ``zero_stage`` 1 and 2: hooks and rounds as on the standard path,
+    but each bucket of gradients is reduce-scattered once complete, and a round writes the
+    averaged shards into the shards' ``.grad`` (see the module docstring)."""
+
+    def __init__(self, *args, zero_stage: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.zero_stage = zero_stage
+        size = runtime.set_size(self.process_set)
+        rank = runtime.set_rank(self.process_set)
+        casts = self.wire_casts
+        self.layout = ShardLayout(
+            rank, size, self.bucket_cap,
+            lambda p: casts.wire_dtype if casts.casts(p.dtype) else p.dtype)
+        self.filling: dict[int, tuple] = {}      # bucket index -> (flat, queued set, events)
+        self.in_flight: list[Reduction] = []
+        self.used: dict = {}                     # parameter -> had a gradient on this rank
+        self.gather_buckets: list[Bucket] = []   # changed by the last round's shards
+        self.gathers = Gathers(self)
+        self.consolidated = None                 # (to, state dict) until the next step
+        self.full_groups: list[list] = []        # the param groups' full parameters
+        self.optimizer_ref = lambda: None        # weak: the optimizer whose groups hold shards
+
+    def add(self, named) -> None:
+        super().add(named)
+        # Frozen parameters get shards when they are unfrozen (_adopt_unfrozen): laid out
+        # now, their elements would take a share of every rank's chunk and leave the
+        # trainable ones unevenly spread.
+        self._lay_out([param for _, param in named if param.requires_grad])
+
+    def _lay_out(self, params: list) -> None:
+        self.layout.add(params)
+        ref = weakref.ref(self)
+        for param in params:
+            for shard in self.layout.shards[param]:
+                setattr(shard, SHARD_ATTR, ref)
+
+    def _adopt_unfrozen(self) -> None:
+        before = len(self.params)
+        super()._adopt_unfrozen()
+        new = self.params[before:]
+        if not new:
+            return
+        self._lay_out(new)
+        optimizer = self.optimizer_ref()
+        if optimizer is not None:          # the shards join their param groups
+            for group, full in zip(optimizer.param_groups, self.full_groups):
+                if any(param in self.layout.shards for param in full):
+                    group["params"] = [shard for param in full
+                                       for shard in self.layout.shards.get(param, [])]
+
+    # ---- packing and submitting -----------------------------------------------------------
+    def _queue(self, param: torch.Tensor, zeros: bool = False) -> None:
+        grad = None if zeros else param.grad
+        if grad is not None and grad.is_sparse:
+            grad = grad.to_dense()
+        bucket = self.layout.bucket_of[param]
+        flat, queued, events = self.filling.get(bucket.index) or (None, set(), [])
+        if flat is None:
+            # Zeros where a member has nothing to add (frozen, or no gradient this step).
+            flat = torch.zeros(bucket.numel, dtype=bucket.wire_dtype, device=bucket.device)
+            self.filling[bucket.index] = (flat, queued, events)
+        if grad is not None:
+            offset = bucket.offsets[param]
+            flat[offset:offset + param.numel()].copy_(grad.reshape(-1))
+            event = ready_event(flat)
+            if event is not None:
+                events.append(event)
+            if self.zero_stage == 2:
+                param.grad = None            # the full-size gradient is no longer needed
+        self.used[param] = grad is not None
+        self.pending[param] = Pending(None, None, None, grad is None)
+        queued.add(param)
+        if len(queued) >= sum(1 for p in bucket.params if p.requires_grad or p in queued):
+            self._submit(bucket)
+
+    def _submit(self, bucket: Bucket) -> None:
+        flat, _, events = self.filling.pop(bucket.index)
+        if flat.is_cuda:
+            stream = torch.cuda.current_stream(flat.device)
+            for event in events:
+                stream.wait_event(event)
+        entry, output = reducescatter_entry(flat, f"{self.prefix}.zero{bucket.index}",
+                                            self.op, self.prescale, self.postscale)
+        entry.request = entry.request._replace(ring_order=True)
+        handle = submit_together([entry], self.process_set)[0]
+        self.in_flight.append(Reduction(bucket, handle, output, flat))
+
+    def _flush(self, extra: tuple = ()) -> list:
+        # Buckets go out from _queue when complete; only the usage vector comes here.
+        return submit_together(list(extra), self.process_set) if extra else []
+
+    def _flush_with_usage(self, params):
+        usage = torch.tensor([self.used.get(p, p.grad is not None) for p in params],
+                             dtype=torch.uint8)
+        entry = allreduce_request_(usage, f"{self.prefix}.used", ReduceOp.MAX)
+        return usage, self._flush(extra=(entry,))[0]
+
+    def start_round(self):
+        with self.lock:
+            self._adopt_unfrozen()
+            params = self._reduced_params()
+            if not params or (self.synchronized and not self.pending and not self.passes):
+                return None
+            for param in params:
+                if param not in self.pending:
+                    self._queue(param, zeros=param.grad is None)
+            for index in list(self.filling):     # members frozen this step: zeros
+                self._submit(self.layout.buckets[index])
+            usage, usage_handle = self._flush_with_usage(params)
+            round_ = ShardRound(self, self.in_flight, usage, usage_handle,
+                                {param: i for i, param in enumerate(params)})
+            self.in_flight, self.pending, self.passes, self.used = [], {}, {}, {}
+            self.trainable = sum(1 for p in params if p.requires_grad)
+            return round_
+
+
+class ShardRound:
+    """The reduce-scatters of one step: ``finish`` waits for them and points each shard's
+    ``.grad`` at its part of the reduced chunk (None where no rank had a gradient). An inf or
+    nan in any rank's chunk is made visible to every rank (``GradScaler`` then skips the step
+    everywhere)."""
+
+    def __init__(self, sync: ShardedSync, reductions, usage, usage_handle, position):
+        self._sync = weakref.ref(sync)
+        self.reductions, self.usage, self.usage_handle = reductions, usage, usage_handle
+        self.position = position
+        self.error: Optional[BaseException] = None
+        self.items = {}       # the standard round's protocol: nothing per parameter here
+
+    def finish(self, params=None) -> None:
+        sync = self._sync()
+        for item in [*(r.handle for r in self.reductions), self.usage_handle]:
+            try:
+                item.wait()
+            except BaseException as exc:
+                self.error = self.error or exc
+        if self.error is not None:
+            raise self.error
+        nonfinite = False
+        changed = []
+        first_grad = None
+        with torch.no_grad():
+            for reduction in self.reductions:
+                output = reduction.output()
+                bucket = reduction.bucket
+                if any(self._used(p) for p in bucket.params):
+                    changed.append(bucket)
+                for piece in bucket.pieces:
+                    if not self._used(piece.param):
+                        piece.shard.grad = None
+                        continue
+                    part = output[piece.chunk_offset:piece.chunk_offset + piece.shard.numel()]
+                    piece.shard.grad = part if part.dtype == piece.shard.dtype \
+                        else part.to(piece.shard.dtype)
+                    if first_grad is None:
+                        first_grad = piece.shard.grad
+                if output.is_floating_point() and output.numel() and \
+                        not bool(torch.isfinite(output).all()):
+                    nonfinite = True
+            anywhere = allreduce(torch.tensor([float(nonfinite)]), op=ReduceOp.MAX,
+                                 name=f"{sync.prefix}.nonfinite",
+                                 process_set=sync.process_set)
+            if bool(anywhere[0]) and not nonfinite and first_grad is not None:
+                first_grad.view(-1)[0] = float("inf")     # so every rank skips the step
+        sync.gather_buckets = changed
+
+    def _used(self, param) -> bool:
+        index = self.position.get(param)
+        return index is not None and bool(self.usage[index])
+
+
+class Gathers:
+    """The all-gathers of updated parameters after a step, one per bucket, in forward order
+    (the last bucket holds the first layers). Without forward overlap at most two are in
+    flight and ``complete`` waits for all; with it they all start at ``step()`` and each
+    parameter's bucket is completed when a torch call first touches the parameter (the guard
+    of ``forward_overlap``)."""
+
+    def __init__(self, sync: ShardedSync):
+        self._sync = weakref.ref(sync)
+        self.queue: collections.deque = collections.deque()     # buckets not yet started
+        self.started: collections.deque = collections.deque()   # (bucket, handle, output)
+        self.deferred = False                     # overlap_forward: complete on first use
+        self.watched: dict[int, torch.Tensor] = {}
+        self.busy = False
+        self.forward_guarded = False
+        self.guards: dict = {}
+        self.lock = threading.RLock()
+
+    def enable_overlap(self) -> None:
+        self.deferred = True
+        self.guard_this_thread()
+        _live_gathers.add(self)
+
+    def start(self, buckets: list) -> None:
+        """Start gathering ``buckets`` after a step (the last ones first: forward order)."""
+        self.complete()
+        self.queue.extend(sorted(buckets, key=lambda b: -b.index))
+        if self.deferred:
+            self.guard_this_thread()
+            while self.queue:
+                self._start_next()
+            self.watched = {id(p): p for bucket, _, _ in self.started for p in bucket.params}
+        else:
+            self.complete()
+
+    def _start_next(self) -> None:
+        bucket = self.queue.popleft()
+        pieces = [piece.shard for piece in bucket.pieces]
+        chunk = torch.cat(pieces) if pieces else \
+            torch.empty(0, dtype=bucket.dtype, device=bucket.device)
+        sync = self._sync()
+        entry, output = allgather_entry(chunk, f"{sync.prefix}.gather{bucket.index}")
+        handle = submit_together([entry], sync.process_set)[0]
+        self.started.append((bucket, handle, output))
+
+    def complete(self, until: Optional[Bucket] = None) -> None:
+        """Finish the gathers (all, or those started up to ``until``'s), unpacking each."""
+        with self.lock:
+            busy, self.busy = self.busy, True
+            try:
+                while self.queue or self.started:
+                    while self.queue and len(self.started) < 2:
+                        self._start_next()
+                    bucket, handle, output = self.started.popleft()
+                    handle.wait()
+                    with torch.no_grad(), torch.inference_mode(False):
+                        bucket.unpack_gathered(output())
+                    for param in bucket.params:
+                        self.watched.pop(id(param), None)
+                    if bucket is until:
+                        break
+            finally:
+                self.busy = busy
+
+    # ---- the forward_overlap guard's protocol --------------------------------------------
+    def touched(self, params: list, what: str) -> None:
+        """A torch call is about to use ``params``: finish their buckets' gathers (and the
+        ones started before them, which the forward needs first)."""
+        bucket_of = self._sync().layout.bucket_of
+        wanted = {id(bucket_of[p]) for p in params if p in bucket_of}
+        last = None
+        for bucket, _, _ in self.started:
+            if id(bucket) in wanted:
+                last = bucket
+        if last is not None:
+            self.complete(until=last)
+
+    def stop_for_compiled_code(self) -> None:
+        for guard in self.guards.values():
+            guard.inert = True
+        self.deferred = False
+        self.complete()
+
+    def guard_this_thread(self) -> None:
+        ident = threading.get_ident()
+        if ident not in self.guards:
+            guard = self.guards[ident] = _Guard(self)
+            guard.__enter__()      # stays on this thread's mode stack, inert once we are gone
+
+
+_live_gathers: "weakref.WeakSet[Gathers]" = weakref.WeakSet()
+
+
+def _complete_all_gathers() -> None:
+    """Before ``mpiddp.shutdown()``: finish every deferred gather of this process."""
+    for gathers in list(_live_gathers):
+        gathers.complete()
+
+
+runtime.register_deferred_work(_complete_all_gathers)

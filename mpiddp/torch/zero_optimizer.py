@@ -1,0 +1,564 @@
+"""The optimizer side of ``DistributedOptimizer(zero_stage=1|2)`` (docs/sharding.md).
+
+The wrapped optimizer's param groups hold this rank's shards (``zero.py``), so its ``state``
+holds only their state and its own ``step`` steps only them; ``ShardedOptimizer`` adds the
+parameter gathers after the step, the global-norm clipping from the shards and the state in
+its three forms: consolidated (the wrapped class's own format, on one rank or all),
+loaded from that format on every rank (any rank count), and sharded (each rank its own part).
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+
+from .. import runtime
+from ..errors import TensorMismatchError
+from ..reduce_ops import ReduceOp
+from .collectives import allreduce
+from .functions import allgather_object
+from .gradient_sync import OWNER_ATTR
+from .optimizer import _check_same_everywhere, _clear_grads, _DistributedOptimizer
+from .zero import SHARD_ATTR, ShardedSync
+
+__all__ = ["elementwise_optimizer"]
+
+# torch.optim classes whose update of each element depends only on that element's parameter,
+# gradient and state: stepping a shard gives the bits stepping the whole tensor gives.
+_ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
+                torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adagrad,
+                torch.optim.RMSprop, torch.optim.Adadelta, torch.optim.ASGD,
+                torch.optim.Rprop)
+_declared: "weakref.WeakSet[type]" = weakref.WeakSet()
+
+# Per-parameter scalar state that a zero-dimensional parameter's elementwise state cannot be
+# told apart from by its shape.
+_SCALAR_KEYS = {"step", "eta", "mu", "mu_product"}
+
+
+def elementwise_optimizer(cls: type) -> type:
+    """Declare an optimizer class elementwise, so that ``DistributedOptimizer(zero_stage=1|2)``
+    may shard it: each element's update depends only on that element's parameter, gradient
+    and state (as SGD's and Adam's do; not LAMB's or LARS's per-tensor trust ratio). Usable as
+    a class decorator.
+
+    Args:
+        cls: a ``torch.optim.Optimizer`` subclass.
+
+    Returns:
+        ``cls``.
+
+    Raises:
+        TypeError: ``cls`` is not a ``torch.optim.Optimizer`` subclass.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"elementwise_optimizer takes a torch.optim.Optimizer subclass, not "
+                        f"{cls!r}")
+    _declared.add(cls)
+    return cls
+
+
+def check_shardable(optimizer, named, compression, zero_stage: int) -> None:
+    """Refuse what sharding cannot do exactly, naming the reason."""
+    cls = type(optimizer)
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(f"DistributedOptimizer(zero_stage={zero_stage}) cannot shard LBFGS: "
+                         "its line search needs whole gradients and a closure. Use "
+                         "zero_stage=0.")
+    if not (isinstance(optimizer, _ELEMENTWISE) or any(issubclass(cls, c) for c in _declared)):
+        raise ValueError(
+            f"DistributedOptimizer(zero_stage={zero_stage}) shards only optimizers whose update "
+            f"is elementwise, and {cls.__name__} is not known to be (optimizers with per-tensor "
+            "norms or trust ratios, such as LAMB or LARS, need whole tensors). Built in: "
+            + ", ".join(c.__name__ for c in _ELEMENTWISE) + ". If each element's update of "
+            f"{cls.__name__} depends only on that element, declare it with "
+            f"mpiddp.elementwise_optimizer({cls.__name__}); otherwise use zero_stage=0.")
+    from .compression import Compression
+    if compression not in (Compression.none, Compression.fp16, Compression.bf16):
+        raise ValueError(f"DistributedOptimizer(zero_stage={zero_stage}) takes "
+                         "Compression.none, .fp16 or .bf16, not a custom compressor "
+                         "(a shard of a compressed gradient need not be the compressed shard)")
+    for name, param in named:
+        if not param.is_contiguous():
+            raise ValueError(f"DistributedOptimizer(zero_stage={zero_stage}): parameter "
+                             f"'{name}' is not contiguous (channels_last?); its shards are "
+                             "views of its memory. Make it contiguous before building the "
+                             "optimizer, or use zero_stage=0.")
+
+
+def shard_param_groups(optimizer) -> None:
+    """Replace the full parameters in ``optimizer.param_groups`` by this rank's shards (keeping
+    the full lists in ``sync.full_groups``); existing state is sharded too."""
+    sync = optimizer._mpiddp
+    full_state = None
+    if optimizer.state:
+        full_state = torch.optim.Optimizer.state_dict(optimizer)
+    sync.full_groups = [list(group["params"]) for group in optimizer.param_groups]
+    sync.optimizer_ref = weakref.ref(optimizer)
+    for group in optimizer.param_groups:
+        group["params"] = _shards_of(sync, group["params"])
+    optimizer.state.clear()
+    if full_state is not None:
+        _load_full(optimizer, full_state)
+
+
+def _shards_of(sync, params) -> list:
+    return [shard for param in params for shard in sync.layout.shards.get(param, [])]
+
+
+def is_sharded(optimizer) -> bool:
+    return isinstance(getattr(optimizer, "__dict__", {}).get("_mpiddp"), ShardedSync)
+
+
+class ShardedOptimizer(_DistributedOptimizer):
+    """Methods of a ``DistributedOptimizer(zero_stage=1|2)`` (see the module docstring)."""
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Synchronize the gradients' reduce-scatters (unless inside ``skip_synchronize()``),
+        step this rank's shards, then gather every rank's updated shards into the
+        parameters: before returning, or with ``overlap_forward`` just before each
+        parameter's first use. A collective.
+
+        Args:
+            closure: evaluated once, with gradients enabled, before the step; default None.
+
+        Returns:
+            The closure's loss, or None.
+
+        Raises:
+            RuntimeError: inside ``skip_synchronize()`` while reductions are in flight.
+            MpiddpError: a reduction or gather failed.
+        """
+        sync = self._mpiddp
+        sync.gathers.complete()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if sync.skip_synchronize:
+            if sync.pending:
+                raise RuntimeError(
+                    "optimizer.step() inside skip_synchronize() while gradient reductions are "
+                    "still in flight: call optimizer.synchronize() before the block")
+        else:
+            sync.schedule.before_step(sync)
+        sync.marks.record("step_begin")
+        super(_DistributedOptimizer, self).step()
+        sync.consolidated = None
+        sync.synchronized = False
+        sync.gathers.start(sync.gather_buckets)
+        sync.marks.record("step_end")
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the shards' averaged gradients and the parameters' local ones (completing
+        reductions in flight first, a collective if there are any).
+
+        Args:
+            set_to_none: set the gradients to None instead of zeroing them. Default True.
+
+        Raises:
+            MpiddpError: a reduction in flight failed.
+        """
+        sync = self._mpiddp
+        sync.wait_all()
+        sync.synchronized = False
+        super(_DistributedOptimizer, self).zero_grad(set_to_none)
+        _clear_grads([p for group in sync.full_groups for p in group], set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a param group (a collective, as without sharding); its parameters are laid
+        out in new buckets and this rank keeps their shards.
+
+        Args:
+            param_group: as for ``torch.optim.Optimizer.add_param_group``.
+
+        Raises:
+            TensorMismatchError: the ranks added different parameters (every rank).
+            ValueError: a parameter cannot be sharded (see ``DistributedOptimizer``).
+        """
+        sync = self._mpiddp
+        sync.gathers.complete()
+        sync.wait_all()
+        super(_DistributedOptimizer, self).add_param_group(param_group)
+        group = self.param_groups[-1]
+        index = len(self.param_groups) - 1
+        full = list(group["params"])
+        named = [(sync.extra_names.get(p, f"group{index}.{i}"), p) for i, p in enumerate(full)]
+        check_shardable(self, named, sync.compression, sync.zero_stage)
+        _check_same_everywhere(sync, named, f"add_param_group (group {index})")
+        sync.add(named)
+        sync.full_groups.append(full)
+        group["params"] = _shards_of(sync, full)
+        self.__dict__["_parameter_names"].update({p: n for n, p in named})
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the averaged gradients by their global norm, computed from every rank's
+        shards with one scalar all-reduce, as ``torch.nn.utils.clip_grad_norm_`` would on
+        the whole averaged gradients. A collective: call it on every rank, after backward
+        (or ``synchronize()``) and before ``step()``.
+
+        Args:
+            max_norm: the largest total norm the gradients keep.
+            norm_type: the norm's order (``float("inf")`` for the largest element). Default
+                2.0.
+            error_if_nonfinite: raise when the total norm is inf or nan. Default False.
+
+        Returns:
+            The total norm (a one-element float tensor, as torch's).
+
+        Raises:
+            RuntimeError: ``error_if_nonfinite`` and the norm is inf or nan (every rank).
+        """
+        sync = self._mpiddp
+        if sync.pending:
+            sync.synchronize()
+        norm_type = float(norm_type)
+        grads = [p.grad for group in self.param_groups for p in group["params"]
+                 if p.grad is not None]
+        dtype = grads[0].dtype if grads else torch.float32
+        if grads:
+            norms = torch.stack([torch.linalg.vector_norm(g.double(), norm_type) for g in grads])
+        else:
+            norms = torch.zeros(1, dtype=torch.float64)
+        if math.isinf(norm_type):
+            local, op = norms.max().reshape(1), ReduceOp.MAX
+        else:
+            local, op = (norms ** norm_type).sum().reshape(1), ReduceOp.SUM
+        total = allreduce(local.cpu(), op=op, name=f"{sync.prefix}.grad_norm",
+                          process_set=sync.process_set)[0]
+        if not math.isinf(norm_type):
+            total = total ** (1.0 / norm_type)
+        if error_if_nonfinite and not math.isfinite(float(total)):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
+                               "non-finite, so it cannot be clipped (error_if_nonfinite)")
+        coefficient = torch.clamp(torch.tensor(max_norm, dtype=torch.float64) / (total + 1e-6),
+                                  max=1.0)
+        with torch.no_grad():
+            for grad in grads:
+                grad.mul_(coefficient.to(grad.dtype))
+        return total.to(dtype)
+
+    # ---- state ------------------------------------------------------------------------------
+    def consolidate_state_dict(self, to: Optional[int] = 0) -> None:
+        """Collective: gather the whole optimizer state, bucket by bucket, onto rank ``to``
+        (None: every rank). Until the next ``step()``, ``state_dict()`` there returns it in
+        the wrapped optimizer's own format, loadable into a plain torch optimizer.
+
+        Args:
+            to: the rank that receives the whole state, or None for every rank. Default 0.
+
+        Raises:
+            ValueError: ``to`` is not a rank of the optimizer's process set, or None.
+            TensorMismatchError: the ranks passed different ``to`` (every rank).
+        """
+        sync = self._mpiddp
+        size, rank = runtime.set_size(sync.process_set), runtime.set_rank(sync.process_set)
+        if to is not None and (isinstance(to, bool) or not isinstance(to, int)
+                               or not 0 <= to < size):
+            raise ValueError(f"consolidate_state_dict(to={to!r}): give a rank from 0 to "
+                             f"{size - 1}, or None for every rank")
+        sync.gathers.complete()
+        index_of, params = _indices(sync)
+        gathering = to is None or to == rank
+        state: dict = {}
+        sharded: set = set()
+        for position, bucket in enumerate(sync.layout.buckets or [None]):
+            mine = []
+            for piece in (bucket.pieces if bucket is not None else []):
+                values = self.state.get(piece.shard)
+                if values:
+                    mine.append((index_of[piece.param], piece.start, piece.stop,
+                                 {k: v.detach().cpu() if torch.is_tensor(v) else v
+                                  for k, v in values.items()}))
+            everyone = allgather_object((to, mine), name=f"{sync.prefix}.consolidate",
+                                        process_set=sync.process_set)
+            if position == 0:
+                targets = [t for t, _ in everyone]
+                if any(t != to for t in targets):
+                    raise TensorMismatchError(
+                        f"consolidate_state_dict: the ranks disagree on 'to': {targets}")
+            if gathering:
+                for _, pieces in everyone:
+                    for index, start, stop, values in pieces:
+                        _place(state.setdefault(index, {}), sharded, index, params[index],
+                               start, stop, values)
+        if not gathering:
+            sync.consolidated = (to, None)
+            return
+        for index, values in state.items():
+            for key in values:
+                if (index, key) in sharded:
+                    values[key] = values[key].reshape(params[index].shape)
+        sync.consolidated = (to, {"state": state, "param_groups": _groups(self, sync)})
+
+    def state_dict(self) -> dict:
+        """The whole state, on the rank(s) of the last ``consolidate_state_dict`` and until
+        the next step.
+
+        Returns:
+            The wrapped optimizer's own ``state_dict()`` format for the whole model.
+
+        Raises:
+            RuntimeError: anywhere else: this rank holds only its shard.
+        """
+        sync = self._mpiddp
+        rank = runtime.set_rank(sync.process_set)
+        if sync.consolidated is not None and sync.consolidated[1] is not None:
+            return sync.consolidated[1]
+        where = ("on every rank first (then state_dict() returns the whole state here until "
+                 "the next step)")
+        if sync.consolidated is not None:
+            where = (f"with to={rank} or to=None (it was consolidated onto rank "
+                     f"{sync.consolidated[0]})")
+        raise RuntimeError(
+            f"state_dict() of DistributedOptimizer(zero_stage={sync.zero_stage}) on rank "
+            f"{rank}: this rank holds only its shard of the optimizer state. Call "
+            f"optimizer.consolidate_state_dict(to=0) {where}, or save "
+            "optimizer.sharded_state_dict() on every rank.")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a whole state (``consolidate_state_dict`` + ``state_dict()``, or a plain torch
+        optimizer's) on every rank: each keeps its shard. Any rank count.
+
+        Args:
+            state_dict: the whole state.
+
+        Raises:
+            ValueError: the state belongs to another model (param group sizes or state
+                shapes differ), or is a sharded one (use ``load_sharded_state_dict``).
+        """
+        sync = self._mpiddp
+        if "zero_sharded" in state_dict:
+            raise ValueError("load_state_dict got a sharded state (from sharded_state_dict()); "
+                             "load every rank's with load_sharded_state_dict([...])")
+        sync.gathers.complete()
+        sync.wait_all()
+        _load_full(self, state_dict)
+        sync.consolidated = None
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's part of the state: O(total / ranks), nothing gathered. Save one per
+        rank; ``load_sharded_state_dict`` takes them all back, at any rank count.
+
+        Returns:
+            ``{"zero_sharded": {world_size, rank, pieces}, "state": ..., "param_groups":
+            ...}``: this rank's state by parameter index, with the element ranges it covers.
+        """
+        sync = self._mpiddp
+        sync.gathers.complete()
+        index_of, _ = _indices(sync)
+        pieces, state = [], {}
+        for piece in sync.layout.pieces():
+            index = index_of[piece.param]
+            pieces.append((index, piece.start, piece.stop, tuple(piece.param.shape)))
+            if self.state.get(piece.shard):
+                state[index] = dict(self.state[piece.shard])
+        return {"zero_sharded": {"world_size": runtime.set_size(sync.process_set),
+                                 "rank": runtime.set_rank(sync.process_set),
+                                 "pieces": pieces},
+                "state": state, "param_groups": _groups(self, sync)}
+
+    def load_sharded_state_dict(self, sharded: list[dict]) -> None:
+        """Load the ``sharded_state_dict()`` of every rank of the run that saved them (a
+        list, any order; ``torch.load(..., mmap=True)`` keeps memory low): each rank takes
+        the parts of its own shards. Any rank count.
+
+        Args:
+            sharded: every rank's ``sharded_state_dict()`` of one save.
+
+        Raises:
+            ValueError: parts are missing or come from different runs or models.
+        """
+        sync = self._mpiddp
+        sync.gathers.complete()
+        sync.wait_all()
+        worlds = {s["zero_sharded"]["world_size"] for s in sharded}
+        ranks = sorted(s["zero_sharded"]["rank"] for s in sharded)
+        if len(worlds) != 1 or ranks != list(range(next(iter(worlds)))):
+            raise ValueError(f"load_sharded_state_dict needs every rank's part of one save: got "
+                             f"ranks {ranks} of world sizes {sorted(worlds)}")
+        index_of, params = _indices(sync)
+        _set_hyperparameters(self, sharded[0]["param_groups"])
+        self.state.clear()
+        for piece in sync.layout.pieces():
+            index = index_of[piece.param]
+            values, sharded_keys = {}, set()
+            covered = 0
+            for part in sharded:
+                found = [p for p in part["zero_sharded"]["pieces"] if p[0] == index]
+                if not found or index not in part["state"]:
+                    continue
+                _, start, stop, shape = found[0]
+                if tuple(shape) != tuple(piece.param.shape):
+                    raise ValueError(f"load_sharded_state_dict: parameter {index} has shape "
+                                     f"{list(shape)} in the save, {list(piece.param.shape)} "
+                                     "here: a state of another model")
+                lo, hi = max(start, piece.start), min(stop, piece.stop)
+                if lo >= hi:
+                    continue
+                covered += hi - lo
+                for key, value in part["state"][index].items():
+                    if _is_piece_value(key, value, stop - start):
+                        if key not in values:
+                            values[key] = torch.empty(piece.stop - piece.start,
+                                                      dtype=value.dtype)
+                            sharded_keys.add(key)
+                        values[key][lo - piece.start:hi - piece.start] = \
+                            value[lo - start:hi - start]
+                    else:
+                        values.setdefault(key, value)
+            if values:
+                if covered != piece.stop - piece.start:
+                    raise ValueError(f"load_sharded_state_dict: the parts do not cover "
+                                     f"parameter {index} elements {piece.start}-{piece.stop}")
+                self.state[piece.shard] = _as_param_state(values, piece.shard)
+        sync.consolidated = None
+
+
+def _indices(sync) -> tuple[dict, list]:
+    params = [p for group in sync.full_groups for p in group]
+    return {p: i for i, p in enumerate(params)}, params
+
+
+def _groups(optimizer, sync) -> list:
+    groups, start = [], 0
+    for group, full in zip(optimizer.param_groups, sync.full_groups):
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(start, start + len(full)))})
+        start += len(full)
+    return groups
+
+
+def _is_piece_value(key, value, numel: int) -> bool:
+    """Whether a state value of a shard is elementwise (a slice of the whole tensor's)."""
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
+
+
+def _place(values: dict, sharded: set, index: int, param, start: int, stop: int,
+           piece_values: dict) -> None:
+    for key, value in piece_values.items():
+        if _is_piece_value(key, value, stop - start):
+            if key not in values:
+                values[key] = torch.empty(param.numel(), dtype=value.dtype)
+                sharded.add((index, key))
+            values[key][start:stop] = value
+        else:
+            values.setdefault(key, value)
+
+
+def _as_param_state(values: dict, shard) -> dict:
+    """As torch's ``load_state_dict`` does: floating state in the parameter's dtype (not
+    ``step``), everything on its device."""
+    result = {}
+    for key, value in values.items():
+        if torch.is_tensor(value):
+            if key != "step" and value.is_floating_point():
+                value = value.to(dtype=shard.dtype, device=shard.device)
+            elif key != "step":
+                value = value.to(device=shard.device)
+            value = value.clone()
+        result[key] = value
+    return result
+
+
+def _set_hyperparameters(optimizer, groups: list) -> None:
+    sync = optimizer._mpiddp
+    sizes = [len(full) for full in sync.full_groups]
+    theirs = [len(group["params"]) for group in groups]
+    if sizes != theirs:
+        raise ValueError(f"the state dict belongs to another model: its param groups hold "
+                         f"{theirs} parameters, this optimizer's {sizes}")
+    for group, saved in zip(optimizer.param_groups, groups):
+        for key, value in saved.items():
+            if key not in ("params", "param_names"):
+                group[key] = value
+
+
+def _load_full(optimizer, state_dict: dict) -> None:
+    """Every rank keeps its shards' slices of a whole state (see ``load_state_dict``)."""
+    sync = optimizer._mpiddp
+    _set_hyperparameters(optimizer, state_dict["param_groups"])
+    index_of, params = _indices(sync)
+    order = [i for group in state_dict["param_groups"] for i in group["params"]]
+    position = {saved: mine for mine, saved in enumerate(order)}
+    names = {p: n for p, n in optimizer.__dict__.get("_parameter_names", {}).items()}
+    new_state: dict = {}
+    for saved_index, values in state_dict["state"].items():
+        param = params[position[saved_index]]
+        for key, value in values.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                raise ValueError(
+                    f"load_state_dict: state '{key}' of parameter "
+                    f"'{names.get(param, position[saved_index])}' has shape {list(value.shape)}"
+                    f", the parameter {list(param.shape)}: a state dict of another model")
+        for shard_param, shard in zip([param] * len(sync.layout.shards.get(param, [])),
+                                      sync.layout.shards.get(param, [])):
+            piece = next(p for p in sync.layout.bucket_of[param].pieces if p.shard is shard)
+            sliced = {}
+            for key, value in values.items():
+                elementwise = torch.is_tensor(value) and value.shape == param.shape and \
+                    not (param.dim() == 0 and key in _SCALAR_KEYS)
+                sliced[key] = value.reshape(-1)[piece.start:piece.stop] if elementwise \
+                    else value
+            new_state[shard] = _as_param_state(sliced, shard)
+    optimizer.state.clear()
+    optimizer.state.update(new_state)
+
+
+# ---- torch.nn.utils.clip_grad_norm_ on sharded gradients fails loudly ----------------------
+_guard_installed = False
+
+
+def install_clip_guard() -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` (and ``clip_grad_value_``) raise on parameters
+    of a sharded optimizer: each rank holds only its shard of the averaged gradient there, so
+    the norm would be this rank's alone, silently wrong."""
+    global _guard_installed
+    if _guard_installed:
+        return
+    _guard_installed = True
+    import torch.nn.utils as utils
+    import torch.nn.utils.clip_grad as clip_grad
+    for name, advice in (("clip_grad_norm_", "optimizer.clip_grad_norm_(max_norm)"),
+                         ("clip_grad_value_", "torch.nn.utils.clip_grad_value_ on the "
+                          "optimizer's param groups (its shards)")):
+        original = getattr(clip_grad, name)
+        guarded = _guarded(original, name, advice, shards_too=name == "clip_grad_norm_")
+        setattr(clip_grad, name, guarded)
+        setattr(utils, name, guarded)
+
+
+def _guarded(original, name: str, advice: str, shards_too: bool):
+    def guarded(parameters, *args, **kwargs):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        parameters = list(parameters)
+        for param in parameters:
+            stage = _sharded_stage(param, shards_too)
+            if stage:
+                raise RuntimeError(
+                    f"torch.nn.utils.{name} on parameters of a DistributedOptimizer("
+                    f"zero_stage={stage}): each rank holds only its shard of the averaged "
+                    f"gradients, so the result would be silently wrong. Use {advice} instead.")
+        return original(parameters, *args, **kwargs)
+    guarded.__wrapped__ = original
+    guarded.__doc__ = original.__doc__
+    guarded.__name__ = name
+    return guarded
+
+
+def _sharded_stage(param, shards_too: bool) -> int:
+    owner = getattr(param, OWNER_ATTR, None)
+    sync = owner() if owner is not None else None
+    if isinstance(sync, ShardedSync):
+        return sync.zero_stage
+    if shards_too:
+        owner = getattr(param, SHARD_ATTR, None)
+        sync = owner() if owner is not None else None
+        if isinstance(sync, ShardedSync):
+            return sync.zero_stage
+    return 0
