@@ -205,9 +205,14 @@ class State:
     def commit(self) -> None:
         """Copy the state to host memory now; write it durably in the background. Call it at
         the same step on every rank (it is not collective, but restore needs every writer's
-        copy to mean the same step). A write still pending is replaced by this newer one."""
+        copy to mean the same step). A write still pending is replaced by this newer one.
+        With a ``DistributedOptimizer(zero_stage=1|2)`` it is a collective: the snapshot holds
+        the whole optimizer state (``consolidate_state_dict(to=None)``), so that a restore at
+        any rank count re-shards it."""
         self._raise_write_error()
         self.commits += 1
+        if _sharded(self._optimizer):
+            self._optimizer.consolidate_state_dict(to=None)
         if not self.writer:
             return
         snapshot = (self.commits, _to_host(self.state_dict()))
@@ -280,7 +285,9 @@ class State:
     def sync(self) -> None:
         """Collective: make every rank's state rank 0's."""
         broadcast_parameters(self._model.state_dict(), root_rank=0)
-        if self._optimizer is not None:
+        if self._optimizer is not None and not _sharded(self._optimizer):
+            # (A sharded optimizer's shards are each rank's own: restore loaded the whole
+            # state on every rank, each keeping its shard.)
             broadcast_optimizer_state(self._optimizer, root_rank=0)
         rest = broadcast_object({"epoch": self.epoch, "step": self.step,
                                  "commits": self.commits, "extras": self._extras,
@@ -290,6 +297,11 @@ class State:
         self._extras.update(rest["extras"])
         if self._sampler is not None:
             self._sampler.load_state_dict(rest["sampler"])
+
+
+def _sharded(optimizer) -> bool:
+    """Whether ``optimizer`` is a ``DistributedOptimizer(zero_stage=1|2)``."""
+    return bool(getattr(getattr(optimizer, "__dict__", {}).get("_mpiddp"), "zero_stage", 0))
 
 
 def list_snapshots(directory: str) -> list[tuple[int, str, str]]:

@@ -1,6 +1,7 @@
 """Elastic training worker: train a tiny model with ElasticSampler and elastic.State.
 
     elastic_worker.py DIR EPOCHS [--stop-at STEP] [--die-at STEP] [--commit-every N]
+                      [--zero-stage S]
 
 Restores from DIR, trains, commits every N steps, and appends every sample id a rank trains
 to DIR/ids.<run>.<rank> (one per line, with the epoch). ``--stop-at`` commits and ends every
@@ -34,6 +35,7 @@ def main():
     p.add_argument("--freeze", action="store_true", help="--die-at freezes (SIGSTOP) instead")
     p.add_argument("--commit-every", type=int, default=1)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--zero-stage", type=int, default=0, help="shard the optimizer state")
     args = p.parse_args()
     mpiddp.init()
     rank, size = mpiddp.rank(), mpiddp.size()
@@ -43,7 +45,7 @@ def main():
     model = torch.nn.Linear(5, 1)
     optimizer = mpiddp.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01 * size, momentum=0.9),
-        named_parameters=model.named_parameters())
+        named_parameters=model.named_parameters(), zero_stage=args.zero_stage)
     sampler = ElasticSampler(DATASET, args.batch, seed=7)
     state = State(model, optimizer, sampler=sampler, directory=args.directory, runs=0)
     restored = state.restore()
@@ -52,6 +54,8 @@ def main():
     everywhere = mpiddp.allgather(flat.unsqueeze(0), name="check.params")
     assert all(torch.equal(row, flat) for row in everywhere), \
         f"rank {rank}: parameters differ across ranks after restore: {everywhere}"
+    if args.zero_stage:
+        optimizer.consolidate_state_dict(to=None)
     momentum = [s["momentum_buffer"] for s in optimizer.state_dict()["state"].values()]
     if momentum:
         mom = torch.cat([m.flatten() for m in momentum])
