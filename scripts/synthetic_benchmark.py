@@ -173,15 +173,25 @@ def supports_overlap_forward() -> bool:
     return "overlap_forward" in inspect.signature(mpiddp.DistributedOptimizer).parameters
 
 
-def make_mpiddp(args, bucket_cap_mb: float, name: str, overlap: bool | str = False) -> Variant:
+def make_mpiddp(args, bucket_cap_mb: float, name: str, overlap: bool | str = False,
+                zero_stage: int = 0) -> Variant:
     model, data, target = build(args)
     optimizer = make_optimizer(args, model, model.parameters())
     compression = getattr(mpiddp.Compression, args.compression)
     # Only passed when asked for, so the standard path runs on any mpiddp.
     extra = {"overlap_forward": overlap} if overlap else {}
+    if zero_stage:
+        if isinstance(optimizer, sim.SimulatedOptimizer):
+            mpiddp.elementwise_optimizer(sim.SimulatedOptimizer)   # a shard takes its share
+        extra["zero_stage"] = zero_stage
     optimizer = mpiddp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                             compression=compression,
                                             bucket_cap_mb=bucket_cap_mb, **extra)
+    if zero_stage:
+        for piece in optimizer._mpiddp.layout.pieces():      # --param-scale: the real share
+            if hasattr(piece.param, "sim_elements"):
+                piece.shard.sim_elements = round(piece.param.sim_elements *
+                                                 piece.shard.numel() / piece.param.numel())
     mpiddp.broadcast_parameters(model.state_dict(), root_rank=0)
     return Variant(name, model, optimizer, data, target, overlap)
 
@@ -298,7 +308,9 @@ def parse_args(argv=None):
                         "warm-up steps to time its choice), "
                         "native (mpiddp, every reduction by the MPI library's "
                         "MPI_Allreduce), ddp (torch DDP over gloo), single (one process, the "
-                        "scaling baseline); mpiddp:MB / overlap:MB / ddp:MB set the bucket size of "
+                        "scaling baseline), zero1 / zero2 (DistributedOptimizer(zero_stage=1|2)"
+                        "; overlap-zero1 / overlap-zero2 with overlap_forward=True); "
+                        "mpiddp:MB / overlap:MB / ddp:MB set the bucket size of "
                         "that variant (e.g. mpiddp:0,mpiddp:1000,ddp,ddp:1000)")
     p.add_argument("--overlap-forward", action="store_true",
                    help="every mpiddp variant with DistributedOptimizer(overlap_forward=True)"
@@ -417,7 +429,14 @@ def report_bound(args, result: dict, names: list, nodes: int, params: int) -> No
 
 
 def uses_mpiddp(name: str) -> bool:
-    return name.split(":")[0] in ("mpiddp", "overlap", "auto", "native")
+    return name.split(":")[0] in MPIDDP_KINDS
+
+
+# The mpiddp variants: the standard path, forward overlap (fixed, or auto), every reduction
+# by MPI_Allreduce, and sharded (zero1, zero2: DistributedOptimizer(zero_stage=1|2); with
+# overlap-: the parameter gathers ride the next forward).
+MPIDDP_KINDS = ("mpiddp", "overlap", "auto", "native", "zero1", "zero2", "overlap-zero1",
+                "overlap-zero2")
 
 
 def select_algorithm(name: str) -> None:
@@ -432,11 +451,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [n for n in names
-               if n.split(":")[0] not in ("mpiddp", "overlap", "auto", "native", "ddp",
-                                          "single")]
+               if n.split(":")[0] not in (*MPIDDP_KINDS, "ddp", "single")]
     if unknown or len(set(names)) != len(names):
         raise SystemExit(f"bad --variants {args.variants!r}: use mpiddp[:MB], overlap[:MB], "
-                         "auto[:MB], native[:MB], ddp[:MB], single")
+                         "auto[:MB], native[:MB], zero1[:MB], zero2[:MB], overlap-zero1[:MB], "
+                         "overlap-zero2[:MB], ddp[:MB], single")
     if (args.overlap_forward or any(n.startswith(("overlap", "auto")) for n in names)) \
             and not supports_overlap_forward():
         raise SystemExit(f"--overlap-forward / the overlap variant: the installed mpiddp "
@@ -481,7 +500,8 @@ def main(argv=None) -> int:
             mpiddp.init()
             variants[name] = make_mpiddp(args, float(cap or args.bucket_cap_mb), name,
                                          overlap="auto" if kind == "auto" else
-                                         kind == "overlap" or args.overlap_forward)
+                                         kind.startswith("overlap") or args.overlap_forward,
+                                         zero_stage=int(kind[-1]) if "zero" in kind else 0)
     params = sum(p.numel() for p in next(iter(variants.values())).model.parameters())
     if rank == 0:
         if simulation:

@@ -28,7 +28,8 @@ from ..collectives.cost_model import (LinkCosts, describe_threshold, gradient_cy
                                       measure_link_costs, priority_cycle_bytes,
                                       speculation_bytes)
 from ..collectives.native import allgatherv, alltoallv, broadcast
-from ..collectives.ring import chunk_bounds, owned_chunk, ring_reduce_scatter
+from ..collectives.ring import (allgather_steps, chunk_bounds, complete, owned_chunk,
+                                ring_reduce_scatter)
 from ..collectives.topology import node_layout
 from ..config import Settings
 from ..errors import MpiddpError
@@ -166,10 +167,24 @@ class Allgather(Operation):
         request, sizes = job.request, batch[0].sizes
         row = math.prod(request.shape[1:])
         job.counts = [n * row for n in sizes]
-        job.output = allocate(backend, entries[0], (sum(sizes),) + tuple(request.shape[1:]))
+        # In ring order every rank names the whole output (its input is its chunk of it).
+        rows = request.shape[0] if request.ring_order else sum(sizes)
+        job.output = allocate(backend, entries[0], (rows,) + tuple(request.shape[1:]))
         return job
 
     def communicate(self, ex, job, comm, backend):
+        if job.request.ring_order:
+            # The ring all-reduce's second half: rank r's input is chunk (r + 1) % size of
+            # the output, which ends in chunk order (a sharded optimizer's gathered bucket).
+            bounds = chunk_bounds(len(job.output), ex.size)
+            own = owned_chunk(ex.rank, ex.size, ring_order=True)
+            if len(job.entries[0].input) != bounds[own + 1] - bounds[own]:
+                raise MpiddpError(f"allgather '{job.request.name}' in ring order: rank "
+                                  f"{ex.rank}'s input is not its chunk of the ring")
+            backend.copy(job.output[bounds[own]:bounds[own + 1]], job.entries[0].input)
+            if ex.size > 1:
+                complete(allgather_steps(comm, job.output, bounds, owner_shift=0))
+            return
         allgatherv(comm, job.entries[0].input, job.output, job.counts, job.dtype.itemsize)
 
 
@@ -197,8 +212,12 @@ class Reducescatter(Operation):
         row = math.prod(request.shape[1:])
         job.row_bounds = chunk_bounds(request.shape[0], ex.size)   # rows of rank r's share
         job.bounds = [b * row for b in job.row_bounds]
-        job.buf = ex.pool.get(backend, request.device, dtype, "fusion", request.numel)
-        backend.copy(job.buf, entries[0].input)
+        if request.ring_order:
+            # A sharded optimizer's bucket, handed over: reduced in place, no copy.
+            job.buf = entries[0].input
+        else:
+            job.buf = ex.pool.get(backend, request.device, dtype, "fusion", request.numel)
+            backend.copy(job.buf, entries[0].input)
         backend.scale_(job.buf, request.prescale, dtype)
         largest = max(job.bounds[i + 1] - job.bounds[i] for i in range(ex.size))
         job.scratch = ex.pool.get(backend, request.device, dtype, "scratch", largest)

@@ -130,7 +130,7 @@ def agree(requests: dict[int, Request], size: int) -> Response:
         checks.append(("reduction ops", lambda r: r.op, lambda op: ReduceOp(op).name.title()))
         checks.append(("prescale factors", lambda r: r.prescale, str))
         checks.append(("postscale factors", lambda r: r.postscale, str))
-    if kind == REDUCESCATTER:
+    if kind in (REDUCESCATTER, ALLGATHER):
         checks.append(("chunk orders (ring_order)", lambda r: r.ring_order, str))
     if kind == BROADCAST:
         checks.append(("root ranks", lambda r: r.root, str))
@@ -193,4 +193,7 @@ class RequestTable:
 
 
 def cacheable(response: Response) -> bool:
-    return response.error is None and response.request.kind in CACHEABLE
+    request = response.request
+    # A ring-order all-gather's ranks all name the whole output: it depends on the request.
+    return response.error is None and (request.kind in CACHEABLE or
+                                       (request.kind == ALLGATHER and request.ring_order))

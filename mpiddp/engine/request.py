@@ -53,10 +53,14 @@ class Request(NamedTuple):
     # engine's Settings.priority_cycle_bytes. The agreed request's value counts, so every
     # rank cuts a cycle at the same place.
     cycle_bytes: int = 0
-    # Reduce-scatter only: True leaves rank r the chunk ``(r + 1) % size`` of a flat buffer,
-    # summed in the ring all-reduce's order (its first half, ``ring.reduce_scatter_steps``
-    # with ``owner_shift=0``), so that a sharded optimizer's shard holds the bits the
-    # all-reduce would have produced (torch/zero.py). False: rank r keeps chunk r.
+    # The ring all-reduce's halves for a sharded optimizer (torch/zero.py). Reduce-scatter:
+    # True leaves rank r the chunk ``(r + 1) % size`` of a flat buffer, summed in the ring
+    # all-reduce's order (its first half, ``ring.reduce_scatter_steps`` with
+    # ``owner_shift=0``), reduced in the caller's buffer, which it hands over (False: rank r
+    # keeps chunk r, the input untouched). All-gather: True takes rank r's input as that
+    # chunk and circulates the chunks around the ring (its second half); its shape is the
+    # whole output's, the same on every rank (so the agreement can be cached), which ends in
+    # chunk order (False: MPI_Allgatherv, in rank order).
     ring_order: bool = False
 
     @property

@@ -407,6 +407,7 @@ def join(device: int = -1) -> int:
 
     Raises:
         TypeError: ``device`` is not an integer.
+        ValueError: a sharded optimizer (``zero_stage``) is alive on this rank.
         MpiddpError: this rank still has collectives in flight.
         RuntimeError: another thread of this rank is already in ``join()``.
         NotInitializedError: before ``init()``.
@@ -415,6 +416,14 @@ def join(device: int = -1) -> int:
     """
     if isinstance(device, bool) or not isinstance(device, int):
         raise TypeError(f"join(device=...) takes a device index, not {type(device).__name__}")
+    from .zero import live_sharded_optimizers
+    sharded = live_sharded_optimizers()
+    if sharded:
+        raise ValueError(
+            f"join() with a DistributedOptimizer(zero_stage=...) ({', '.join(sharded)}): a "
+            "joined rank cannot take part in the reduce-scatters and gathers of its shards. "
+            "Give every rank the same number of batches (e.g. drop_last=True in the "
+            "sampler), or use zero_stage=0")
     engine = runtime.require_engine("join()")
     runtime.complete_deferred_work()     # forward overlap's updates need the other ranks now
     return engine.join().wait()

@@ -71,12 +71,8 @@ class Bucket:
                                          self.offsets[param] + start - self.lo, shard))
 
     def unpack_gathered(self, gathered: torch.Tensor) -> None:
-        """Write an all-gather of every rank's chunk (rank order: rank q sent chunk
-        ``(q + 1) % size``, so chunk 0 comes last) into the parameters."""
-        first = self.bounds[1] - self.bounds[0]        # chunk 0, sent by the last rank
-        if self.size > 1:
-            gathered = torch.cat([gathered[gathered.numel() - first:],
-                                  gathered[:gathered.numel() - first]])
+        """Write the gathered bucket (every rank's chunk, in bucket order) into the
+        parameters."""
         for param in self.params:
             offset = self.offsets[param]
             param.detach().view(-1).copy_(gathered[offset:offset + param.numel()])
@@ -131,6 +127,14 @@ class Reduction:
         self.bucket, self.handle, self.output, self.flat = bucket, handle, output, flat
 
 
+_live_sharded: "weakref.WeakSet[ShardedSync]" = weakref.WeakSet()
+
+
+def live_sharded_optimizers() -> list[str]:
+    """The prefixes of this process's sharded optimizers still alive (``join()`` refuses)."""
+    return sorted(sync.prefix for sync in _live_sharded)
+
+
 class ShardedSync(GradientSync):
     """``GradientSync`` for ``zero_stage`` 1 and 2: hooks and rounds as on the standard path,
     but each bucket of gradients is reduce-scattered once complete, and a round writes the
@@ -153,6 +157,7 @@ class ShardedSync(GradientSync):
         self.consolidated = None                 # (to, state dict) until the next step
         self.full_groups: list[list] = []        # the param groups' full parameters
         self.optimizer_ref = lambda: None        # weak: the optimizer whose groups hold shards
+        _live_sharded.add(self)
 
     def add(self, named) -> None:
         super().add(named)
@@ -190,12 +195,14 @@ class ShardedSync(GradientSync):
         bucket = self.layout.bucket_of[param]
         flat, queued, events = self.filling.get(bucket.index) or (None, set(), [])
         if flat is None:
-            # Zeros where a member has nothing to add (frozen, or no gradient this step).
-            flat = torch.zeros(bucket.numel, dtype=bucket.wire_dtype, device=bucket.device)
+            self._release_reduced()
+            flat = torch.empty(bucket.numel, dtype=bucket.wire_dtype, device=bucket.device)
             self.filling[bucket.index] = (flat, queued, events)
+        offset = bucket.offsets[param]
         if grad is not None:
-            offset = bucket.offsets[param]
             flat[offset:offset + param.numel()].copy_(grad.reshape(-1))
+        else:
+            flat[offset:offset + param.numel()].zero_()
             event = ready_event(flat)
             if event is not None:
                 events.append(event)
@@ -208,16 +215,27 @@ class ShardedSync(GradientSync):
             self._submit(bucket)
 
     def _submit(self, bucket: Bucket) -> None:
-        flat, _, events = self.filling.pop(bucket.index)
+        flat, queued, events = self.filling.pop(bucket.index)
+        for param in bucket.params:          # frozen this step: nothing to add
+            if param not in queued:
+                offset = bucket.offsets[param]
+                flat[offset:offset + param.numel()].zero_()
         if flat.is_cuda:
             stream = torch.cuda.current_stream(flat.device)
             for event in events:
                 stream.wait_event(event)
         entry, output = reducescatter_entry(flat, f"{self.prefix}.zero{bucket.index}",
                                             self.op, self.prescale, self.postscale)
-        entry.request = entry.request._replace(ring_order=True)
+        entry.request = entry.request._replace(ring_order=True, shape=(bucket.numel,))
         handle = submit_together([entry], self.process_set)[0]
         self.in_flight.append(Reduction(bucket, handle, output, flat))
+
+    def _release_reduced(self) -> None:
+        """Drop the flat buffers of buckets already reduced (their result is in the
+        engine's output): a bucket's full-size copy lives only while it is on the wire."""
+        for reduction in self.in_flight:
+            if reduction.flat is not None and reduction.handle.done():
+                reduction.flat = None
 
     def _flush(self, extra: tuple = ()) -> list:
         # Buckets go out from _queue when complete; only the usage vector comes here.
@@ -284,8 +302,17 @@ class ShardRound:
                         piece.shard.grad = None
                         continue
                     part = output[piece.chunk_offset:piece.chunk_offset + piece.shard.numel()]
-                    piece.shard.grad = part if part.dtype == piece.shard.dtype \
-                        else part.to(piece.shard.dtype)
+                    grad = piece.param.grad
+                    if sync.zero_stage == 1 and grad is not None and not grad.is_sparse \
+                            and grad.is_contiguous():
+                        # Stage 1 keeps the full-size gradient anyway: the averaged shard
+                        # goes into its own elements of it, and the chunk is freed.
+                        region = grad.view(-1)[piece.start:piece.stop]
+                        region.copy_(part)
+                        piece.shard.grad = region
+                    else:
+                        piece.shard.grad = part if part.dtype == piece.shard.dtype \
+                            else part.to(piece.shard.dtype)
                     if first_grad is None:
                         first_grad = piece.shard.grad
                 if output.is_floating_point() and output.numel() and \
@@ -315,6 +342,9 @@ class Gathers:
         self.queue: collections.deque = collections.deque()     # buckets not yet started
         self.started: collections.deque = collections.deque()   # (bucket, handle, output)
         self.deferred = False                     # overlap_forward: complete on first use
+        # Gathers in flight at once without overlap: two bounds the memory they take to two
+        # buckets (the next one moves while the last one is unpacked).
+        self.window = 2
         self.watched: dict[int, torch.Tensor] = {}
         self.busy = False
         self.forward_guarded = False
@@ -345,6 +375,7 @@ class Gathers:
             torch.empty(0, dtype=bucket.dtype, device=bucket.device)
         sync = self._sync()
         entry, output = allgather_entry(chunk, f"{sync.prefix}.gather{bucket.index}")
+        entry.request = entry.request._replace(ring_order=True, shape=(bucket.numel,))
         handle = submit_together([entry], sync.process_set)[0]
         self.started.append((bucket, handle, output))
 
@@ -354,7 +385,7 @@ class Gathers:
             busy, self.busy = self.busy, True
             try:
                 while self.queue or self.started:
-                    while self.queue and len(self.started) < 2:
+                    while self.queue and len(self.started) < self.window:
                         self._start_next()
                     bucket, handle, output = self.started.popleft()
                     handle.wait()

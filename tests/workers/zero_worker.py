@@ -349,11 +349,12 @@ def check_errors():
     opt = mpiddp.DistributedOptimizer(Lamb(model.parameters()), zero_stage=1)
     checks.expect(ValueError, lambda: mpiddp.broadcast_optimizer_state(opt, 0), "zero_stage")
     del opt
+    checks.expect(ValueError, mpiddp.join, "join() with a DistributedOptimizer(zero_stage")
     stage = 1 if RANK == 0 else 2
     checks.expect(mpiddp.TensorMismatchError, lambda: make(zero_stage=stage),
                   "zero_stage", "rank 0 uses 1")
     checks.ok("errors: zero_stage outside 0-2, ranks disagreeing, Adasum, LBFGS, a "
-              "non-elementwise optimizer", RANK)
+              "non-elementwise optimizer, join()", RANK)
 
 
 check_exact()
