@@ -152,6 +152,18 @@ def allgather_entry(tensor, name: str) -> tuple[Entry, Callable[[], torch.Tensor
     return entry, lambda: holder["output"]
 
 
+def ring_allgather_entry(chunk: torch.Tensor, output: torch.Tensor, name: str) -> Entry:
+    """A sharded optimizer's gather (``Request.ring_order``): ``chunk`` is this rank's chunk
+    of the flat ``output``, which receives every rank's (in chunk order). ``output`` may be
+    the parameter itself, with ``chunk`` a view of its own elements."""
+    dtype = check_tensor(chunk, name)
+    request = Request(name, ALLGATHER, dtype, (output.numel(),), device_name(chunk),
+                      ring_order=True)
+    view = flat_array(output)
+    return Entry(request, flat_array(chunk), view, Handle(name), allocate=lambda shape: view,
+                 ready_event=stream_ready_event(chunk))
+
+
 def broadcast_entry(tensor, root: int, name: str, in_place: bool) -> Built:
     """Check ``tensor`` and describe its broadcast from ``root`` (a rank of the engine)."""
     dtype = check_tensor(tensor, name)

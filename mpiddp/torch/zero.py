@@ -31,9 +31,13 @@ from ..reduce_ops import ReduceOp
 from .collectives import allreduce
 from .forward_overlap import _Guard
 from .gradient_sync import GradientSync, Pending
-from .requests import (allgather_entry, allreduce_request_, reducescatter_entry,
+from .requests import (allreduce_request_, reducescatter_entry, ring_allgather_entry,
                        submit_together)
 from .streams import ready_event
+
+# Buckets on the wire at once (reduce-scatters during backward; all-gathers after the step
+# without forward overlap): the "two fusion buffers" of transient memory.
+MAX_IN_FLIGHT = 2
 
 SHARD_ATTR = "_mpiddp_shard_of"   # on a shard: weakref to the ShardedSync that made it
 
@@ -119,12 +123,42 @@ class ShardLayout:
 
 
 class Reduction:
-    """One bucket's reduce-scatter in flight."""
+    """One bucket's reduce-scatter in flight, then its result (``settle``)."""
 
-    __slots__ = ("bucket", "handle", "output", "flat")
+    __slots__ = ("bucket", "handle", "output", "flat", "parts", "nonfinite")
 
     def __init__(self, bucket, handle, output, flat):
         self.bucket, self.handle, self.output, self.flat = bucket, handle, output, flat
+        self.parts: Optional[list] = None     # per piece: its averaged gradient
+        self.nonfinite = False
+
+    def settle(self, zero_stage: int) -> None:
+        """Once reduced (waits otherwise): release the flat buffer, note any inf or nan, and
+        cut the chunk into the pieces' gradients. Stage 1 writes them into ``param.grad``'s
+        own elements (the full-size gradient is kept anyway), so that the chunk is freed as
+        soon as the bucket is done, not at the end of backward."""
+        if self.parts is not None:
+            return
+        self.handle.wait()
+        self.flat = None
+        output = self.output()
+        self.output = None
+        self.nonfinite = output.is_floating_point() and output.numel() > 0 and \
+            not bool(torch.isfinite(output).all())
+        parts = []
+        with torch.no_grad():
+            for piece in self.bucket.pieces:
+                part = output[piece.chunk_offset:piece.chunk_offset + piece.shard.numel()]
+                grad = piece.param.grad
+                if zero_stage == 1 and grad is not None and not grad.is_sparse \
+                        and grad.is_contiguous():
+                    region = grad.view(-1)[piece.start:piece.stop]
+                    region.copy_(part)
+                    part = region
+                elif part.dtype != piece.shard.dtype:
+                    part = part.to(piece.shard.dtype)
+                parts.append(part)
+        self.parts = parts
 
 
 _live_sharded: "weakref.WeakSet[ShardedSync]" = weakref.WeakSet()
@@ -151,6 +185,8 @@ class ShardedSync(GradientSync):
             lambda p: casts.wire_dtype if casts.casts(p.dtype) else p.dtype)
         self.filling: dict[int, tuple] = {}      # bucket index -> (flat, queued set, events)
         self.in_flight: list[Reduction] = []
+        self.complete: set[int] = set()          # buckets filled, waiting for their turn
+        self.next_bucket = 0                     # the next bucket to submit, in layout order
         self.used: dict = {}                     # parameter -> had a gradient on this rank
         self.gather_buckets: list[Bucket] = []   # changed by the last round's shards
         self.gathers = Gathers(self)
@@ -193,6 +229,17 @@ class ShardedSync(GradientSync):
         if grad is not None and grad.is_sparse:
             grad = grad.to_dense()
         bucket = self.layout.bucket_of[param]
+        if len(bucket.params) == 1 and grad is not None and grad.dtype == bucket.wire_dtype \
+                and grad.is_contiguous() and grad is param.grad:
+            # One parameter: its gradient is the flat buffer, handed over as it is (stage 1
+            # keeps it; its elements outside this rank's chunk then hold partial sums).
+            self._release_reduced()
+            flat = grad.view(-1)
+            self.filling[bucket.index] = (flat, set(), [])
+            if self.zero_stage == 2:
+                param.grad = None
+            self._finish_queue(param, bucket, True)
+            return
         flat, queued, events = self.filling.get(bucket.index) or (None, set(), [])
         if flat is None:
             self._release_reduced()
@@ -201,20 +248,52 @@ class ShardedSync(GradientSync):
         offset = bucket.offsets[param]
         if grad is not None:
             flat[offset:offset + param.numel()].copy_(grad.reshape(-1))
-        else:
-            flat[offset:offset + param.numel()].zero_()
-            event = ready_event(flat)
-            if event is not None:
-                events.append(event)
             if self.zero_stage == 2:
                 param.grad = None            # the full-size gradient is no longer needed
-        self.used[param] = grad is not None
-        self.pending[param] = Pending(None, None, None, grad is None)
+        else:
+            flat[offset:offset + param.numel()].zero_()
+        event = ready_event(flat)
+        if event is not None:
+            events.append(event)
+        self._finish_queue(param, bucket, grad is not None)
+
+    def _finish_queue(self, param, bucket: Bucket, had_grad: bool) -> None:
+        """``param`` is packed: note it, and submit its bucket once every member is."""
+        self.used[param] = had_grad
+        self.pending[param] = Pending(None, None, None, not had_grad)
+        queued = self.filling[bucket.index][1]
         queued.add(param)
         if len(queued) >= sum(1 for p in bucket.params if p.requires_grad or p in queued):
-            self._submit(bucket)
+            self.complete.add(bucket.index)
+            self._submit_in_order()
+
+    def _submit_in_order(self, end_of_step: bool = False) -> None:
+        """Submit the complete buckets in layout order (a later one that is complete first
+        waits for the earlier ones). Every rank then submits in the same order, which keeps
+        the limit on buckets in flight (``_submit``) from ever waiting on a bucket another
+        rank holds back. A bucket with nothing to reduce this step is passed over; at the
+        end of the step (``end_of_step``) so is one nobody queued."""
+        buckets = self.layout.buckets
+        while self.next_bucket < len(buckets):
+            bucket = buckets[self.next_bucket]
+            if bucket.index in self.complete:
+                self.complete.discard(bucket.index)
+                self._submit(bucket)
+            elif bucket.index in self.filling or \
+                    (not end_of_step and any(p.requires_grad for p in bucket.params)):
+                return
+            self.next_bucket += 1
 
     def _submit(self, bucket: Bucket) -> None:
+        # At most MAX_IN_FLIGHT buckets on the wire: each holds a full-size gradient buffer
+        # until it is reduced, and a backward faster than the network would otherwise hold
+        # them all (the whole gradient again).
+        while sum(1 for r in self.in_flight if r.parts is None) >= MAX_IN_FLIGHT:
+            oldest = next(r for r in self.in_flight if r.parts is None)
+            try:
+                oldest.settle(self.zero_stage)
+            except BaseException:            # raised again where the round finishes
+                break
         flat, queued, events = self.filling.pop(bucket.index)
         for param in bucket.params:          # frozen this step: nothing to add
             if param not in queued:
@@ -234,8 +313,11 @@ class ShardedSync(GradientSync):
         """Drop the flat buffers of buckets already reduced (their result is in the
         engine's output): a bucket's full-size copy lives only while it is on the wire."""
         for reduction in self.in_flight:
-            if reduction.flat is not None and reduction.handle.done():
-                reduction.flat = None
+            if reduction.parts is None and reduction.handle.done():
+                try:
+                    reduction.settle(self.zero_stage)
+                except BaseException:        # raised again where the round finishes
+                    pass
 
     def _flush(self, extra: tuple = ()) -> list:
         # Buckets go out from _queue when complete; only the usage vector comes here.
@@ -256,8 +338,9 @@ class ShardedSync(GradientSync):
             for param in params:
                 if param not in self.pending:
                     self._queue(param, zeros=param.grad is None)
-            for index in list(self.filling):     # members frozen this step: zeros
-                self._submit(self.layout.buckets[index])
+            self.complete.update(self.filling)   # members frozen this step: zeros
+            self._submit_in_order(end_of_step=True)
+            self.next_bucket = 0
             usage, usage_handle = self._flush_with_usage(params)
             round_ = ShardRound(self, self.in_flight, usage, usage_handle,
                                 {param: i for i, param in enumerate(params)})
@@ -293,31 +376,15 @@ class ShardRound:
         first_grad = None
         with torch.no_grad():
             for reduction in self.reductions:
-                output = reduction.output()
+                reduction.settle(sync.zero_stage)
+                nonfinite = nonfinite or reduction.nonfinite
                 bucket = reduction.bucket
                 if any(self._used(p) for p in bucket.params):
                     changed.append(bucket)
-                for piece in bucket.pieces:
-                    if not self._used(piece.param):
-                        piece.shard.grad = None
-                        continue
-                    part = output[piece.chunk_offset:piece.chunk_offset + piece.shard.numel()]
-                    grad = piece.param.grad
-                    if sync.zero_stage == 1 and grad is not None and not grad.is_sparse \
-                            and grad.is_contiguous():
-                        # Stage 1 keeps the full-size gradient anyway: the averaged shard
-                        # goes into its own elements of it, and the chunk is freed.
-                        region = grad.view(-1)[piece.start:piece.stop]
-                        region.copy_(part)
-                        piece.shard.grad = region
-                    else:
-                        piece.shard.grad = part if part.dtype == piece.shard.dtype \
-                            else part.to(piece.shard.dtype)
-                    if first_grad is None:
+                for piece, part in zip(bucket.pieces, reduction.parts):
+                    piece.shard.grad = part if self._used(piece.param) else None
+                    if first_grad is None and piece.shard.grad is not None:
                         first_grad = piece.shard.grad
-                if output.is_floating_point() and output.numel() and \
-                        not bool(torch.isfinite(output).all()):
-                    nonfinite = True
             anywhere = allreduce(torch.tensor([float(nonfinite)]), op=ReduceOp.MAX,
                                  name=f"{sync.prefix}.nonfinite",
                                  process_set=sync.process_set)
@@ -342,9 +409,7 @@ class Gathers:
         self.queue: collections.deque = collections.deque()     # buckets not yet started
         self.started: collections.deque = collections.deque()   # (bucket, handle, output)
         self.deferred = False                     # overlap_forward: complete on first use
-        # Gathers in flight at once without overlap: two bounds the memory they take to two
-        # buckets (the next one moves while the last one is unpacked).
-        self.window = 2
+        self.window = MAX_IN_FLIGHT               # without overlap (the memory they take)
         self.watched: dict[int, torch.Tensor] = {}
         self.busy = False
         self.forward_guarded = False
@@ -370,14 +435,19 @@ class Gathers:
 
     def _start_next(self) -> None:
         bucket = self.queue.popleft()
-        pieces = [piece.shard for piece in bucket.pieces]
-        chunk = torch.cat(pieces) if pieces else \
-            torch.empty(0, dtype=bucket.dtype, device=bucket.device)
         sync = self._sync()
-        entry, output = allgather_entry(chunk, f"{sync.prefix}.gather{bucket.index}")
-        entry.request = entry.request._replace(ring_order=True, shape=(bucket.numel,))
+        if len(bucket.params) == 1:
+            # One parameter: gathered straight into it, its shard the chunk (no copies).
+            output = bucket.params[0].detach().view(-1)
+            chunk = bucket.pieces[0].shard if bucket.pieces else output[:0]
+        else:
+            pieces = [piece.shard for piece in bucket.pieces]
+            chunk = torch.cat(pieces) if pieces else \
+                torch.empty(0, dtype=bucket.dtype, device=bucket.device)
+            output = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        entry = ring_allgather_entry(chunk, output, f"{sync.prefix}.gather{bucket.index}")
         handle = submit_together([entry], sync.process_set)[0]
-        self.started.append((bucket, handle, output))
+        self.started.append((bucket, handle, None if len(bucket.params) == 1 else output))
 
     def complete(self, until: Optional[Bucket] = None) -> None:
         """Finish the gathers (all, or those started up to ``until``'s), unpacking each."""
@@ -389,8 +459,9 @@ class Gathers:
                         self._start_next()
                     bucket, handle, output = self.started.popleft()
                     handle.wait()
-                    with torch.no_grad(), torch.inference_mode(False):
-                        bucket.unpack_gathered(output())
+                    if output is not None:
+                        with torch.no_grad(), torch.inference_mode(False):
+                            bucket.unpack_gathered(output)
                     for param in bucket.params:
                         self.watched.pop(id(param), None)
                     if bucket is until:

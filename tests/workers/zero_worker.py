@@ -106,6 +106,8 @@ def train(stage, kind="adam", steps=5, cap=CAP, overlap=False, passes=1,
                 scaler.scale(loss).backward()
             else:
                 loss.backward()
+        if stage == 2:          # the full-size gradients are released as they are reduced
+            assert all(p.grad is None for p in model.parameters())
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
