@@ -19,6 +19,7 @@ from .async_ops import (allgather_async, allreduce_async, allreduce_async_, allt
                         grouped_allreduce_async, grouped_allreduce_async_,
                         grouped_reducescatter_async, reducescatter_async)
 from .compression import Compression, Compressor
+from .sharded_registry import live_sharded_optimizers
 from .handles import synchronize
 from .naming import collective_name
 from .requests import resolve_op
@@ -416,7 +417,6 @@ def join(device: int = -1) -> int:
     """
     if isinstance(device, bool) or not isinstance(device, int):
         raise TypeError(f"join(device=...) takes a device index, not {type(device).__name__}")
-    from .zero import live_sharded_optimizers
     sharded = live_sharded_optimizers()
     if sharded:
         raise ValueError(

@@ -20,254 +20,28 @@ and sets up.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
 from .. import runtime
-from ..errors import TensorMismatchError
 from ..reduce_ops import ReduceOp
 from .adasum_optimizer import wrap_adasum
 from ..runtime import ProcessSet
-from .collectives import allreduce
 from .compression import Compression
-from .functions import allgather_object
 from .forward_overlap import ForwardOverlap
 from .gradient_sync import OWNER_ATTR, GradientSync
+from .optimizer_methods import (_DistributedOptimizer, _check_passes,  # noqa: F401
+                                _check_same_everywhere, _complete_overlap)
+from . import zero_optimizer
 
 __all__ = ["DistributedOptimizer"]
 
+BUCKET_CAP_MB = 4.0        # bucket_cap_mb's default
+ZERO_BUCKET_CAP_MB = 25.0  # ... with zero_stage 1 or 2
 _optimizer_index = itertools.count()   # names gradients opt<i>.grad.*: one per process
-
-
-class _DistributedOptimizer:
-    """Methods placed in front of the user's optimizer class (see ``DistributedOptimizer``)."""
-
-    def synchronize(self) -> None:
-        """Wait until every gradient is averaged across ranks and written to ``param.grad``.
-
-        ``backward()`` already does this at its end; call it for gradients that did not come
-        from ``backward()`` (set by hand, or fewer than ``backward_passes_per_step`` passes),
-        then call ``step()`` inside ``skip_synchronize()``. A collective when there is
-        something to reduce: every rank must call it. Submits zeros for trainable parameters
-        without a gradient on this rank; a parameter no rank has a gradient for keeps
-        ``grad=None``. Returns at once when nothing happened since the last synchronize.
-
-        Raises:
-            TensorMismatchError: the ranks' gradients differ in shape or dtype.
-            EngineShutdownError: the engine stopped (or was shut down) before the
-                reductions finished.
-            MpiddpError: a gradient's reduction could not be submitted because of an
-                earlier error.
-            RuntimeError: a sparse gradient without ``sparse_as_dense=True``.
-        """
-        _complete_overlap(self._mpiddp)
-        self._mpiddp.synchronize()
-
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Context manager: ``step()`` inside this block does not synchronize (you called
-        ``synchronize()`` yourself)::
-
-            optimizer.synchronize()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            with optimizer.skip_synchronize():
-                optimizer.step()
-
-        Raises:
-            RuntimeError: from ``step()`` inside the block, when reductions are still in
-                flight (``synchronize()`` was not called first).
-        """
-        sync = self._mpiddp
-        previous, sync.skip_synchronize = sync.skip_synchronize, True
-        try:
-            yield
-        finally:
-            sync.skip_synchronize = previous
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        """Change how many backward passes are accumulated locally before a reduction.
-
-        Completes the reductions in flight first (a collective if there are any). Every
-        rank must make the same change at the same point: it is not checked across ranks.
-
-        Args:
-            passes: the new number of backward passes per step, ``>= 1``.
-
-        Raises:
-            ValueError: ``passes`` is not a positive integer.
-            MpiddpError: the reductions in flight failed (see ``synchronize``).
-        """
-        _check_passes(passes)
-        _complete_overlap(self._mpiddp)
-        self._mpiddp.wait_all()
-        self._mpiddp.passes_per_step = passes
-
-    @property
-    def backward_passes_per_step(self) -> int:
-        """Backward passes accumulated locally before one reduction (read-only; see
-        ``set_backward_passes_per_step``)."""
-        return self._mpiddp.passes_per_step
-
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """Synchronize the gradients (unless inside ``skip_synchronize()``), then run the
-        wrapped optimizer's ``step``.
-
-        Args:
-            closure: as for the wrapped optimizer (e.g. LBFGS). Gradients are averaged after
-                every evaluation; the loss it returns, when a one-element floating-point
-                tensor, is averaged across ranks so that every rank takes the same
-                decisions. Default None.
-
-        Returns:
-            What the wrapped optimizer's ``step`` returns.
-
-        Raises:
-            RuntimeError: inside ``skip_synchronize()`` while reductions are in flight.
-            MpiddpError: a reduction failed (see ``synchronize``).
-        """
-        sync = self._mpiddp
-        overlap = _overlap_of(sync)
-        if sync.skip_synchronize:
-            if sync.pending or (overlap is not None and overlap.round is not None
-                                and overlap.deferred is None):
-                raise RuntimeError(
-                    "optimizer.step() inside skip_synchronize() while gradient reductions are "
-                    "still in flight: call optimizer.synchronize() before the block")
-        sync.marks.record("step_begin")
-        if overlap is not None and not sync.skip_synchronize and overlap.step(closure):
-            return None                 # runs parameter by parameter in the next forward
-        if not sync.skip_synchronize and (closure is None or sync.pending or sync.passes):
-            sync.schedule.before_step(sync)
-        if closure is not None and not sync.skip_synchronize:
-            closure = _synchronized_closure(self, closure)
-        result = super().step(closure)
-        sync.synchronized = False
-        sync.marks.record("step_end")
-        return result
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Complete the reductions still in flight (a collective if there are any), then
-        clear the gradients as the wrapped optimizer does.
-
-        Args:
-            set_to_none: set ``param.grad`` to None instead of zeroing it. Default True.
-
-        Raises:
-            MpiddpError: a reduction in flight failed (see ``synchronize``).
-        """
-        overlap = _overlap_of(self._mpiddp)
-        if overlap is not None and overlap.zero_grad(
-                set_to_none, lambda params: _clear_grads(params, set_to_none)):
-            return                      # the deferred ones are cleared after their update
-        self._mpiddp.wait_all()
-        # Gradients written after this (by backward, or by hand) are new: a synchronize()
-        # after them must reduce them, not return because the last ones were reduced.
-        self._mpiddp.synchronized = False
-        super().zero_grad(set_to_none)
-
-    def state_dict(self) -> dict:
-        """The wrapped optimizer's ``state_dict()``, after any deferred update
-        (``overlap_forward``) has run.
-
-        Returns:
-            The state, as ``torch.optim.Optimizer.state_dict`` returns it.
-        """
-        _complete_overlap(self._mpiddp)
-        return super().state_dict()
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """The wrapped optimizer's ``load_state_dict()``, after any deferred update
-        (``overlap_forward``) has run.
-
-        Args:
-            state_dict: as for ``torch.optim.Optimizer.load_state_dict``.
-        """
-        _complete_overlap(self._mpiddp)
-        super().load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict) -> None:
-        """Add a param group, as the wrapped optimizer does, and reduce its gradients too.
-
-        A collective: every rank must add the same parameters in the same order. New
-        parameters keep the names given in ``named_parameters`` (else
-        ``group<index>.<position>``).
-
-        Args:
-            param_group: as for ``torch.optim.Optimizer.add_param_group``.
-
-        Raises:
-            TensorMismatchError: the ranks added different parameters (names, shapes,
-                dtypes); raised on every rank.
-        """
-        _complete_overlap(self._mpiddp)
-        before = {id(p) for g in self.param_groups for p in g["params"]}
-        super().add_param_group(param_group)
-        sync = self._mpiddp
-        group_index = len(self.param_groups) - 1
-        new = [p for p in self.param_groups[-1]["params"] if id(p) not in before]
-        named = [(sync.extra_names.get(p, f"group{group_index}.{i}"), p)
-                 for i, p in enumerate(new)]
-        _check_same_everywhere(sync, named, f"add_param_group (group {group_index})")
-        sync.add(named)
-        overlap = _overlap_of(sync)
-        if overlap is not None:
-            overlap.adopt_new_params()
-            overlap.params_added()
-
-
-# Tell torch.optim that ``step`` needs no profiling/hook wrapper of its own: the wrapped
-# class's step (already wrapped by torch) runs the optimizer step hooks once, after the
-# gradients are averaged. Without this, load_state_dict() would wrap ours too.
-_DistributedOptimizer.step.hooked = True
-
-
-def _overlap_of(sync: GradientSync) -> Optional[ForwardOverlap]:
-    return sync.schedule if isinstance(sync.schedule, ForwardOverlap) else None
-
-
-def _complete_overlap(sync: GradientSync) -> None:
-    """Run what forward overlap has deferred (a no-op without it)."""
-    overlap = _overlap_of(sync)
-    if overlap is not None:
-        overlap.complete()
-
-
-def _clear_grads(params, set_to_none: bool) -> None:
-    """``zero_grad`` for some parameters, as ``torch.optim.Optimizer.zero_grad`` does."""
-    for param in params:
-        if param.grad is None:
-            continue
-        if set_to_none:
-            param.grad = None
-        else:
-            if param.grad.grad_fn is not None:
-                param.grad.detach_()
-            else:
-                param.grad.requires_grad_(False)
-            param.grad.zero_()
-
-
-def _synchronized_closure(optimizer, closure):
-    """For step(closure) (e.g. LBFGS, which re-evaluates the loss several times): average the
-    gradients after every evaluation, and return the loss averaged across ranks so that every
-    rank takes the same decisions (line search, convergence)."""
-    sync = optimizer._mpiddp
-
-    def evaluate():
-        with torch.enable_grad():
-            loss = closure()
-        sync.synchronize()
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.dtype.is_floating_point:
-            loss = allreduce(loss.detach().reshape(1), op=ReduceOp.AVERAGE,
-                             name=f"{sync.prefix}.closure_loss",
-                             process_set=sync.process_set).reshape(loss.shape)
-        return loss
-
-    return evaluate
 
 
 _classes: dict = {}
@@ -281,11 +55,6 @@ def _distributed_class(base: type, methods: type = _DistributedOptimizer) -> typ
                     "__doc__": f"{base.__name__} averaging gradients across ranks (mpiddp)."})
         _classes[(base, methods)] = cls
     return cls
-
-
-def _check_passes(passes) -> None:
-    if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
-        raise ValueError(f"backward_passes_per_step must be a positive integer, not {passes!r}")
 
 
 def _names_for(optimizer, named_parameters) -> tuple[list, dict]:
@@ -323,40 +92,6 @@ def _names_for(optimizer, named_parameters) -> tuple[list, dict]:
     return [(by_param[p], p) for p in params], by_param
 
 
-def _check_same_everywhere(sync: GradientSync, named, what: str) -> None:
-    """Collective: every rank must reduce the same parameters with the same settings. Raises
-    TensorMismatchError, on every rank, naming the first difference."""
-    config = {"backward_passes_per_step": sync.passes_per_step, "op": ReduceOp(sync.op).name,
-              "zero_stage": getattr(sync, "zero_stage", 0),
-              "compression": getattr(sync.compression, "__name__",
-                                     type(sync.compression).__name__),
-              "gradient_predivide_factor": sync.postscale}
-    signature = [(name, tuple(p.shape), str(p.dtype).replace("torch.", ""))
-                 for name, p in named if p.requires_grad]
-    everyone = allgather_object((config, signature), name=f"{sync.prefix}.signature",
-                                process_set=sync.process_set)
-    reference_config, reference = everyone[0]
-    for rank, (rank_config, rank_signature) in enumerate(everyone):
-        for key, value in reference_config.items():
-            if rank_config[key] != value:
-                raise TensorMismatchError(
-                    f"DistributedOptimizer ({what}): ranks disagree on {key}: rank 0 uses "
-                    f"{value!r}, rank {rank} uses {rank_config[key]!r}")
-        if rank_signature == reference:
-            continue
-        for i, (a, b) in enumerate(itertools.zip_longest(reference, rank_signature)):
-            if a != b:
-                def show(item):
-                    if item is None:
-                        return "nothing (it has fewer)"
-                    return f"'{item[0]}' {list(item[1])} {item[2]}"
-                raise TensorMismatchError(
-                    f"DistributedOptimizer ({what}): the models differ across ranks. Rank 0 "
-                    f"has {len(reference)} trainable parameters, rank {rank} has "
-                    f"{len(rank_signature)}; first difference at parameter {i}: rank 0 has "
-                    f"{show(a)}, rank {rank} has {show(b)}")
-
-
 def _adasum_optimizer(optimizer, named, compression, passes, factor, process_set,
                       overlap_forward, settings):
     """``DistributedOptimizer(op=Adasum)`` (``adasum_optimizer.py``), after refusing what it
@@ -380,7 +115,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          op: ReduceOp | int = ReduceOp.AVERAGE,
                          gradient_predivide_factor: float = 1.0,
                          sparse_as_dense: bool = False,
-                         bucket_cap_mb: float = 4.0,
+                         bucket_cap_mb: float | None = None,
                          process_set: ProcessSet | None = None,
                          overlap_forward: bool | str | None = None,
                          zero_stage: int = 0) -> torch.optim.Optimizer:
@@ -408,8 +143,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         bucket_cap_mb: gradients that become ready are submitted together once they add up
             to this many MiB (and at the last gradient of a step). Fewer, larger submissions
             cost fewer engine cycles; smaller ones start reducing earlier. 0 submits every
-            gradient on its own. See docs/dev/training-internals.md
-            for measurements.
+            gradient on its own. Default None: 4 MiB; with ``zero_stage`` 1 or 2, 25 MiB
+            (the sharded buckets of that size, each one reduce-scatter and one all-gather).
+            See docs/dev/training-internals.md for measurements.
         process_set: average the gradients among this ``ProcessSet``'s ranks only (each set
             trains its own replica); default None: every rank. Only its ranks may build it.
         overlap_forward: True: ``step()`` returns before the gradients are averaged and
@@ -512,11 +248,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                 raise ValueError(
                     f"parameter '{name}' already belongs to another live DistributedOptimizer "
                     f"({owner().prefix}); a gradient must be reduced by one optimizer only")
+    if bucket_cap_mb is None:
+        # Sharded, every bucket is a reduce-scatter and an all-gather of its own (the
+        # engine cannot fuse them): fewer, larger ones (docs/benchmarks.md, "Sharded
+        # optimizers").
+        bucket_cap_mb = ZERO_BUCKET_CAP_MB if zero_stage else BUCKET_CAP_MB
     if not bucket_cap_mb >= 0:
         raise ValueError(f"bucket_cap_mb must be >= 0, not {bucket_cap_mb!r}")
     sharded = zero_stage and (process_set is None or process_set.included())
     if sharded:
-        from . import zero_optimizer
         zero_optimizer.check_shardable(optimizer, named, compression, zero_stage)
         sync = zero_optimizer.ShardedSync(
             next(_optimizer_index), compression, backward_passes_per_step, op, factor,

@@ -30,6 +30,7 @@ from ..collectives.ring import chunk_bounds, owned_chunk
 from ..reduce_ops import ReduceOp
 from .collectives import allreduce
 from .forward_overlap import _Guard
+from . import sharded_registry
 from .gradient_sync import GradientSync, Pending
 from .requests import (allreduce_request_, reducescatter_entry, ring_allgather_entry,
                        submit_together)
@@ -161,14 +162,6 @@ class Reduction:
         self.parts = parts
 
 
-_live_sharded: "weakref.WeakSet[ShardedSync]" = weakref.WeakSet()
-
-
-def live_sharded_optimizers() -> list[str]:
-    """The prefixes of this process's sharded optimizers still alive (``join()`` refuses)."""
-    return sorted(sync.prefix for sync in _live_sharded)
-
-
 class ShardedSync(GradientSync):
     """``GradientSync`` for ``zero_stage`` 1 and 2: hooks and rounds as on the standard path,
     but each bucket of gradients is reduce-scattered once complete, and a round writes the
@@ -193,7 +186,7 @@ class ShardedSync(GradientSync):
         self.consolidated = None                 # (to, state dict) until the next step
         self.full_groups: list[list] = []        # the param groups' full parameters
         self.optimizer_ref = lambda: None        # weak: the optimizer whose groups hold shards
-        _live_sharded.add(self)
+        sharded_registry.register(self)      # join() refuses while it lives
 
     def add(self, named) -> None:
         super().add(named)
@@ -427,27 +420,40 @@ class Gathers:
         self.queue.extend(sorted(buckets, key=lambda b: -b.index))
         if self.deferred:
             self.guard_this_thread()
-            while self.queue:
-                self._start_next()
+            self._start_more()
             self.watched = {id(p): p for bucket, _, _ in self.started for p in bucket.params}
         else:
             self.complete()
 
-    def _start_next(self) -> None:
-        bucket = self.queue.popleft()
+    def _start_more(self) -> None:
+        """Start, in one submission (one engine cycle), the queued gathers that fit: every
+        bucket of one parameter (gathered straight into it, its shard the chunk: no
+        buffer) and, without forward overlap, others up to ``window`` buffers in flight."""
         sync = self._sync()
-        if len(bucket.params) == 1:
-            # One parameter: gathered straight into it, its shard the chunk (no copies).
-            output = bucket.params[0].detach().view(-1)
-            chunk = bucket.pieces[0].shard if bucket.pieces else output[:0]
-        else:
-            pieces = [piece.shard for piece in bucket.pieces]
-            chunk = torch.cat(pieces) if pieces else \
-                torch.empty(0, dtype=bucket.dtype, device=bucket.device)
-            output = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
-        entry = ring_allgather_entry(chunk, output, f"{sync.prefix}.gather{bucket.index}")
-        handle = submit_together([entry], sync.process_set)[0]
-        self.started.append((bucket, handle, None if len(bucket.params) == 1 else output))
+        buffered = sum(1 for _, _, output in self.started if output is not None)
+        entries, started = [], []
+        while self.queue:
+            bucket = self.queue[0]
+            single = len(bucket.params) == 1
+            if not single and not self.deferred and buffered >= self.window:
+                break
+            self.queue.popleft()
+            if single:
+                output = bucket.params[0].detach().view(-1)
+                chunk = bucket.pieces[0].shard if bucket.pieces else output[:0]
+            else:
+                pieces = [piece.shard for piece in bucket.pieces]
+                chunk = torch.cat(pieces) if pieces else \
+                    torch.empty(0, dtype=bucket.dtype, device=bucket.device)
+                output = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+                buffered += 1
+            entries.append(ring_allgather_entry(chunk, output,
+                                                f"{sync.prefix}.gather{bucket.index}"))
+            started.append((bucket, None if single else output))
+        if entries:
+            handles = submit_together(entries, sync.process_set)
+            self.started.extend((bucket, handle, output)
+                                for (bucket, output), handle in zip(started, handles))
 
     def complete(self, until: Optional[Bucket] = None) -> None:
         """Finish the gathers (all, or those started up to ``until``'s), unpacking each."""
@@ -455,8 +461,8 @@ class Gathers:
             busy, self.busy = self.busy, True
             try:
                 while self.queue or self.started:
-                    while self.queue and len(self.started) < self.window:
-                        self._start_next()
+                    if self.queue:
+                        self._start_more()
                     bucket, handle, output = self.started.popleft()
                     handle.wait()
                     if output is not None:

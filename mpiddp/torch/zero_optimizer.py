@@ -20,7 +20,7 @@ from ..reduce_ops import ReduceOp
 from .collectives import allreduce
 from .functions import allgather_object
 from .gradient_sync import OWNER_ATTR
-from .optimizer import _check_same_everywhere, _clear_grads, _DistributedOptimizer
+from .optimizer_methods import _check_same_everywhere, _clear_grads, _DistributedOptimizer
 from .zero import SHARD_ATTR, ShardedSync
 
 __all__ = ["elementwise_optimizer"]
