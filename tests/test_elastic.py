@@ -97,25 +97,25 @@ def test_resize_from_three_ranks_to_two(tmp_path):
     assert len(finished) == 2 and finished[0]["params"] == finished[1]["params"]
 
 
-@pytest.mark.parametrize("sizes", [(3, 2), (2, 5)], ids=["3-to-2", "2-to-5"])
-def test_a_sharded_optimizer_resizes_without_a_conversion(tmp_path, sizes):
-    """zero_stage=2: commits hold the whole optimizer state, which the next run re-shards over
-    its own ranks; the parameters end as those of the same resize unsharded (both on the
-    ring, so that the sums are added in the same order)."""
+def test_a_sharded_optimizer_resizes_without_a_conversion(tmp_path):
+    """zero_stage=2 on 3 ranks, then 2, then 5: commits hold the whole optimizer state, which
+    each next run re-shards over its own ranks; the parameters end as those of the same
+    resizes unsharded (both on the ring, so that the sums are added in the same order)."""
     ends = []
     for stage in (0, 2):
         directory = tmp_path / f"stage{stage}"
         directory.mkdir()
         env = {"MPIDDP_ALLREDUCE_ALGORITHM": "ring"}
         extra = ("--zero-stage", stage)
-        assert_ok(run_mpi("elastic_worker.py", sizes[0], directory, 2, "--stop-at", 9, *extra,
-                          timeout=150, env=env))
-        second = run_mpi("elastic_worker.py", sizes[1], directory, 2, *extra, timeout=150,
-                         env=env)
-        assert_ok(second)
-        assert reported(second, "restored")[0]["restored"]
-        finished = reported(second, "finished")
-        assert len(finished) == sizes[1]
+        for ranks, stop in ((3, 9), (2, 18)):
+            assert_ok(run_mpi("elastic_worker.py", ranks, directory, 2, "--stop-at", stop,
+                              *extra, timeout=150, env=env))
+        last = run_mpi("elastic_worker.py", 5, directory, 2, *extra, timeout=150, env=env)
+        assert_ok(last)
+        restored = reported(last, "restored")[0]
+        assert restored["restored"] and restored["step"] == 18, restored
+        finished = reported(last, "finished")
+        assert len(finished) == 5
         assert all(f["params"] == finished[0]["params"] for f in finished)
         ends.append(finished[0]["params"])
     assert ends[0] == ends[1]
