@@ -133,6 +133,16 @@ def test_training_equivalence_across_nodes(cluster):
     assert result.output.count("bitwise-identical-across-ranks") == 8, result.output
 
 
+def test_sharded_optimizer_across_nodes(cluster):
+    """zero_stage=1|2 on 3 nodes over TCP: bitwise equal to zero_stage=0 (both on the ring:
+    no small all-reduce summed beside the negotiation, in its own order), equal to one process
+    on the concatenated batch (tests/workers/zero_worker.py)."""
+    result = run_on_cluster("3x1", "zero_worker.py", timeout=400,
+                            env={"MPIDDP_ALLREDUCE_ALGORITHM": "ring",
+                                 "MPIDDP_SPECULATION_BYTES": "0"})
+    assert_ok(result, expect_lines=10)
+
+
 # ---- faults: a node's ranks killed, a node's link cut -------------------------------------
 PEER_CHECK = 5        # MPIDDP_PEER_CHECK_TIME in the fault tests (s)
 

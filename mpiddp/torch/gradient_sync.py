@@ -322,15 +322,27 @@ class GradientSync:
                 if param not in self.pending:
                     # no gradient on this rank (zeros), or fewer than backward_passes_per_step
                     self._queue(param, zeros=param.grad is None)
+            self._submit_rest()
             usage, usage_handle = self._flush_with_usage(params)
-            # In the order of submission (the order ``pending`` was filled, bucket by bucket):
-            # the order the reductions finish.
-            round_ = Round(self, self.pending, usage, usage_handle,
-                           {param: i for i, param in enumerate(params)})
+            round_ = self._new_round(usage, usage_handle,
+                                     {param: i for i, param in enumerate(params)})
             self.pending = {}
             self.passes = {}
             self.trainable = sum(1 for p in params if p.requires_grad)
             return round_
+
+    def _submit_rest(self) -> None:
+        """At the end of a step, before the usage vector: submit what the last flush does
+        not (nothing here: the queued gradients go with it)."""
+
+    def _new_round(self, usage, usage_handle, position: dict) -> "Round":
+        # In the order of submission (the order ``pending`` was filled, bucket by bucket):
+        # the order the reductions finish.
+        return Round(self, self.pending, usage, usage_handle, position)
+
+    def _has_gradient(self, param: torch.Tensor) -> bool:
+        """Whether this rank had a gradient for ``param`` this step (the usage vector)."""
+        return param.grad is not None
 
     def _write_back(self, param: torch.Tensor, item: Pending, used, error):
         """Wait for one reduction and put its result into ``param.grad``. ``used`` (for a
@@ -364,7 +376,7 @@ class GradientSync:
     def _flush_with_usage(self, params):
         """Flush the last gradients together with an all-reduce (logical or) of which
         parameters have a gradient on some rank; returns (usage, its handle)."""
-        usage = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+        usage = torch.tensor([self._has_gradient(p) for p in params], dtype=torch.uint8)
         entry = allreduce_request_(usage, f"{self.prefix}.used", ReduceOp.MAX)
         return usage, self._flush(extra=(entry,))[0]
 

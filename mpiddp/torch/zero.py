@@ -19,6 +19,7 @@ stage 2 releases it as soon as it is packed for its bucket's reduction.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import weakref
 from typing import Optional
@@ -32,8 +33,7 @@ from .collectives import allreduce
 from .forward_overlap import _Guard
 from . import sharded_registry
 from .gradient_sync import GradientSync, Pending
-from .requests import (allreduce_request_, reducescatter_entry, ring_allgather_entry,
-                       submit_together)
+from .requests import reducescatter_entry, ring_allgather_entry, submit_together
 from .streams import ready_event
 
 # Buckets on the wire at once (reduce-scatters during backward; all-gathers after the step
@@ -316,30 +316,18 @@ class ShardedSync(GradientSync):
         # Buckets go out from _queue when complete; only the usage vector comes here.
         return submit_together(list(extra), self.process_set) if extra else []
 
-    def _flush_with_usage(self, params):
-        usage = torch.tensor([self.used.get(p, p.grad is not None) for p in params],
-                             dtype=torch.uint8)
-        entry = allreduce_request_(usage, f"{self.prefix}.used", ReduceOp.MAX)
-        return usage, self._flush(extra=(entry,))[0]
+    def _has_gradient(self, param) -> bool:
+        return self.used.get(param, param.grad is not None)   # stage 2 dropped param.grad
 
-    def start_round(self):
-        with self.lock:
-            self._adopt_unfrozen()
-            params = self._reduced_params()
-            if not params or (self.synchronized and not self.pending and not self.passes):
-                return None
-            for param in params:
-                if param not in self.pending:
-                    self._queue(param, zeros=param.grad is None)
-            self.complete.update(self.filling)   # members frozen this step: zeros
-            self._submit_in_order(end_of_step=True)
-            self.next_bucket = 0
-            usage, usage_handle = self._flush_with_usage(params)
-            round_ = ShardRound(self, self.in_flight, usage, usage_handle,
-                                {param: i for i, param in enumerate(params)})
-            self.in_flight, self.pending, self.passes, self.used = [], {}, {}, {}
-            self.trainable = sum(1 for p in params if p.requires_grad)
-            return round_
+    def _submit_rest(self) -> None:
+        self.complete.update(self.filling)       # members frozen this step: zeros
+        self._submit_in_order(end_of_step=True)
+        self.next_bucket = 0
+
+    def _new_round(self, usage, usage_handle, position: dict) -> "ShardRound":
+        round_ = ShardRound(self, self.in_flight, usage, usage_handle, position)
+        self.in_flight, self.used = [], {}
+        return round_
 
 
 class ShardRound:
@@ -474,6 +462,16 @@ class Gathers:
                         break
             finally:
                 self.busy = busy
+
+    @contextlib.contextmanager
+    def internal(self):
+        """Our own reads of watched parameters (``zero_grad`` clearing their ``.grad``) pass
+        the guard: they must not complete the gathers the next forward is to overlap."""
+        busy, self.busy = self.busy, True
+        try:
+            yield
+        finally:
+            self.busy = busy
 
     # ---- the forward_overlap guard's protocol --------------------------------------------
     def touched(self, params: list, what: str) -> None:

@@ -166,7 +166,8 @@ class ShardedOptimizer(_DistributedOptimizer):
         sync.wait_all()
         sync.synchronized = False
         super(_DistributedOptimizer, self).zero_grad(set_to_none)
-        _clear_grads([p for group in sync.full_groups for p in group], set_to_none)
+        with sync.gathers.internal():       # reading .grad is no use of the parameters
+            _clear_grads([p for group in sync.full_groups for p in group], set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a param group (a collective, as without sharding); its parameters are laid
