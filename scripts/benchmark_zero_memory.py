@@ -153,22 +153,6 @@ def batch(rank: int, step: int, rows: int, width: int):
 
 
 # ---- the configurations (worker side) ------------------------------------------------------
-def init_torch_distributed(comm) -> None:
-    """gloo process group over the MPI ranks: rank 0 picks a free port and broadcasts it."""
-    import socket
-
-    import torch.distributed as dist
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(comm.rank), WORLD_SIZE=str(comm.size))
-    dist.init_process_group("gloo", rank=comm.rank, world_size=comm.size)
-
-
 class Setup:
     """One configuration's training objects: the module to call, the optimizer, the
     optimizer-state dict to measure and how to read the final parameters."""
@@ -187,7 +171,8 @@ def prepare(config: str, comm, args):
         mpiddp.init()
         mpiddp.broadcast_parameters(model.state_dict(), root_rank=0)
         return model, lambda: wrap_mpiddp(model, int(config[-1]), args.bucket_cap_mb)
-    init_torch_distributed(comm)
+    from synthetic_benchmark import init_torch_distributed
+    init_torch_distributed(single_node=True)
     if config == "torch-zero-ddp":
         return model, lambda: wrap_torch_zero(model)
     if config == "fsdp2":

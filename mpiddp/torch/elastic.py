@@ -32,6 +32,7 @@ import torch
 from .. import runtime
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, \
     broadcast_parameters
+from .sharded_registry import zero_stage_of
 
 SNAPSHOT_PATTERN = re.compile(r"^snapshot-(\d+)-(.+)\.pt$")
 
@@ -211,7 +212,7 @@ class State:
         any rank count re-shards it."""
         self._raise_write_error()
         self.commits += 1
-        if _sharded(self._optimizer):
+        if zero_stage_of(self._optimizer):
             self._optimizer.consolidate_state_dict(to=None)
         if not self.writer:
             return
@@ -285,7 +286,7 @@ class State:
     def sync(self) -> None:
         """Collective: make every rank's state rank 0's."""
         broadcast_parameters(self._model.state_dict(), root_rank=0)
-        if self._optimizer is not None and not _sharded(self._optimizer):
+        if self._optimizer is not None and not zero_stage_of(self._optimizer):
             # (A sharded optimizer's shards are each rank's own: restore loaded the whole
             # state on every rank, each keeping its shard.)
             broadcast_optimizer_state(self._optimizer, root_rank=0)
@@ -297,11 +298,6 @@ class State:
         self._extras.update(rest["extras"])
         if self._sampler is not None:
             self._sampler.load_state_dict(rest["sampler"])
-
-
-def _sharded(optimizer) -> bool:
-    """Whether ``optimizer`` is a ``DistributedOptimizer(zero_stage=1|2)``."""
-    return bool(getattr(getattr(optimizer, "__dict__", {}).get("_mpiddp"), "zero_stage", 0))
 
 
 def list_snapshots(directory: str) -> list[tuple[int, str, str]]:

@@ -19,6 +19,7 @@ from .async_ops import broadcast_async_
 from .collectives import allgather, broadcast_
 from .handles import synchronize
 from .naming import collective_name, root_rank as root_rank_of
+from .sharded_registry import zero_stage_of
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
            "allgather_object"]
@@ -276,7 +277,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, not "
                         f"{type(optimizer).__name__}")
-    stage = getattr(optimizer.__dict__.get("_mpiddp"), "zero_stage", 0)
+    stage = zero_stage_of(optimizer)
     if stage:
         raise ValueError(
             f"broadcast_optimizer_state cannot copy a DistributedOptimizer(zero_stage={stage})"

@@ -33,8 +33,8 @@ from ..runtime import ProcessSet
 from .compression import Compression
 from .forward_overlap import ForwardOverlap
 from .gradient_sync import OWNER_ATTR, GradientSync
-from .optimizer_methods import (_DistributedOptimizer, _check_passes,  # noqa: F401
-                                _check_same_everywhere, _complete_overlap)
+from .optimizer_methods import (_DistributedOptimizer, _check_passes, _check_same_everywhere,
+                                _complete_overlap)
 from . import zero_optimizer
 
 __all__ = ["DistributedOptimizer"]
@@ -258,12 +258,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     sharded = zero_stage and (process_set is None or process_set.included())
     if sharded:
         zero_optimizer.check_shardable(optimizer, named, compression, zero_stage)
-        sync = zero_optimizer.ShardedSync(
-            next(_optimizer_index), compression, backward_passes_per_step, op, factor,
-            sparse_as_dense, float(bucket_cap_mb), process_set, zero_stage=zero_stage)
-    else:
-        sync = GradientSync(next(_optimizer_index), compression, backward_passes_per_step, op,
-                            factor, sparse_as_dense, float(bucket_cap_mb), process_set)
+    make_sync, extra = (zero_optimizer.ShardedSync, {"zero_stage": zero_stage}) if sharded \
+        else (GradientSync, {})
+    sync = make_sync(next(_optimizer_index), compression, backward_passes_per_step, op, factor,
+                     sparse_as_dense, float(bucket_cap_mb), process_set, **extra)
     sync.extra_names = name_map
     if process_set is None or process_set.included():
         _check_same_everywhere(sync, named, "construction")     # collective

@@ -17,6 +17,11 @@ from .forward_overlap import ForwardOverlap
 from .gradient_sync import GradientSync
 
 
+# step() inside skip_synchronize() while reductions are in flight (here and zero_optimizer).
+STEP_WHILE_IN_FLIGHT = ("optimizer.step() inside skip_synchronize() while gradient reductions "
+                        "are still in flight: call optimizer.synchronize() before the block")
+
+
 class _DistributedOptimizer:
     """Methods placed in front of the user's optimizer class (see ``DistributedOptimizer``)."""
 
@@ -108,9 +113,7 @@ class _DistributedOptimizer:
         if sync.skip_synchronize:
             if sync.pending or (overlap is not None and overlap.round is not None
                                 and overlap.deferred is None):
-                raise RuntimeError(
-                    "optimizer.step() inside skip_synchronize() while gradient reductions are "
-                    "still in flight: call optimizer.synchronize() before the block")
+                raise RuntimeError(STEP_WHILE_IN_FLIGHT)
         sync.marks.record("step_begin")
         if overlap is not None and not sync.skip_synchronize and overlap.step(closure):
             return None                 # runs parameter by parameter in the next forward

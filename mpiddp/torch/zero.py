@@ -222,29 +222,25 @@ class ShardedSync(GradientSync):
         if grad is not None and grad.is_sparse:
             grad = grad.to_dense()
         bucket = self.layout.bucket_of[param]
-        if len(bucket.params) == 1 and grad is not None and grad.dtype == bucket.wire_dtype \
-                and grad.is_contiguous() and grad is param.grad:
-            # One parameter: its gradient is the flat buffer, handed over as it is (stage 1
-            # keeps it; its elements outside this rank's chunk then hold partial sums).
-            self._release_reduced()
-            flat = grad.view(-1)
-            self.filling[bucket.index] = (flat, set(), [])
-            if self.zero_stage == 2:
-                param.grad = None
-            self._finish_queue(param, bucket, True)
-            return
         flat, queued, events = self.filling.get(bucket.index) or (None, set(), [])
+        # One parameter whose gradient can travel as it is: the gradient is the flat buffer,
+        # handed over (stage 1 keeps it; its elements outside this rank's chunk then hold
+        # partial sums).
+        handed_over = flat is None and len(bucket.params) == 1 and grad is param.grad \
+            and grad is not None and grad.dtype == bucket.wire_dtype and grad.is_contiguous()
         if flat is None:
             self._release_reduced()
-            flat = torch.empty(bucket.numel, dtype=bucket.wire_dtype, device=bucket.device)
+            flat = grad.view(-1) if handed_over else \
+                torch.empty(bucket.numel, dtype=bucket.wire_dtype, device=bucket.device)
             self.filling[bucket.index] = (flat, queued, events)
-        offset = bucket.offsets[param]
-        if grad is not None:
-            flat[offset:offset + param.numel()].copy_(grad.reshape(-1))
-            if self.zero_stage == 2:
-                param.grad = None            # the full-size gradient is no longer needed
-        else:
-            flat[offset:offset + param.numel()].zero_()
+        if not handed_over:
+            offset = bucket.offsets[param]
+            if grad is not None:
+                flat[offset:offset + param.numel()].copy_(grad.reshape(-1))
+            else:
+                flat[offset:offset + param.numel()].zero_()
+        if grad is not None and self.zero_stage == 2:
+            param.grad = None                # the full-size gradient is no longer needed
         event = ready_event(flat)
         if event is not None:
             events.append(event)
@@ -445,28 +441,25 @@ class Gathers:
 
     def complete(self, until: Optional[Bucket] = None) -> None:
         """Finish the gathers (all, or those started up to ``until``'s), unpacking each."""
-        with self.lock:
-            busy, self.busy = self.busy, True
-            try:
-                while self.queue or self.started:
-                    if self.queue:
-                        self._start_more()
-                    bucket, handle, output = self.started.popleft()
-                    handle.wait()
-                    if output is not None:
-                        with torch.no_grad(), torch.inference_mode(False):
-                            bucket.unpack_gathered(output)
-                    for param in bucket.params:
-                        self.watched.pop(id(param), None)
-                    if bucket is until:
-                        break
-            finally:
-                self.busy = busy
+        with self.lock, self.internal():
+            while self.queue or self.started:
+                if self.queue:
+                    self._start_more()
+                bucket, handle, output = self.started.popleft()
+                handle.wait()
+                if output is not None:
+                    with torch.no_grad(), torch.inference_mode(False):
+                        bucket.unpack_gathered(output)
+                for param in bucket.params:
+                    self.watched.pop(id(param), None)
+                if bucket is until:
+                    break
 
     @contextlib.contextmanager
     def internal(self):
-        """Our own reads of watched parameters (``zero_grad`` clearing their ``.grad``) pass
-        the guard: they must not complete the gathers the next forward is to overlap."""
+        """Our own torch calls on watched parameters pass the guard: the gathers' unpacking,
+        and ``zero_grad`` clearing their ``.grad`` (which must not complete the gathers the
+        next forward is to overlap)."""
         busy, self.busy = self.busy, True
         try:
             yield

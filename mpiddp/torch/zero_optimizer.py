@@ -20,7 +20,8 @@ from ..reduce_ops import ReduceOp
 from .collectives import allreduce
 from .functions import allgather_object
 from .gradient_sync import OWNER_ATTR
-from .optimizer_methods import _check_same_everywhere, _clear_grads, _DistributedOptimizer
+from .optimizer_methods import (STEP_WHILE_IN_FLIGHT, _check_same_everywhere, _clear_grads,
+                                _DistributedOptimizer)
 from .zero import SHARD_ATTR, ShardedSync
 
 __all__ = ["elementwise_optimizer"]
@@ -108,10 +109,6 @@ def _shards_of(sync, params) -> list:
     return [shard for param in params for shard in sync.layout.shards.get(param, [])]
 
 
-def is_sharded(optimizer) -> bool:
-    return isinstance(getattr(optimizer, "__dict__", {}).get("_mpiddp"), ShardedSync)
-
-
 class ShardedOptimizer(_DistributedOptimizer):
     """Methods of a ``DistributedOptimizer(zero_stage=1|2)`` (see the module docstring)."""
 
@@ -139,9 +136,7 @@ class ShardedOptimizer(_DistributedOptimizer):
                 loss = closure()
         if sync.skip_synchronize:
             if sync.pending:
-                raise RuntimeError(
-                    "optimizer.step() inside skip_synchronize() while gradient reductions are "
-                    "still in flight: call optimizer.synchronize() before the block")
+                raise RuntimeError(STEP_WHILE_IN_FLIGHT)
         else:
             sync.schedule.before_step(sync)
         sync.marks.record("step_begin")
@@ -285,8 +280,9 @@ class ShardedOptimizer(_DistributedOptimizer):
             if gathering:
                 for _, pieces in everyone:
                     for index, start, stop, values in pieces:
-                        _place(state.setdefault(index, {}), sharded, index, params[index],
-                               start, stop, values)
+                        created = _copy_piece(state.setdefault(index, {}), values, start, stop,
+                                              start, stop, 0, params[index].numel())
+                        sharded.update((index, key) for key in created)
         if not gathering:
             sync.consolidated = (to, None)
             return
@@ -382,12 +378,12 @@ class ShardedOptimizer(_DistributedOptimizer):
         if len(worlds) != 1 or ranks != list(range(next(iter(worlds)))):
             raise ValueError(f"load_sharded_state_dict needs every rank's part of one save: got "
                              f"ranks {ranks} of world sizes {sorted(worlds)}")
-        index_of, params = _indices(sync)
+        index_of, _ = _indices(sync)
         _set_hyperparameters(self, sharded[0]["param_groups"])
         self.state.clear()
         for piece in sync.layout.pieces():
             index = index_of[piece.param]
-            values, sharded_keys = {}, set()
+            values: dict = {}
             covered = 0
             for part in sharded:
                 found = [p for p in part["zero_sharded"]["pieces"] if p[0] == index]
@@ -402,16 +398,8 @@ class ShardedOptimizer(_DistributedOptimizer):
                 if lo >= hi:
                     continue
                 covered += hi - lo
-                for key, value in part["state"][index].items():
-                    if _is_piece_value(key, value, stop - start):
-                        if key not in values:
-                            values[key] = torch.empty(piece.stop - piece.start,
-                                                      dtype=value.dtype)
-                            sharded_keys.add(key)
-                        values[key][lo - piece.start:hi - piece.start] = \
-                            value[lo - start:hi - start]
-                    else:
-                        values.setdefault(key, value)
+                _copy_piece(values, part["state"][index], start, stop, lo, hi, piece.start,
+                            piece.stop - piece.start)
             if values:
                 if covered != piece.stop - piece.start:
                     raise ValueError(f"load_sharded_state_dict: the parts do not cover "
@@ -434,21 +422,23 @@ def _groups(optimizer, sync) -> list:
     return groups
 
 
-def _is_piece_value(key, value, numel: int) -> bool:
-    """Whether a state value of a shard is elementwise (a slice of the whole tensor's)."""
-    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
-
-
-def _place(values: dict, sharded: set, index: int, param, start: int, stop: int,
-           piece_values: dict) -> None:
+def _copy_piece(values: dict, piece_values: dict, start: int, stop: int, lo: int, hi: int,
+                base: int, length: int) -> list:
+    """Copy elements ``lo:hi`` of a parameter from the state of a piece holding its elements
+    ``start:stop`` into ``values``, whose elementwise tensors hold its elements from ``base``
+    on (``length`` of them: made at the first piece). Per-parameter values (``step``) are
+    taken from the first piece. Returns the keys of the elementwise tensors made."""
+    made = []
     for key, value in piece_values.items():
-        if _is_piece_value(key, value, stop - start):
+        # Elementwise: a slice of the whole tensor's (one element per parameter element).
+        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == stop - start:
             if key not in values:
-                values[key] = torch.empty(param.numel(), dtype=value.dtype)
-                sharded.add((index, key))
-            values[key][start:stop] = value
+                values[key] = torch.empty(length, dtype=value.dtype)
+                made.append(key)
+            values[key][lo - base:hi - base] = value[lo - start:hi - start]
         else:
             values.setdefault(key, value)
+    return made
 
 
 def _as_param_state(values: dict, shard) -> dict:
@@ -483,10 +473,10 @@ def _load_full(optimizer, state_dict: dict) -> None:
     """Every rank keeps its shards' slices of a whole state (see ``load_state_dict``)."""
     sync = optimizer._mpiddp
     _set_hyperparameters(optimizer, state_dict["param_groups"])
-    index_of, params = _indices(sync)
+    _, params = _indices(sync)
     order = [i for group in state_dict["param_groups"] for i in group["params"]]
     position = {saved: mine for mine, saved in enumerate(order)}
-    names = {p: n for p, n in optimizer.__dict__.get("_parameter_names", {}).items()}
+    names = optimizer.__dict__.get("_parameter_names", {})
     new_state: dict = {}
     for saved_index, values in state_dict["state"].items():
         param = params[position[saved_index]]
@@ -496,16 +486,17 @@ def _load_full(optimizer, state_dict: dict) -> None:
                     f"load_state_dict: state '{key}' of parameter "
                     f"'{names.get(param, position[saved_index])}' has shape {list(value.shape)}"
                     f", the parameter {list(param.shape)}: a state dict of another model")
-        for shard_param, shard in zip([param] * len(sync.layout.shards.get(param, [])),
-                                      sync.layout.shards.get(param, [])):
-            piece = next(p for p in sync.layout.bucket_of[param].pieces if p.shard is shard)
+        bucket = sync.layout.bucket_of.get(param)
+        for piece in (bucket.pieces if bucket is not None else []):
+            if piece.param is not param:
+                continue
             sliced = {}
             for key, value in values.items():
                 elementwise = torch.is_tensor(value) and value.shape == param.shape and \
                     not (param.dim() == 0 and key in _SCALAR_KEYS)
                 sliced[key] = value.reshape(-1)[piece.start:piece.stop] if elementwise \
                     else value
-            new_state[shard] = _as_param_state(sliced, shard)
+            new_state[piece.shard] = _as_param_state(sliced, piece.shard)
     optimizer.state.clear()
     optimizer.state.update(new_state)
 
