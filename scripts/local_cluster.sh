@@ -160,6 +160,28 @@ cluster_mpiexec() {
     -genv OMP_NUM_THREADS "${OMP_NUM_THREADS:-1}" "$@"
 }
 
+usage() {
+  cat <<EOF
+usage: $0 COMMAND
+  up K [RATE]             build K nodes, their links shaped to RATE (default 1gbit); as root
+  run NxP -- command...   an MPI job: P ranks on each of N nodes (mpiexec in node 0)
+  exec I -- command...    any command in node I
+  mpiexec ARGS...         the MPI's mpiexec in node 0, with your own -hosts (addresses) and -n
+  address I               node I's address
+  status                  the nodes and their addresses
+  down                    remove the nodes, their links and the bridge; as root
+  help, -h, --help        this text
+docs/multinode.md tells more.
+EOF
+}
+
+# Whether the arguments are a launcher's call of its ssh, `[options] HOST COMMAND...` with HOST
+# a node's address (the hosts run and mpiexec give), rather than a mistyped command.
+called_as_ssh() {
+  while [[ "${1:-}" == -* ]]; do shift; done
+  [[ "${1:-}" =~ \.[0-9]+$ ]] && [ $# -ge 2 ]
+}
+
 case "${1:-}" in
   up) shift; up "$@" ;;
   mpiexec) shift; cluster_mpiexec "$@" ;;
@@ -169,6 +191,12 @@ case "${1:-}" in
   exec) shift; index="${1:?usage: exec I -- command...}"; shift; [ "${1:-}" = "--" ] && shift
         in_node "$index" "$@" ;;
   address) address "${2:?usage: address I}" ;;
-  "") die "usage: $0 up K [RATE] | run NxP -- command... | exec I -- command... | address I | status | down" ;;
-  *) ssh_standin "$@" ;;      # hydra calls us as its ssh: [options] HOST COMMAND...
+  help|-h|--help) usage ;;
+  *) if called_as_ssh "$@"; then
+       ssh_standin "$@"     # hydra (and Open MPI's PRRTE) call us as their ssh
+     else
+       [ -z "${1:-}" ] || echo "[local_cluster] unknown command: $1" >&2
+       usage >&2
+       exit 2
+     fi ;;
 esac

@@ -7,10 +7,14 @@
 #   bash scripts/local_slurm.sh status    # daemons, node and queue
 #   bash scripts/local_slurm.sh stop      # cancel jobs, stop the daemons, remove the scratch dir
 #   bash scripts/local_slurm.sh pmi2-library   # install libpmi2-0 if missing, print its path
+#   bash scripts/local_slurm.sh check-ports    # are the daemons' ports free? (start checks it too)
 #
 # Everything it writes lives in one scratch directory, LOCAL_SLURM_DIR (default
 # /tmp/mpiddp-slurm): configuration, munge key and socket, state, spool, logs and pid files.
 # The node has the CPUs slurmd finds; LOCAL_SLURM_CPUS=N at start pretends it has N.
+# slurmctld and slurmd listen on TCP ports 6817 and 6818, Slurm's defaults; LOCAL_SLURM_PORT=P at
+# start moves them to P and P+1 (where another Slurm, or any program, holds the defaults: start
+# names the program holding a port and stops before anything is installed or started).
 # It also has LOCAL_SLURM_GPUS (default 2) fake GPUs: Slurm's gpu resources (gres) backed by
 # device files in the scratch directory, so that GPU job scripts (--gpus-per-node) schedule
 # and get CUDA_VISIBLE_DEVICES as on a GPU node; there is no CUDA device behind them.
@@ -30,7 +34,9 @@ DIR="${LOCAL_SLURM_DIR:-/tmp/mpiddp-slurm}"
 # 0: this machine is the one node; K: K emulated nodes (recorded at start for stop/status).
 NODES="${LOCAL_SLURM_NODES:-$(cat "$DIR/nodes" 2>/dev/null || echo 0)}"
 CLUSTER="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/local_cluster.sh"
+SELF="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
 CONF="$DIR/slurm.conf"
+PORT="${LOCAL_SLURM_PORT:-6817}"     # slurmctld's; slurmd's is the next one
 MARK="$DIR/.made-by-local_slurm"     # stop removes only a directory this script made
 export SLURM_CONF="$CONF"            # every Slurm command (and daemon) reads this config
 
@@ -54,6 +60,64 @@ in_node() {  # in_node I COMMAND...
 cgroup_mounts() {
   awk '$2 ~ "^/sys/fs/cgroup" && ($3 == "tmpfs" || $3 == "cgroup" || $3 == "cgroup2") {
          printf "mkdir -p %s && mount -t %s -o %s %s %s && ", $2, $3, $4, $1, $2 }' /proc/self/mounts
+}
+
+# LOCAL_SLURM_PORT: a number, with room for slurmd's port after it.
+check_port_setting() {
+  [[ "$PORT" =~ ^[1-9][0-9]*$ ]] && [ "$PORT" -ge 1024 ] && [ "$PORT" -le 65534 ] ||
+    die "LOCAL_SLURM_PORT must be a port number from 1024 to 65534 (slurmd takes the next one)"
+}
+
+# The programs listening on TCP port $1 in this network namespace, one "NAME (pid PID)" a line;
+# "a process not visible here" where the socket's owner cannot be seen (another user's when not
+# root, or one outside this container sharing its network).
+# Read from /proc, so that no tool that may be missing (ss, netstat) is needed.
+listeners() {  # listeners PORT
+  local inodes inode fd pid found
+  # /proc/net/tcp{,6}: the local address as HEXADDR:HEXPORT, state 0A (LISTEN), inode field 10.
+  inodes="$(awk -v port=":$(printf '%04X' "$1")" \
+            '$4 == "0A" && substr($2, length($2) - 4) == port { print $10 }' \
+            /proc/net/tcp /proc/net/tcp6 2>/dev/null | sort -u)"
+  for inode in $inodes; do
+    found=""
+    for fd in $(find /proc/[0-9]*/fd -lname "socket:\[$inode\]" 2>/dev/null); do
+      pid="${fd#/proc/}"; pid="${pid%%/*}"
+      found+="$(cat "/proc/$pid/comm" 2>/dev/null || echo '?') (pid $pid)"$'\n'
+    done
+    [ -n "$found" ] ||
+      found="a process not visible here (another user's, or outside this container)"$'\n'
+    printf '%s' "$found"
+  done | sort -u
+}
+
+# Stop, naming the programs, when another program listens on slurmctld's or slurmd's port: the
+# daemons would start, fail with "Address already in use", and leave that line at the end of
+# their logs after a screen of other output. With emulated nodes, inside each node.
+check_ports() {
+  check_port_setting
+  local i port holders busy=0
+  if [ "$NODES" != 0 ]; then   # each node is a network namespace of its own: look inside it
+    for i in $(seq 0 $((NODES - 1))); do
+      in_node "$i" env LOCAL_SLURM_NODES=0 LOCAL_SLURM_PORT="$PORT" bash "$SELF" check-ports \
+        >/dev/null || die "the ports are in use in emulated node $i (above)"
+    done
+    return
+  fi
+  for port in "$PORT" $((PORT + 1)); do
+    holders="$(listeners "$port" | paste -sd, - | sed 's/,/, /g')"
+    if [ -n "$holders" ]; then
+      say "error: port $port, which $([ "$port" = "$PORT" ] && echo slurmctld || echo slurmd)" \
+          "needs, is in use by $holders"
+      busy=1
+    fi
+  done
+  if [ "$busy" = 1 ]; then
+    say "stop that program (a Slurm of the system: systemctl stop slurmctld slurmd; a cluster" \
+        "of this script under another LOCAL_SLURM_DIR: its stop), or give this cluster other" \
+        "ports: LOCAL_SLURM_PORT=P at start gives slurmctld port P and slurmd P+1" \
+        "(LOCAL_SLURM_PORT=7817 bash $SELF start). Every listening port: ss -ltnp"
+    exit 1
+  fi
 }
 
 # Slurm's commands, where they reach the controller: here, or in emulated node 0.
@@ -161,6 +225,9 @@ write_config() {
 # Written by scripts/local_slurm.sh: a cluster for testing; removed by its 'stop'.
 ClusterName=mpiddp-local
 SlurmctldHost=$controller
+# LOCAL_SLURM_PORT (default: Slurm's own 6817 and 6818).
+SlurmctldPort=$PORT
+SlurmdPort=$((PORT + 1))
 SlurmUser=root
 SlurmdUser=root
 # munged of this cluster, with its own key and socket (nothing in /etc/munge is used).
@@ -253,6 +320,7 @@ start() {
     bash "$CLUSTER" exec $((NODES - 1)) -- true ||
       die "LOCAL_SLURM_NODES=$NODES needs scripts/local_cluster.sh up with $NODES nodes or more"
   fi
+  check_ports             # before anything is installed or started
   install_packages
   # Readable by all (the configuration, munge's socket), so that other users can submit too.
   mkdir -p "$DIR" && chmod 755 "$DIR" && touch "$MARK"
@@ -343,5 +411,7 @@ case "${1:-}" in
   stop) stop ;;
   status) status ;;
   pmi2-library) pmi2_library ;;
-  *) echo "usage: $0 start|stop|status|pmi2-library   (scratch directory: $DIR)" >&2; exit 2 ;;
+  check-ports) check_ports; say "ports $PORT (slurmctld) and $((PORT + 1)) (slurmd) are free" ;;
+  *) echo "usage: $0 start|stop|status|pmi2-library|check-ports   (scratch directory: $DIR)" >&2
+     exit 2 ;;
 esac

@@ -16,7 +16,11 @@ last ``--steps`` steps, the picture has four lanes:
 * the optimizer step.
 
 It also prints, per rank, the median per step of: step time, compute, reduction time, the part
-of the reductions that ran while backward still computed (hidden), and the wait. Each rank is
+of the reductions that ran while backward still computed (hidden), and the wait, split by what
+the gradients were doing meanwhile: a reduction running (reducing), else a gradient agreed on by
+every rank but its reduction not yet started (queued: the engine busy, or without a core), else
+a gradient not yet agreed on (negotiating: another rank had not handed it over yet, or the
+engine's next negotiation had not come), else none of these (other). Each rank is
 drawn on its own clock, from the end of its first step shown (clocks of different nodes are not
 comparable). Needs matplotlib (``pip install matplotlib``) for the picture; ``--no-plot`` only
 prints.
@@ -65,11 +69,36 @@ def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     """Total length of the intersection of two sets of disjoint intervals."""
-    total = 0.0
+    return length(intersect(a, b))
+
+
+def length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - begin for begin, end in intervals)
+
+
+def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]
+              ) -> list[tuple[float, float]]:
+    """The parts of the disjoint intervals ``a`` inside the disjoint intervals ``b``."""
+    return merged([(max(begin, b_begin), min(end, b_end)) for begin, end in a
+                   for b_begin, b_end in b if min(end, b_end) > max(begin, b_begin)])
+
+
+def subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]
+             ) -> list[tuple[float, float]]:
+    """The parts of the disjoint intervals ``a`` outside the intervals ``b``."""
+    out = []
     for begin, end in a:
-        for b_begin, b_end in b:
-            total += max(0.0, min(end, b_end) - max(begin, b_begin))
-    return total
+        for b_begin, b_end in merged(b):
+            if b_end <= begin or b_begin >= end:
+                continue
+            if b_begin > begin:
+                out.append((begin, b_begin))
+            begin = max(begin, b_end)
+            if begin >= end:
+                break
+        if begin < end:
+            out.append((begin, end))
+    return out
 
 
 def clip(intervals, start: float, stop: float) -> list[tuple[float, float]]:
@@ -87,18 +116,30 @@ def window(spans: dict, steps: int) -> tuple[float, float, int]:
     return ends[-steps - 1], ends[-1], steps
 
 
+# The parts of the wait, in the order they claim a moment of it: what the gradients were doing.
+WAIT_PARTS = (("reducing", "REDUCE"), ("queued", "QUEUE"), ("negotiating", "NEGOTIATE"))
+
+
 def summarize(spans: dict, start: float, stop: float, steps: int) -> dict[str, float]:
     """Per-step medians (ms) inside the window."""
     step_ends = [end for _, end in spans["STEP"] if start <= end <= stop]
-    rows = {key: [] for key in ("step", "compute", "reduce", "hidden", "wait")}
+    keys = ("step", "compute", "reduce", "hidden", "wait", *(k for k, _ in WAIT_PARTS), "other")
+    rows = {key: [] for key in keys}
     for begin, end in zip(step_ends, step_ends[1:]):
         compute = merged(clip(spans.get("COMPUTE", []), begin, end))
         reduce_ = merged(clip(spans.get("REDUCE", []), begin, end))
+        wait = merged(clip(spans.get("WAIT", []), begin, end))
         rows["step"].append(end - begin)
-        rows["compute"].append(sum(e - b for b, e in compute))
-        rows["reduce"].append(sum(e - b for b, e in reduce_))
+        rows["compute"].append(length(compute))
+        rows["reduce"].append(length(reduce_))
         rows["hidden"].append(overlap(reduce_, compute))
-        rows["wait"].append(sum(e - b for b, e in clip(spans.get("WAIT", []), begin, end)))
+        rows["wait"].append(length(wait))
+        rest = wait                 # each moment of the wait goes to the first part that runs
+        for key, span in WAIT_PARTS:
+            running = merged(clip(spans.get(span, []), begin, end))
+            rows[key].append(overlap(rest, running))
+            rest = subtract(rest, running)
+        rows["other"].append(length(rest))
     return {key: 1e3 * statistics.median(values) for key, values in rows.items()}
 
 
@@ -140,12 +181,15 @@ def main(argv=None) -> int:
     p.add_argument("--no-plot", action="store_true", help="only print the summary")
     args = p.parse_args(argv)
     traces = sorted((load(path) for path in args.traces), key=lambda trace: trace[0])
-    print("rank  steps  step ms  compute ms  reductions ms  hidden ms  waited ms")
+    print("rank  steps  step ms  compute ms  reductions ms  hidden ms  waited ms  "
+          "| reducing  queued  negotiating  other")
     for rank, spans in traces:
         start, stop, steps = window(spans, args.steps)
         s = summarize(spans, start, stop, steps)
         print(f"{rank:4d}  {steps:5d}  {s['step']:7.1f}  {s['compute']:10.1f}  "
-              f"{s['reduce']:13.1f}  {s['hidden']:9.1f}  {s['wait']:9.1f}")
+              f"{s['reduce']:13.1f}  {s['hidden']:9.1f}  {s['wait']:9.1f}  "
+              f"| {s['reducing']:8.1f}  {s['queued']:6.1f}  {s['negotiating']:11.1f}  "
+              f"{s['other']:5.1f}")
     if not args.no_plot:
         plot(traces, args.steps, args.output)
     return 0

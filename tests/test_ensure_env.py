@@ -1,5 +1,7 @@
 """scripts/ensure_env.sh with MPIDDP_NO_INSTALL=1: an environment used as it is, never installed
-into (machines with no package index), and a clear refusal where it lacks mpiddp's needs."""
+into (machines with no package index), and a clear refusal where it lacks mpiddp's needs; and,
+with a stand-in pip (no index either), the reinstall of mpiddp alone in an environment whose
+mpiddp is another checkout's."""
 import os
 import subprocess
 import sys
@@ -80,3 +82,78 @@ def test_a_strict_caller_stops_at_a_failure(tmp_path: Path):
     ran = subprocess.run(["bash", "scripts/ensure_env.sh"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=60)
     assert ran.returncode == 1 and "no environment at" in ran.stderr
+
+
+# `python -m pip` of a stand-in environment: logs its arguments, and for `install -e DIR` makes
+# DIR's mpiddp the importable one, with a .pth file as an editable install does. No index.
+PIP_STANDIN = """import os, sys, sysconfig
+args = sys.argv[1:]
+with open(os.path.join(sys.prefix, "pip-calls.log"), "a") as log:
+    log.write(" ".join(args) + "\\n")
+if "-e" in args:
+    with open(os.path.join(sysconfig.get_paths()["purelib"], "mpiddp-editable.pth"), "w") as f:
+        f.write(args[args.index("-e") + 1] + "\\n")
+"""
+
+
+def standin_environment(tmp_path: Path) -> tuple[Path, Path]:
+    """A virtual environment whose pip is PIP_STANDIN and whose torch, mpi4py and numpy are
+    empty packages: (the environment, its site-packages)."""
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    site = Path(subprocess.run(
+        [str(env_dir / "bin" / "python"), "-c",
+         "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True, timeout=60).stdout.strip())
+    for package, text in (("pip", ""), ("torch", ""), ("mpi4py", ""), ("numpy", "")):
+        (site / package).mkdir()
+        (site / package / "__init__.py").write_text(text)
+    (site / "pip" / "__main__.py").write_text(PIP_STANDIN)
+    return env_dir, site
+
+
+def run_ensure_env(env_dir: Path, no_install: bool = False) -> tuple[subprocess.CompletedProcess,
+                                                                       list[str]]:
+    """Run the script for ``env_dir`` from another directory (this checkout's mpiddp must not
+    be found by being in the current one); (its result, the pip calls it made)."""
+    log = env_dir / "pip-calls.log"
+    log.unlink(missing_ok=True)
+    env = dict(os.environ, MPIDDP_VENV=str(env_dir), MPIDDP_NO_INSTALL="1" if no_install else "0")
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "ensure_env.sh")], cwd=env_dir,
+                            env=env, capture_output=True, text=True, timeout=60)
+    return result, (log.read_text().splitlines() if log.exists() else [])
+
+
+def test_an_environment_copied_from_another_checkout_gets_this_checkouts_mpiddp(tmp_path):
+    """A checkout copied with its .venv: the stamp matches, but the editable install of mpiddp
+    points at the old tree. The script notices and reinstalls mpiddp alone (``--no-deps``)."""
+    env_dir, site = standin_environment(tmp_path)
+    editable = f"-q --disable-pip-version-check --no-deps -e {ROOT}"
+    first, calls = run_ensure_env(env_dir)                      # a new environment: everything
+    assert first.returncode == 0, first.stderr
+    assert calls == [f"install -q --disable-pip-version-check -r {ROOT}/requirements-dev.txt",
+                     f"install {editable}"], calls
+    again, calls = run_ensure_env(env_dir)
+    assert again.returncode == 0 and calls == [], (again.stderr, calls)
+
+    old_tree = tmp_path / "old-checkout"
+    (old_tree / "mpiddp").mkdir(parents=True)
+    (old_tree / "mpiddp" / "__init__.py").write_text("")
+    (site / "mpiddp-editable.pth").write_text(f"{old_tree}\n")  # as the copy left it
+    moved, calls = run_ensure_env(env_dir)
+    assert moved.returncode == 0, moved.stderr
+    assert f"mpiddp is {old_tree}/mpiddp, not this checkout's ({ROOT}/mpiddp)" in moved.stderr
+    assert calls == [f"install {editable}"], calls
+    settled, calls = run_ensure_env(env_dir)
+    assert settled.returncode == 0 and calls == [], (settled.stderr, calls)
+
+    (site / "mpiddp-editable.pth").unlink()                     # the old tree deleted: none
+    gone, calls = run_ensure_env(env_dir)
+    assert "mpiddp is missing" in gone.stderr and calls == [f"install {editable}"], gone.stderr
+
+    # MPIDDP_NO_INSTALL=1 never installs: it says so, and goes on.
+    (site / "mpiddp-editable.pth").write_text(f"{old_tree}\n")
+    kept, calls = run_ensure_env(env_dir, no_install=True)
+    assert kept.returncode == 0 and calls == [], (kept.stderr, calls)
+    assert f"warning: {env_dir}'s mpiddp is {old_tree}/mpiddp" in kept.stderr

@@ -39,12 +39,15 @@ class Timeline:
 
     def write_chrome_trace(self, path: str, rank: int) -> None:
         """Write the events as a Chrome trace: one row per tensor, spans from submission to
-        agreement (NEGOTIATE) and from start to end of its reduction (REDUCE); one row per
-        optimizer, spans of forward and backward (COMPUTE: from the previous step's end to the
-        end of backward), of the wait for the last reductions (WAIT) and of the step (STEP)."""
+        agreement (NEGOTIATE), from agreement to the start of its reduction (QUEUE: waiting
+        for the engine, e.g. behind other fusion buffers) and from start to end of its
+        reduction (REDUCE); one row per optimizer, spans of forward and backward (COMPUTE: from
+        the previous step's end to the end of backward), of the wait for the last reductions
+        (WAIT) and of the step (STEP)."""
         spans = []
         times: dict[str, dict[str, float]] = {}
-        pairs = {"agreed": ("submit", "NEGOTIATE"), "end": ("start", "REDUCE"),
+        pairs = {"agreed": ("submit", "NEGOTIATE"), "start": ("agreed", "QUEUE"),
+                 "end": ("start", "REDUCE"),
                  "backward_end": ("step_end", "COMPUTE"), "synchronized": ("backward_end", "WAIT"),
                  "step_end": ("step_begin", "STEP")}
         for name, phase, when in self.events():

@@ -300,7 +300,8 @@ def stop_timeline(path: str | None = None) -> list[tuple[str, str, float]]:
 
     Args:
         path: where to write the events as a Chrome trace (chrome://tracing, Perfetto): one
-            row per tensor, NEGOTIATE spans (submission to agreement) and REDUCE spans.
+            row per tensor, NEGOTIATE spans (submission to agreement), QUEUE spans
+            (agreement to the start of its reduction) and REDUCE spans.
             Written atomically (temporary file, then rename). Default None: write nothing.
 
     Returns:
