@@ -67,7 +67,7 @@ if not _running_the_launcher():
     from .torch.functions import (allgather_object, broadcast_object,  # noqa: F401,E402
                                   broadcast_optimizer_state, broadcast_parameters)
     from .torch.optimizer import DistributedOptimizer  # noqa: F401,E402
-    from .torch.zero_optimizer import elementwise_optimizer  # noqa: F401,E402
+    from .torch.sharding.optimizer import elementwise_optimizer  # noqa: F401,E402
     from .torch.sync_batch_norm import SyncBatchNorm  # noqa: F401,E402
     from . import elastic  # noqa: F401,E402  (snapshots, ElasticSampler: docs/elastic.md)
     from . import checkpoint  # noqa: F401,E402  (docs/checkpointing.md)

@@ -30,9 +30,11 @@ from .reduce_ops import Max
 from .runtime import rank, size
 from .torch.async_ops import allreduce_async
 from .torch.elastic import write_durably
-from .torch.functions import allgather_object, broadcast_object, broadcast_optimizer_state, \
-    broadcast_parameters
+from .torch.functions import _broadcast_hyperparameters, allgather_object, broadcast_object, \
+    broadcast_optimizer_state, broadcast_parameters
 from .torch.handles import synchronize
+from .torch.sharding.registry import zero_stage_of
+from .torch.sharding.state import broadcast_whole_state
 
 # sysexits.h EX_TEMPFAIL, "temporary failure, try again": the status of a preempted run, on
 # which the job scripts requeue the job (scripts/slurm.sbatch).
@@ -170,6 +172,11 @@ class Checkpoint:
         Without a file, the model's and optimizer's state are still broadcast from rank 0,
         so every rank starts from the same weights.
 
+        A sharded optimizer (``zero_stage`` 1 or 2) gets the whole optimizer state from
+        rank 0, a part at a time, and each rank keeps its shards: the file may come from any
+        stage and any rank count. Without a file it takes rank 0's hyperparameters only
+        (its shards' state is each rank's own).
+
         Returns:
             Whether a checkpoint was loaded (then ``epoch``, ``step``, ``ranks`` and
             ``extra`` say what it held).
@@ -177,17 +184,32 @@ class Checkpoint:
         Raises:
             OSError, RuntimeError: rank 0 cannot read the file (``torch.load``); the job
                 ends as for any exception on one rank.
+            ValueError: with a sharded optimizer, the file's optimizer state belongs to
+                another model (raised on every rank).
         """
         state = None
+        sharded = zero_stage_of(self.optimizer)
         if rank() == 0 and os.path.exists(self.path):
             state = torch.load(self.path, map_location="cpu", weights_only=False)
             self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            if not sharded:
+                self.optimizer.load_state_dict(state["optimizer"])
         position = None if state is None else \
             {key: state[key] for key in ("epoch", "step", "ranks", "extra", "rng")}
         position = broadcast_object(position, root_rank=0, name="mpiddp.checkpoint.position")
         broadcast_parameters(self.model.state_dict(), root_rank=0)
-        broadcast_optimizer_state(self.optimizer, root_rank=0)
+        if not sharded:
+            broadcast_optimizer_state(self.optimizer, root_rank=0)
+        elif position is not None:
+            # The whole state (any stage, any rank count wrote it) from rank 0: every rank
+            # keeps its shards' slices.
+            broadcast_whole_state(self.optimizer, state["optimizer"] if state else None,
+                                  root_rank=0, name="mpiddp.checkpoint.optimizer")
+        else:
+            # Nothing to resume: rank 0's hyperparameters. (The shards' state, if any, is
+            # each rank's own: nothing of rank 0's to copy.)
+            _broadcast_hyperparameters(self.optimizer, root_rank=0,
+                                       name="mpiddp.checkpoint.hyperparameters")
         if position is None:
             return False
         self.epoch, self.ranks, self.extra = position["epoch"], position["ranks"], \
@@ -261,7 +283,9 @@ class Checkpoint:
                 raise Preempted(signum, epoch, step, self.path)
 
     def save(self, epoch: int, step: int = 0, **extra: Any) -> None:
-        """Write the checkpoint (rank 0, durably: temporary file, fsync, rename).
+        """Write the checkpoint (rank 0, durably: temporary file, fsync, rename). A sharded
+        optimizer's state (``zero_stage`` 1 or 2) is first gathered into the whole state on
+        rank 0 (``consolidate_state_dict(to=0)``), so the file is the same at every stage.
 
         Args:
             epoch: the epoch the position is in, counted from 0; after an epoch, call
@@ -276,6 +300,10 @@ class Checkpoint:
         """
         self.extra.update(extra)
         rng = allgather_object(_rng_state(), name="mpiddp.checkpoint.rng") if step else None
+        if zero_stage_of(self.optimizer):
+            # Sharded: every rank's shards are gathered (bucket by bucket) into the whole
+            # state on rank 0, so the file is the same at every stage and rank count.
+            self.optimizer.consolidate_state_dict(to=0)
         if rank() == 0:
             save_durably(self.path, {
                 "epoch": epoch, "step": step, "ranks": size(), "extra": self.extra,

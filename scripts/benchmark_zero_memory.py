@@ -70,7 +70,7 @@ CONFIGS = {
     "fsdp2": ("FSDP2 no reshard", 2),
 }
 # the modules each configuration's wrapping loads (imported before the baseline)
-WRAPPER_MODULES = {**{c: ("mpiddp.torch.zero_optimizer",) for c in CONFIGS if "mpiddp" in c},
+WRAPPER_MODULES = {**{c: ("mpiddp.torch.sharding.optimizer",) for c in CONFIGS if "mpiddp" in c},
                    "torch-zero-ddp": ("torch.distributed.optim", "torch.nn.parallel"),
                    "fsdp2": ("torch.distributed.fsdp",)}
 REFERENCE = "mpiddp-zero0"          # the others' final parameters are compared with its

@@ -64,7 +64,7 @@ from mpiddp.collectives.cost_model import (ENGINE_CYCLE_S,  # noqa: E402
 from mpiddp.collectives.topology import Topology  # noqa: E402
 
 NEGOTIATION_BYTES = 3 * 128 + 16     # a cached cycle's bit vectors and flags (docs/dev/engine.md)
-CYCLE_PROBE_BYTES = 4 << 20          # torch/cycle_budget.py's large all-reduce
+CYCLE_PROBE_BYTES = 4 << 20          # torch/gradients/cycle_budget.py's large all-reduce
 # scripts/benchmark_allreduce.py's rows for the algorithm the engine picks (recursive
 # doubling has no row of its own: ``auto`` takes it for the sizes where the engine would).
 BENCHMARK_ROWS = {"ring": "mpiddp ring", "halving_doubling": "mpiddp halving-doubling",
@@ -174,7 +174,7 @@ class Job:
     local_size: int = 1
     local_link: LinkCosts | None = None
     # Gradients in device memory: forward overlap's cycle budget is then sized from the
-    # engine's all-reduce as timed on the job (``torch/cycle_budget.py``), here as modelled.
+    # engine's all-reduce as timed on the job (``torch/gradients/cycle_budget.py``), here as modelled.
     on_device: bool = False
 
     @property

@@ -144,9 +144,10 @@ class Variant:
     """One way of training: ``step()`` runs forward, backward and the optimizer step;
     ``finish()`` completes what a step may leave running (forward overlap's updates)."""
 
-    def __init__(self, name, model, optimizer, data, target, overlap=False):
+    def __init__(self, name, model, optimizer, data, target, overlap=False, at_step=False):
         self.name, self.model, self.optimizer = name, model, optimizer
         self.data, self.target, self.overlap = data, target, overlap
+        self.at_step = at_step      # synchronize() after backward: shards stepped at step()
 
     def step(self):
         self.optimizer.zero_grad()
@@ -154,6 +155,8 @@ class Variant:
         # Simulated models: their output's values mean nothing; any scalar drives backward.
         loss = out.sum() if self.target is None else F.cross_entropy(out, self.target)
         loss.backward()
+        if self.at_step:
+            self.optimizer.synchronize()
         self.optimizer.step()
 
     def finish(self):
@@ -174,7 +177,7 @@ def supports_overlap_forward() -> bool:
 
 
 def make_mpiddp(args, bucket_cap_mb: float, name: str, overlap: bool | str = False,
-                zero_stage: int = 0) -> Variant:
+                zero_stage: int = 0, at_step: bool = False) -> Variant:
     model, data, target = build(args)
     optimizer = make_optimizer(args, model, model.parameters())
     compression = getattr(mpiddp.Compression, args.compression)
@@ -193,7 +196,7 @@ def make_mpiddp(args, bucket_cap_mb: float, name: str, overlap: bool | str = Fal
                 piece.shard.sim_elements = round(piece.param.sim_elements *
                                                  piece.shard.numel() / piece.param.numel())
     mpiddp.broadcast_parameters(model.state_dict(), root_rank=0)
-    return Variant(name, model, optimizer, data, target, overlap)
+    return Variant(name, model, optimizer, data, target, overlap, at_step)
 
 
 def init_torch_distributed(single_node: bool, backend: str = "gloo") -> None:
@@ -231,6 +234,25 @@ def make_ddp(args, bucket_cap_mb: float, name: str) -> Variant:
                 "bf16": default_hooks.bf16_compress_hook}[args.compression]
         ddp_model.register_comm_hook(None, hook)
     optimizer = make_optimizer(args, model, ddp_model.parameters())
+    return Variant(name, ddp_model, optimizer, data, target)
+
+
+def make_ddp_zero(args, bucket_cap_mb: float, name: str) -> Variant:
+    """DDP with torch's ZeroRedundancyOptimizer (optimizer state sharded by whole parameters;
+    the updated parameters broadcast by their owners after the step)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    model, data, target = build(args)
+    ddp_model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+    if args.model in sim.MODELS:
+        optimizer = ZeroRedundancyOptimizer(
+            ddp_model.parameters(), optimizer_class=sim.SimulatedOptimizer,
+            device=model.device, seconds_per_param=args.sim_seconds_per_param)
+    else:
+        optimizer = ZeroRedundancyOptimizer(ddp_model.parameters(),
+                                            optimizer_class=torch.optim.SGD, lr=0.01,
+                                            momentum=0.9)
     return Variant(name, ddp_model, optimizer, data, target)
 
 
@@ -309,7 +331,10 @@ def parse_args(argv=None):
                         "native (mpiddp, every reduction by the MPI library's "
                         "MPI_Allreduce), ddp (torch DDP over gloo), single (one process, the "
                         "scaling baseline), zero1 / zero2 (DistributedOptimizer(zero_stage=1|2)"
-                        "; overlap-zero1 / overlap-zero2 with overlap_forward=True); "
+                        "; overlap-zero1 / overlap-zero2 with overlap_forward=True; each with "
+                        "-atstep: optimizer.synchronize() after backward, which keeps every "
+                        "shard's step at step()); ddp-zero (DDP with torch's "
+                        "ZeroRedundancyOptimizer); "
                         "mpiddp:MB / overlap:MB / ddp:MB set the bucket size of "
                         "that variant (e.g. mpiddp:0,mpiddp:1000,ddp,ddp:1000)")
     p.add_argument("--overlap-forward", action="store_true",
@@ -436,7 +461,8 @@ def uses_mpiddp(name: str) -> bool:
 # by MPI_Allreduce, and sharded (zero1, zero2: DistributedOptimizer(zero_stage=1|2); with
 # overlap-: the parameter gathers ride the next forward).
 MPIDDP_KINDS = ("mpiddp", "overlap", "auto", "native", "zero1", "zero2", "overlap-zero1",
-                "overlap-zero2")
+                "overlap-zero2", "zero1-atstep", "zero2-atstep", "overlap-zero1-atstep",
+                "overlap-zero2-atstep")
 
 
 def select_algorithm(name: str) -> None:
@@ -451,11 +477,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [n for n in names
-               if n.split(":")[0] not in (*MPIDDP_KINDS, "ddp", "single")]
+               if n.split(":")[0] not in (*MPIDDP_KINDS, "ddp", "ddp-zero", "single")]
     if unknown or len(set(names)) != len(names):
         raise SystemExit(f"bad --variants {args.variants!r}: use mpiddp[:MB], overlap[:MB], "
                          "auto[:MB], native[:MB], zero1[:MB], zero2[:MB], overlap-zero1[:MB], "
-                         "overlap-zero2[:MB], ddp[:MB], single")
+                         "overlap-zero2[:MB] (each zero one also with -atstep), ddp[:MB], "
+                         "ddp-zero[:MB], single")
     if (args.overlap_forward or any(n.startswith(("overlap", "auto")) for n in names)) \
             and not supports_overlap_forward():
         raise SystemExit(f"--overlap-forward / the overlap variant: the installed mpiddp "
@@ -489,11 +516,12 @@ def main(argv=None) -> int:
     variants = {}
     for name in names:
         kind, _, cap = name.partition(":")
-        if kind == "ddp":
+        if kind in ("ddp", "ddp-zero"):
             import torch.distributed as dist
             if not dist.is_initialized():
                 init_torch_distributed(local_size == size)
-            variants[name] = make_ddp(args, float(cap or args.ddp_bucket_mb), name)
+            make = make_ddp if kind == "ddp" else make_ddp_zero
+            variants[name] = make(args, float(cap or args.ddp_bucket_mb), name)
         elif kind == "single":
             variants[name] = make_single(args)
         else:
@@ -501,7 +529,9 @@ def main(argv=None) -> int:
             variants[name] = make_mpiddp(args, float(cap or args.bucket_cap_mb), name,
                                          overlap="auto" if kind == "auto" else
                                          kind.startswith("overlap") or args.overlap_forward,
-                                         zero_stage=int(kind[-1]) if "zero" in kind else 0)
+                                         zero_stage=int(kind.split("zero")[1][0])
+                                         if "zero" in kind else 0,
+                                         at_step=kind.endswith("-atstep"))
     params = sum(p.numel() for p in next(iter(variants.values())).model.parameters())
     if rank == 0:
         if simulation:

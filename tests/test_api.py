@@ -13,7 +13,8 @@ import pytest
 import mpiddp
 from mpiddp import build_info, checkpoint, process_sets, runtime
 from mpiddp.torch import (async_ops, collectives, compression, functions, handles, optimizer,
-                          requests, sync_batch_norm, zero_optimizer)
+                          requests, sync_batch_norm)
+from mpiddp.torch.sharding import optimizer as zero_optimizer
 
 ROOT = Path(__file__).parent.parent
 PUBLIC_MODULES = [mpiddp, runtime, handles, async_ops, collectives, requests, functions,

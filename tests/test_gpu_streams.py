@@ -410,7 +410,7 @@ def test_gradient_ready_event_is_recorded_on_the_producing_stream(monkeypatch,
     """A bucket is flushed in the hook of its last gradient, possibly on another stream than
     the one that produced the earlier gradients: each gradient's event is recorded in its
     own hook, on its producing stream."""
-    from mpiddp.torch import gradient_sync
+    from mpiddp.torch.gradients import sync as gradient_sync
     from mpiddp.torch.compression import Compression
 
     gpu = make_fake(monkeypatch)

@@ -484,7 +484,7 @@ def test_hierarchical_scratch_covers_every_phase(count, local_size, cross_size, 
 
 def test_overlap_trial_alternates_then_keeps_the_faster(monkeypatch):
     """The auto trial's phases, which steps it times, and the agreed decision."""
-    from mpiddp.torch import overlap_trial
+    from mpiddp.torch.gradients import overlap_trial
     clock = [0.0]
     monkeypatch.setattr(overlap_trial.time, "perf_counter", lambda: clock[0])
     agreed = []

@@ -6,7 +6,7 @@ import pytest
 
 from mpi_launch import assert_ok, run_mpi
 
-CHECKS = 9                     # 'OK' lines of zero_worker.py at 2 ranks (one more from 3)
+CHECKS = 11                     # 'OK' lines of zero_worker.py at 2 ranks (one more from 3)
 RING = {"MPIDDP_ALLREDUCE_ALGORITHM": "ring"}
 
 

@@ -342,7 +342,7 @@ def gradient_cycle_bytes(ranks: int, link: Optional[LinkCosts], gradient_bytes: 
 def device_priority_cycle_bytes(cycle_s: float, seconds_per_byte: float,
                                 tolerance: float = PRIORITY_CYCLE_TOLERANCE) -> int:
     """Forward overlap's cycle budget for gradients in device memory, from the engine's
-    device all-reduce as measured on the job itself (``torch/cycle_budget.py``): a cycle's
+    device all-reduce as measured on the job itself (``torch/gradients/cycle_budget.py``): a cycle's
     fixed cost ``cycle_s`` (one element, end to end) ``tolerance`` of the transfer of the
     budget at ``seconds_per_byte`` (end to end), rounded down to a power of two, from
     ``PRIORITY_CYCLE_MIN_BYTES`` to ``PRIORITY_CYCLE_MAX_BYTES``. The device's own fixed costs

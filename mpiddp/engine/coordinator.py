@@ -91,7 +91,7 @@ class Engine:
         self.executor = make_executor(self.stats, self.timeline, self._complete)
         # The cycle budget and the speculative bytes as the executor resolved them (unset:
         # sized from the measured links; forward overlap's requests then carry a budget of
-        # their own, sized for its gradients: Request.cycle_bytes, torch/cycle_budget.py).
+        # their own, sized for its gradients: Request.cycle_bytes, torch/gradients/cycle_budget.py).
         self.cycle_budget_sized = settings.priority_cycle_bytes is None
         self.settings = settings = replace(
             settings, priority_cycle_bytes=self.executor.priority_cycle_bytes,

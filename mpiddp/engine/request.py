@@ -49,11 +49,11 @@ class Request(NamedTuple):
     # (forward overlap: the next forward needs the first layers' gradients first).
     priority: int = 0
     # Prioritized all-reduces: the most bytes of them one cycle runs, carried by the request
-    # (forward overlap's pieces, sized for its gradients: torch/cycle_budget.py); 0: the
+    # (forward overlap's pieces, sized for its gradients: torch/gradients/cycle_budget.py); 0: the
     # engine's Settings.priority_cycle_bytes. The agreed request's value counts, so every
     # rank cuts a cycle at the same place.
     cycle_bytes: int = 0
-    # The ring all-reduce's halves for a sharded optimizer (torch/zero.py). Reduce-scatter:
+    # The ring all-reduce's halves for a sharded optimizer (torch/sharding/). Reduce-scatter:
     # True leaves rank r the chunk ``(r + 1) % size`` of a flat buffer, summed in the ring
     # all-reduce's order (its first half, ``ring.reduce_scatter_steps`` with
     # ``owner_shift=0``), reduced in the caller's buffer, which it hands over (False: rank r

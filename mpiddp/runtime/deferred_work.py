@@ -1,5 +1,5 @@
 """Work a layer above has deferred and must finish before the engine stops or this rank
-joins: forward overlap's parameter updates (``torch/forward_overlap.py``), whose reductions
+joins: forward overlap's parameter updates (``torch/gradients/forward_overlap.py``), whose reductions
 need the engine. The layers above register a function here; the runtime calls them."""
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from .async_ops import (allgather_async, allreduce_async, allreduce_async_, allt
                         grouped_allreduce_async, grouped_allreduce_async_,
                         grouped_reducescatter_async, reducescatter_async)
 from .compression import Compression, Compressor
-from .sharded_registry import live_sharded_optimizers
+from .sharding.registry import live_sharded_optimizers
 from .handles import synchronize
 from .naming import collective_name
 from .requests import resolve_op

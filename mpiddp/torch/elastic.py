@@ -32,7 +32,7 @@ import torch
 from .. import runtime
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, \
     broadcast_parameters
-from .sharded_registry import zero_stage_of
+from .sharding.registry import zero_stage_of
 
 SNAPSHOT_PATTERN = re.compile(r"^snapshot-(\d+)-(.+)\.pt$")
 

@@ -19,7 +19,7 @@ from .async_ops import broadcast_async_
 from .collectives import allgather, broadcast_
 from .handles import synchronize
 from .naming import collective_name, root_rank as root_rank_of
-from .sharded_registry import zero_stage_of
+from .sharding.registry import zero_stage_of
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
            "allgather_object"]
@@ -252,8 +252,14 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     the state with ``optimizer.load_state_dict``, which moves tensors to the parameters'
     devices.
 
+    A sharded optimizer (``DistributedOptimizer(zero_stage=1|2)``) holds on each rank only
+    that rank's shard of the state, which no other rank can use: it gets the root's
+    hyperparameters (everything in each param group but its parameters), and its state is
+    left as it is when no rank holds any (as after construction). Where some rank does hold
+    state, every rank raises ``ValueError``: load the whole state on every rank instead.
+
     Args:
-        optimizer: the optimizer (a ``DistributedOptimizer`` or a plain one).
+        optimizer: the optimizer (a ``DistributedOptimizer``, sharded or not, or a plain one).
         root_rank: the rank whose state everyone receives, the same on every rank. Default 0.
         prefix: base of the collectives' names (``<prefix>.noname.<n>``, numbered in call
             order). Default ``"broadcast_optimizer_state"``.
@@ -265,7 +271,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
             integer.
         ValueError: ``root_rank`` is not a rank; or this rank's param groups hold different
             numbers of parameters than the root's (raised, after the broadcasts, on the ranks
-            that differ; the state is then not loaded).
+            that differ; the state is then not loaded). With sharded optimizers, raised on
+            every rank alike: some rank holds optimizer state (load the whole state on every
+            rank with ``optimizer.load_state_dict``, or every rank's
+            ``sharded_state_dict()`` with ``load_sharded_state_dict``, or use
+            ``mpiddp.Checkpoint``); the ranks' param groups differ; the ranks disagree on
+            ``zero_stage``; ``root_rank`` is not in ``process_set``.
         NotInitializedError: before ``init()``.
         EngineShutdownError: after ``shutdown()``, or the engine stopped before the
             collectives finished.
@@ -277,14 +288,20 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, not "
                         f"{type(optimizer).__name__}")
-    stage = zero_stage_of(optimizer)
-    if stage:
-        raise ValueError(
-            f"broadcast_optimizer_state cannot copy a DistributedOptimizer(zero_stage={stage})"
-            "'s state from one rank: each rank holds its own shard. Load the whole state on "
-            "every rank with optimizer.load_state_dict(state) instead (each keeps its shard), "
-            "or the sharded states with load_sharded_state_dict (docs/sharding.md)")
     base = collective_name(prefix, None, process_set)
+    stage = zero_stage_of(optimizer)
+    # Every rank takes the same branch: the stages (and, sharded, whether any rank holds
+    # state) are agreed first, so that a refusal is raised on every rank, never a hang.
+    agreed = allgather_object((stage, _sharded_groups(optimizer) if stage else None,
+                               bool(optimizer.state) if stage else False),
+                              name=f"{base}.agree", process_set=process_set)
+    stages = [entry[0] for entry in agreed]
+    if len(set(stages)) > 1:
+        raise ValueError(f"broadcast_optimizer_state: the ranks' optimizers differ in "
+                         f"zero_stage ({stages}, in rank order)")
+    if stage:
+        _adopt_root_groups(optimizer, agreed, root_rank, process_set, stage)
+        return
     is_root = runtime.rank() == root_rank
     state_dict = optimizer.state_dict()
     local_groups = [len(g["params"]) for g in state_dict["param_groups"]]
@@ -317,3 +334,53 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
             "hold different parameters")
     if not is_root:
         optimizer.load_state_dict({"state": state, "param_groups": skeleton["param_groups"]})
+
+
+def _sharded_groups(optimizer) -> list[tuple[int, dict]]:
+    """A sharded optimizer's param groups as (parameters, hyperparameters)."""
+    full_groups = optimizer.__dict__["_mpiddp"].full_groups
+    return [(len(full), {k: v for k, v in group.items() if k not in ("params", "param_names")})
+            for group, full in zip(optimizer.param_groups, full_groups)]
+
+
+def _broadcast_hyperparameters(optimizer: torch.optim.Optimizer, root_rank: int, name: str,
+                               process_set: ProcessSet | None = None) -> None:
+    """Collective: a sharded optimizer takes ``root_rank``'s hyperparameters, whatever state
+    its shards hold (``mpiddp.Checkpoint`` with nothing to restore)."""
+    stage = zero_stage_of(optimizer)
+    agreed = allgather_object((stage, _sharded_groups(optimizer), False), name=name,
+                              process_set=process_set)
+    stages = [entry[0] for entry in agreed]
+    if len(set(stages)) > 1:
+        raise ValueError(f"the ranks' optimizers differ in zero_stage ({stages}, in rank "
+                         "order)")
+    _adopt_root_groups(optimizer, agreed, root_rank, process_set, stage)
+
+
+def _adopt_root_groups(optimizer, agreed: list, root_rank: int,
+                       process_set: ProcessSet | None, stage: int) -> None:
+    """``broadcast_optimizer_state`` of a sharded optimizer, after the ranks' ``agreed``
+    (stage, groups, holds state): the same outcome on every rank."""
+    ranks = list(range(runtime.size())) if process_set is None or not process_set.ranks \
+        else list(process_set.ranks)
+    if root_rank not in ranks:
+        raise ValueError(f"broadcast_optimizer_state: root_rank={root_rank} is not in the "
+                         f"process set (ranks {ranks})")
+    holding = [rank for rank, (_, _, holds) in zip(ranks, agreed) if holds]
+    if holding:
+        raise ValueError(
+            f"broadcast_optimizer_state cannot copy a DistributedOptimizer(zero_stage={stage})"
+            f"'s state from rank {root_rank}: each rank holds only its own shard (rank(s) "
+            f"{holding} hold optimizer state), which no other rank can use. Load the whole "
+            "state on every rank with optimizer.load_state_dict(state) (each keeps its "
+            "shard), or every rank's sharded_state_dict() with load_sharded_state_dict, or "
+            "let mpiddp.Checkpoint save and restore it (docs/sharding.md)")
+    root_groups = agreed[ranks.index(root_rank)][1]
+    sizes = {rank: [count for count, _ in groups]
+             for rank, (_, groups, _) in zip(ranks, agreed)}
+    if any(rank_sizes != sizes[root_rank] for rank_sizes in sizes.values()):
+        raise ValueError(
+            f"broadcast_optimizer_state: the ranks' param groups hold different numbers of "
+            f"parameters ({sizes}, by rank): the optimizers hold different parameters")
+    for group, (_, hyperparameters) in zip(optimizer.param_groups, root_groups):
+        group.update(hyperparameters)

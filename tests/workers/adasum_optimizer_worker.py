@@ -88,7 +88,7 @@ def against_reference(make_opt, what, steps=5, tolerance=2e-6):
         worst = max(worst, max_error(net, models))
         assert worst <= tolerance, f"{what}: step {step} differs from the reference by {worst}"
         same_everywhere(net, f"{what}.{step}")
-    assert opt._mpiddp_adasum.mode == "overlap", opt._mpiddp_adasum.mode
+    assert opt._mpiddp_adasum.timing.mode == "early", opt._mpiddp_adasum.timing.mode
     return worst
 
 
@@ -135,7 +135,7 @@ def grad_scaler():
         same_everywhere(net, f"amp.{step}")
         scales = mpiddp.allgather_object(float(scaler.get_scale()), name=f"scale.{step}")
         assert len(set(scales)) == 1, f"scales differ across ranks: {scales}"
-    assert opt._mpiddp_adasum.mode == "deferred"
+    assert opt._mpiddp_adasum.timing.mode == "at_step"
     checks.ok("adasum optimizer: GradScaler, an inf on one rank skips the step everywhere",
               RANK, barrier=mpiddp.barrier, scale=float(scaler.get_scale()))
 
@@ -182,7 +182,7 @@ def clipping_and_compression():
         reference_step(ref, ref_opts, step, clip=0.5, wire=torch.float16)
         assert max_error(net, ref) <= 1e-3, max_error(net, ref)
         same_everywhere(net, f"clip.{step}")
-    assert opt._mpiddp_adasum.mode == "deferred"
+    assert opt._mpiddp_adasum.timing.mode == "at_step"
     checks.ok("adasum optimizer: clipping after synchronize(), fp16 deltas", RANK,
               barrier=mpiddp.barrier, error=max_error(net, ref))
 

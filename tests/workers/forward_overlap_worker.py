@@ -253,7 +253,7 @@ def check_auto_switches_in_step_and_stays_bitwise_equal():
     """overlap_forward='auto' alternates overlap on and off in its first steps (3 per phase
     here), every rank at the same step, then keeps one; parameters stay bitwise equal to the
     standard path's throughout."""
-    from mpiddp.torch import overlap_trial
+    from mpiddp.torch.gradients import overlap_trial
     overlap_trial.PHASE_STEPS, overlap_trial.UNTIMED_STEPS = 3, 1
     data = batches(19) * 4                    # 16 steps: 12 of trial, 4 after it
     standard = make(OPTIMIZERS["adam"], False)
@@ -291,7 +291,7 @@ def check_device_budget():
     the engine's own budget untouched; training stays bitwise equal to the standard path."""
     from mpiddp import runtime
     from mpiddp.collectives.cost_model import device_priority_cycle_bytes
-    from mpiddp.torch import cycle_budget
+    from mpiddp.torch.gradients import cycle_budget
 
     engine = runtime.engine_for(None, "check_device_budget")[0]
     before = engine.settings.priority_cycle_bytes

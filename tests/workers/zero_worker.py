@@ -85,13 +85,18 @@ def snapshot(model):
 
 
 def train(stage, kind="adam", steps=5, cap=CAP, overlap=False, passes=1,
-          compression=mpiddp.Compression.none, model=None, scaler_inf_at=None, clip=None):
-    """Train ``steps`` steps; returns (snapshots after each step, optimizer, model, extras)."""
+          compression=mpiddp.Compression.none, model=None, scaler_inf_at=None, clip=None,
+          schedule=False, synchronize=False):
+    """Train ``steps`` steps; returns (snapshots after each step, optimizer, model, extras).
+    ``schedule``: an LR scheduler changes the rate every step; ``synchronize``: the script
+    calls optimizer.synchronize() after backward (the step then waits for step())."""
     model = model or net()
     opt = mpiddp.DistributedOptimizer(
         OPTIMIZERS[kind](model.parameters()), named_parameters=model.named_parameters(),
         zero_stage=stage, bucket_cap_mb=cap, overlap_forward=overlap,
         backward_passes_per_step=passes, compression=compression)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.7 ** step + 0.1 * step) \
+        if schedule else None
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) \
         if scaler_inf_at is not None else None
     snaps, extras = [], []
@@ -108,6 +113,8 @@ def train(stage, kind="adam", steps=5, cap=CAP, overlap=False, passes=1,
                 loss.backward()
         if stage == 2:          # the full-size gradients are released as they are reduced
             assert all(p.grad is None for p in model.parameters())
+        if synchronize:
+            opt.synchronize()
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
@@ -120,6 +127,8 @@ def train(stage, kind="adam", steps=5, cap=CAP, overlap=False, passes=1,
             opt.step()
         else:
             opt.step()
+        if scheduler is not None:
+            scheduler.step()
         snaps.append(snapshot(model))
     return snaps, opt, model, extras
 
@@ -138,6 +147,70 @@ def check_exact():
                     assert same(r, g), (kind, stage, overlap, step)
     checks.ok("bitwise equal to zero_stage=0 after every step (SGD, Adam, AdamW; stages 1, 2; "
               "overlap_forward off and on)", RANK)
+
+
+def close(a, b) -> bool:
+    """Equal to float reassociation: the order of a sum differs with the fused layout."""
+    return all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b))
+
+
+def check_early_schedule():
+    """The first step decides (every rank alike) when shards are stepped: during backward,
+    bucket by bucket as reductions land (no clipping, no GradScaler, no synchronize()), or
+    at step(). Both give zero_stage=0's parameters after every step: bitwise at 2 ranks,
+    within reassociation from 3 (several buckets fuse differently unsharded), with an LR
+    scheduler changing the rate every step, and with forward overlap."""
+    cap = 0.0005             # several buckets of this model
+    compare = same if SIZE == 2 else close
+    for kind in OPTIMIZERS:
+        reference, _, _, _ = train(0, kind, cap=cap, schedule=True, steps=4)
+        for stage in (1, 2):
+            for overlap in (False, True):
+                got, opt, _, _ = train(stage, kind, cap=cap, overlap=overlap, schedule=True,
+                                       steps=4)
+                assert opt._mpiddp.timing.mode == "early", opt._mpiddp.timing.mode
+                assert len(opt._mpiddp.layout.buckets) >= 3, len(opt._mpiddp.layout.buckets)
+                for step, (r, g) in enumerate(zip(reference, got)):
+                    assert compare(r, g), (kind, stage, overlap, step)
+        got, opt, _, _ = train(2, kind, cap=cap, schedule=True, steps=4, synchronize=True)
+        assert opt._mpiddp.timing.mode == "at_step", opt._mpiddp.timing.mode
+        assert all(compare(r, g) for r, g in zip(reference, got)), kind
+    for kind, clip, scaler in (("clip", 1.0, None), ("GradScaler", None, 4)):
+        _, opt, _, _ = train(2, "adam", cap=cap, steps=2, clip=clip, scaler_inf_at=scaler)
+        assert opt._mpiddp.timing.mode == "at_step", (kind, opt._mpiddp.timing.mode)
+    checks.ok("the early schedule (steps during backward) and the fallback both match "
+              "zero_stage=0 after every step, with an LR scheduler changing the rate every "
+              "step; clipping, GradScaler and synchronize() keep steps at step()", RANK,
+              bitwise=SIZE == 2)
+
+
+def check_early_schedule_refusals():
+    """What the early schedule cannot honour is refused with the reason, on every rank."""
+    model = net()
+    opt = mpiddp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(), zero_stage=2,
+                                      bucket_cap_mb=0.0005)
+
+    def backward(step):
+        tokens, labels = batch(step, RANK)
+        F.cross_entropy(model(tokens, step), labels).backward()
+
+    backward(0)
+    opt.step()                       # the first step decides: nothing touched the gradients
+    assert opt._mpiddp.timing.mode == "early"
+    opt.zero_grad()
+    backward(1)
+    checks.expect(RuntimeError, opt.zero_grad, "zero_grad() after a backward without step()")
+    opt.step()
+    opt.zero_grad()
+    backward(2)
+    checks.expect(RuntimeError, lambda: opt.clip_grad_norm_(1.0), "already stepped",
+                  "synchronize()")
+    for group in opt.param_groups:
+        group["lr"] = 0.05
+    checks.expect(RuntimeError, opt.step, "hyperparameters", "changed between backward")
+    checks.ok("early schedule: a skipped step, clipping after the early steps and a learning "
+              "rate set between backward and step() are refused", RANK)
 
 
 def check_one_parameter_buckets():
@@ -349,7 +422,7 @@ def check_errors():
         Lamb(model.parameters()), zero_stage=1), "elementwise", "mpiddp.elementwise_optimizer")
     mpiddp.elementwise_optimizer(Lamb)
     opt = mpiddp.DistributedOptimizer(Lamb(model.parameters()), zero_stage=1)
-    checks.expect(ValueError, lambda: mpiddp.broadcast_optimizer_state(opt, 0), "zero_stage")
+    mpiddp.broadcast_optimizer_state(opt, 0)   # no state yet: the root's hyperparameters
     del opt
     checks.expect(ValueError, mpiddp.join, "join() with a DistributedOptimizer(zero_stage")
     stage = 1 if RANK == 0 else 2
@@ -360,6 +433,8 @@ def check_errors():
 
 
 check_exact()
+check_early_schedule()
+check_early_schedule_refusals()
 check_one_parameter_buckets()
 check_state_held()
 check_accumulation_and_fp16()

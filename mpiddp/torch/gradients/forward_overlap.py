@@ -40,12 +40,13 @@ from typing import Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .. import runtime
-from ..reduce_ops import ReduceOp
-from .collectives import allreduce
+from ... import runtime
+from ...reduce_ops import ReduceOp
+from ..collectives import allreduce
 from .cycle_budget import device_piece_bytes, host_piece_bytes
-from .gradient_sync import GradientSync, Round
+from .sync import GradientSync, Round
 from .overlap_trial import OverlapTrial
+from ..subset_step import hyperparameters, step_subset
 
 log = logging.getLogger("mpiddp")
 
@@ -66,8 +67,7 @@ class DeferredStep:
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
-        self.options = [{k: v for k, v in group.items() if k != "params"}
-                        for group in optimizer.param_groups]
+        self.options = hyperparameters(optimizer.param_groups)
         self.params: dict[int, torch.Tensor] = {}
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -302,21 +302,9 @@ class ForwardOverlap:
 
     def _step_on(self, params: list) -> None:
         """Run the wrapped optimizer's step on ``params`` only, with the hyperparameters
-        recorded at ``step()``; the groups are restored afterwards."""
-        ids = {id(p) for p in params}
-        groups = self.optimizer.param_groups
-        saved = [dict(group) for group in groups]
-        try:
-            for group, options in zip(groups, self.deferred.options):
-                subset = [p for p in group["params"] if id(p) in ids]
-                group.clear()
-                group.update(options)
-                group["params"] = subset
-            self.optimizer_step()
-        finally:
-            for group, before in zip(groups, saved):
-                group.clear()
-                group.update(before)
+        recorded at ``step()``."""
+        step_subset(self.optimizer.param_groups, self.optimizer_step, params,
+                    self.deferred.options)
 
     def _abandon(self) -> None:
         """A reduction failed: nothing deferred can be applied; the error is raised."""

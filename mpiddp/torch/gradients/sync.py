@@ -1,6 +1,6 @@
 """Gradient synchronization: hooks, reduction scheduling, and writing averaged gradients back.
 
-``GradientSync`` is the distributed part of a ``DistributedOptimizer`` (``optimizer.py``
+``GradientSync`` is the distributed part of a ``DistributedOptimizer`` (``optimizer/wrap.py``
 wraps the user's optimizer around it):
 
 * a ``post_accumulate_grad`` hook on every trainable parameter queues an in-place all-reduce
@@ -35,16 +35,16 @@ from typing import Callable, Optional, Protocol
 
 import torch
 
-from .. import runtime
-from ..errors import MpiddpError
-from ..reduce_ops import ReduceOp
-from ..runtime import ProcessSet
-from .async_ops import sparse_allreduce_async
-from .compression import WireCasts
-from .handles import combined
-from .handles import synchronize as wait_for
-from .requests import allreduce_request_, contiguous, submit_together
-from .streams import ready_event
+from ... import runtime
+from ...errors import MpiddpError
+from ...reduce_ops import ReduceOp
+from ...runtime import ProcessSet
+from ..async_ops import sparse_allreduce_async
+from ..compression import WireCasts
+from ..handles import combined
+from ..handles import synchronize as wait_for
+from ..requests import allreduce_request_, contiguous, submit_together
+from ..streams import ready_event
 
 # The autograd engine: queue_callback() runs a function once the current backward pass
 # has finished (every gradient accumulated), on the thread that ran it.

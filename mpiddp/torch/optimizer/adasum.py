@@ -6,19 +6,20 @@ the parameter deltas (new - start) are combined with Adasum (``collectives/adasu
 added to the starting point, so every rank ends the step with the same parameters. The
 optimizer's state (momentum, Adam's moments) stays each rank's own, as in Horovod.
 
-When the local step runs, decided by the first step:
+When the local step runs is decided by the first step (``step_timing.py``, the rule the
+sharded optimizers share):
 
-* during backward (``overlap``): as each parameter's gradient is final (its
+* during backward (``EARLY``): as each parameter's gradient is final (its
   ``backward_passes_per_step``-th pass), that parameter alone is stepped and its delta
   submitted, so the reductions run while backward computes the earlier layers. Chosen when
   the first step showed nothing touching the gradients between backward and ``step()``.
-* at ``step()`` (``deferred``): every parameter is stepped together and the deltas are
+* at ``step()`` (``AT_STEP``): every parameter is stepped together and the deltas are
   submitted at once. Chosen when the first step came through AMP's ``GradScaler`` (its
   gradients are scaled until it unscales them) or the script called ``synchronize()`` (to
   clip, say) — and for the first step itself, before it is known.
 
 An inf or nan in any rank's gradients makes every rank skip the step: at the end of each
-backward pass (deferred mode) the ranks agree whether any has one, and each rank's
+backward pass (``AT_STEP``) the ranks agree whether any has one, and each rank's
 gradients then show it, so every rank's GradScaler skips the step and backs off alike.
 Horovod's Adasum optimizer has no such agreement and steps inside backward (issue 3429).
 
@@ -29,15 +30,16 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import torch
 
-from ..reduce_ops import ReduceOp
-from .async_ops import allreduce_async, allreduce_async_
-from .handles import synchronize
+from ...reduce_ops import ReduceOp
+from ..async_ops import allreduce_async, allreduce_async_
+from ..handles import synchronize
+from ..subset_step import step_subset
+from .step_timing import StepTiming
 
-OVERLAP, DEFERRED = "overlap", "deferred"
 _adasum_index = itertools.count()
 
 
@@ -48,8 +50,7 @@ class AdasumSync:
         self.prefix = f"adasum{next(_adasum_index)}"
         self.compression, self.passes, self.process_set = compression, passes, process_set
         self.names = {param: name for name, param in named}
-        self.mode: Optional[str] = None          # decided by the first step
-        self.touched = False                     # synchronize() was called this step
+        self.timing = StepTiming("DistributedOptimizer(op=Adasum)")
         self.counts: dict = {}                   # backward passes seen per parameter
         self.pending: dict = {}                  # param -> (handle, start, ctx, grad version)
         self.callback_queued = False
@@ -74,10 +75,10 @@ class AdasumSync:
                 f"DistributedOptimizer(op=Adasum): the gradient of '{self.names[param]}' was "
                 f"computed {count} times before step(), more than backward_passes_per_step="
                 f"{self.passes}; call step() after that many backward passes")
-        if self.mode != OVERLAP and not self.callback_queued:
+        if not self.timing.early and not self.callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.agree_on_nonfinite)
             self.callback_queued = True
-        if self.mode == OVERLAP and count == self.passes:
+        if self.timing.early and count == self.passes:
             self.local_step([param])
 
     def agree_on_nonfinite(self) -> None:
@@ -107,15 +108,15 @@ class AdasumSync:
             compressed, ctx = self.compression.compress(delta)
             handle = allreduce_async_(compressed, op=ReduceOp.ADASUM, name=self.name(p),
                                       process_set=self.process_set)
-            version = p.grad._version if p.grad is not None else None
-            self.pending[p] = (handle, starts[p], compressed, ctx, version)
+            self.timing.note_stepped(self.names[p], p.grad)
+            self.pending[p] = (handle, starts[p], compressed, ctx)
 
     step_only: Any          # set by the optimizer: its own step on a subset of parameters
 
     def finish(self) -> None:
         """Wait for every delta's Adasum and set each parameter to start + combined delta."""
         try:
-            for p, (handle, start, compressed, ctx, version) in self.pending.items():
+            for p, (handle, start, compressed, ctx) in self.pending.items():
                 result = self.compression.decompress(synchronize(handle), ctx)
                 with torch.no_grad():
                     p.copy_(start.add_(result.to(start.dtype)))
@@ -125,24 +126,12 @@ class AdasumSync:
     def abandon(self) -> None:
         """A skipped step: collect the reductions in flight, put the starting values back."""
         try:
-            for p, (handle, start, compressed, ctx, version) in self.pending.items():
+            for p, (handle, start, compressed, ctx) in self.pending.items():
                 synchronize(handle)
                 with torch.no_grad():
                     p.copy_(start)
         finally:
             self.pending = {}
-
-    def check_untouched(self) -> None:
-        """In overlap mode a gradient changed after its local step (clipped, unscaled) would
-        be silently ignored: refuse instead."""
-        for p, (*_, version) in self.pending.items():
-            if version is not None and p.grad is not None and p.grad._version != version:
-                raise RuntimeError(
-                    f"DistributedOptimizer(op=Adasum): the gradient of '{self.names[p]}' was "
-                    "changed after backward (clipped or unscaled?), but its local step had "
-                    "already run during backward. Call optimizer.synchronize() before "
-                    "changing gradients (from the first step on): the local steps then run "
-                    "in step()")
 
 
 class _AdasumOptimizer:
@@ -156,9 +145,9 @@ class _AdasumOptimizer:
         before ``step()``. Calling it (before clipping, say) keeps the local steps in
         ``step()``, after your changes to the gradients, from the first step on."""
         sync = self._mpiddp_adasum
-        sync.touched = True
-        if sync.mode == OVERLAP and sync.pending:
-            sync.check_untouched()
+        sync.timing.touch()
+        if sync.timing.early and sync.pending:
+            sync.timing.check_untouched()
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -176,16 +165,16 @@ class _AdasumOptimizer:
         scale = self.__dict__.pop("grad_scale", None)
         found_inf = self.__dict__.pop("found_inf", None)
         amp = found_inf is not None
-        if sync.mode is None:
-            sync.mode = DEFERRED if (amp or sync.touched) else OVERLAP
-        elif sync.mode == OVERLAP:
+        if sync.timing.mode is None:
+            sync.timing.decide(needs_whole=amp)
+        elif sync.timing.early:
             if amp:
                 raise RuntimeError(
                     "DistributedOptimizer(op=Adasum): a GradScaler stepped this optimizer, "
                     "but the first step did not use one, so the local steps run during "
                     "backward on gradients the scaler has not unscaled. Use the GradScaler "
                     "from the first step on")
-            sync.check_untouched()
+            sync.timing.check_untouched()
         local_inf = float(found_inf.sum()) if amp else 0.0
         skip = amp and bool(synchronize(allreduce_async(
             torch.tensor([local_inf]), op=ReduceOp.MAX, name=f"{sync.prefix}.skip",
@@ -202,7 +191,8 @@ class _AdasumOptimizer:
             sync.local_step([p for p in sync.names if p.requires_grad])
             sync.finish()
         finally:
-            sync.counts, sync.touched = {}, False
+            sync.counts = {}
+            sync.timing.end_step()
             if amp:
                 self.__dict__.update(grad_scale=scale, found_inf=found_inf)
         return loss
@@ -239,18 +229,9 @@ def wrap_adasum(optimizer: torch.optim.Optimizer, named: list, compression, pass
     wrapped.__dict__ = optimizer.__dict__       # one optimizer, two views: state is shared
 
     def step_only(params: list) -> None:
-        """The wrapped class's own step on ``params`` only (the other groups' lists emptied
-        meanwhile; hyperparameters, a scheduler's learning rate included, untouched)."""
-        chosen = set(params)
-        saved = [group["params"] for group in wrapped.param_groups]
-        try:
-            for group in wrapped.param_groups:
-                group["params"] = [p for p in group["params"] if p in chosen]
-            with torch.no_grad():
-                super(_AdasumOptimizer, wrapped).step()
-        finally:
-            for group, kept in zip(wrapped.param_groups, saved):
-                group["params"] = kept
+        """The wrapped class's own step on ``params`` only (hyperparameters, a scheduler's
+        learning rate included, untouched)."""
+        step_subset(wrapped.param_groups, super(_AdasumOptimizer, wrapped).step, params)
 
     sync.step_only = step_only
     wrapped.__dict__["_mpiddp_adasum"] = sync

@@ -1,6 +1,6 @@
 """The methods ``DistributedOptimizer`` puts in front of the user's optimizer class (see
-``optimizer.py``), and the checks they share with it and with the sharded optimizer
-(``zero_optimizer.py``)."""
+``wrap.py``), and the checks they share with it and with the sharded optimizer
+(``sharding/optimizer.py``)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,15 +9,16 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from ..errors import TensorMismatchError
-from ..reduce_ops import ReduceOp
-from .collectives import allreduce
-from .functions import allgather_object
-from .forward_overlap import ForwardOverlap
-from .gradient_sync import GradientSync
+from ... import runtime
+from ...errors import TensorMismatchError
+from ...reduce_ops import ReduceOp
+from ..collectives import allreduce
+from ..functions import allgather_object
+from ..gradients.forward_overlap import ForwardOverlap
+from ..gradients.sync import GradientSync
 
 
-# step() inside skip_synchronize() while reductions are in flight (here and zero_optimizer).
+# step() inside skip_synchronize() while reductions are in flight (here and sharding/optimizer.py).
 STEP_WHILE_IN_FLIGHT = ("optimizer.step() inside skip_synchronize() while gradient reductions "
                         "are still in flight: call optimizer.synchronize() before the block")
 
@@ -166,6 +167,24 @@ class _DistributedOptimizer:
         _complete_overlap(self._mpiddp)
         super().load_state_dict(state_dict)
 
+    def consolidate_state_dict(self, to: Optional[int] = 0) -> None:
+        """Make the whole optimizer state available to ``state_dict()`` on rank ``to`` (None:
+        every rank), as ``DistributedOptimizer(zero_stage=1|2)`` needs before it saves. Here
+        every rank already holds the whole state, so there is nothing to gather: a script
+        written for a sharded optimizer (``consolidate_state_dict(to=0)``, then
+        ``state_dict()`` on rank 0) runs unchanged, and ``state_dict()`` works on every rank
+        as always. Not a collective here (it is with ``zero_stage`` 1 or 2: call it on every
+        rank).
+
+        Args:
+            to: the rank (of the optimizer's process set) that would receive the whole
+                state, or None for every rank. Default 0.
+
+        Raises:
+            ValueError: ``to`` is neither None nor a rank of the optimizer's process set.
+        """
+        _check_consolidate_to(to, runtime.set_size(self._mpiddp.process_set))
+
     def add_param_group(self, param_group: dict) -> None:
         """Add a param group, as the wrapped optimizer does, and reduce its gradients too.
 
@@ -245,6 +264,14 @@ def _synchronized_closure(optimizer, closure):
         return loss
 
     return evaluate
+
+
+def _check_consolidate_to(to, size: int) -> None:
+    """``consolidate_state_dict``'s ``to``: None, or a rank of a set of ``size``."""
+    if to is not None and (isinstance(to, bool) or not isinstance(to, int)
+                           or not 0 <= to < size):
+        raise ValueError(f"consolidate_state_dict(to={to!r}): give a rank from 0 to "
+                         f"{size - 1}, or None for every rank")
 
 
 def _check_passes(passes) -> None:

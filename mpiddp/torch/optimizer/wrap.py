@@ -14,8 +14,8 @@ and LR schedulers keep working) with four methods changed:
 * ``synchronize()``, ``skip_synchronize()`` and ``set_backward_passes_per_step()`` are added.
 
 The gradients themselves (hooks, buckets, reductions, writing averages back, and when that
-happens) are ``GradientSync``'s job (``gradient_sync.py``); with ``overlap_forward`` the
-update itself is deferred into the next forward (``forward_overlap.py``); this module wraps
+happens) are ``GradientSync``'s job (``gradients/sync.py``); with ``overlap_forward`` the
+update itself is deferred into the next forward (``gradients/forward_overlap.py``); this module wraps
 and sets up.
 """
 from __future__ import annotations
@@ -26,16 +26,18 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from .. import runtime
-from ..reduce_ops import ReduceOp
-from .adasum_optimizer import wrap_adasum
-from ..runtime import ProcessSet
-from .compression import Compression
-from .forward_overlap import ForwardOverlap
-from .gradient_sync import OWNER_ATTR, GradientSync
-from .optimizer_methods import (_DistributedOptimizer, _check_passes, _check_same_everywhere,
-                                _complete_overlap)
-from . import zero_optimizer
+from ... import runtime
+from ...reduce_ops import ReduceOp
+from .adasum import wrap_adasum
+from ...runtime import ProcessSet
+from ..compression import Compression
+from ..gradients.forward_overlap import ForwardOverlap
+from ..gradients.sync import OWNER_ATTR, GradientSync
+from .methods import (_DistributedOptimizer, _check_passes, _check_same_everywhere,
+                      _complete_overlap)
+from ..sharding.clip_guard import install_clip_guard
+from ..sharding.optimizer import ShardedOptimizer, check_shardable, shard_param_groups
+from ..sharding.sync import ShardedSync
 
 __all__ = ["DistributedOptimizer"]
 
@@ -94,7 +96,7 @@ def _names_for(optimizer, named_parameters) -> tuple[list, dict]:
 
 def _adasum_optimizer(optimizer, named, compression, passes, factor, process_set,
                       overlap_forward, settings):
-    """``DistributedOptimizer(op=Adasum)`` (``adasum_optimizer.py``), after refusing what it
+    """``DistributedOptimizer(op=Adasum)`` (``adasum.py``), after refusing what it
     cannot combine with."""
     if overlap_forward or (overlap_forward is None and settings.overlap_forward):
         raise ValueError(
@@ -257,8 +259,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError(f"bucket_cap_mb must be >= 0, not {bucket_cap_mb!r}")
     sharded = zero_stage and (process_set is None or process_set.included())
     if sharded:
-        zero_optimizer.check_shardable(optimizer, named, compression, zero_stage)
-    make_sync, extra = (zero_optimizer.ShardedSync, {"zero_stage": zero_stage}) if sharded \
+        check_shardable(optimizer, named, compression, zero_stage)
+    make_sync, extra = (ShardedSync, {"zero_stage": zero_stage}) if sharded \
         else (GradientSync, {})
     sync = make_sync(next(_optimizer_index), compression, backward_passes_per_step, op, factor,
                      sparse_as_dense, float(bucket_cap_mb), process_set, **extra)
@@ -269,7 +271,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     # else: this rank is outside the optimizer's process set: it trains on its own, a plain
     # local optimizer (Horovod's behaviour), so every rank can run the same script.
 
-    cls = _distributed_class(type(optimizer), zero_optimizer.ShardedOptimizer if sharded
+    cls = _distributed_class(type(optimizer), ShardedOptimizer if sharded
                              else _DistributedOptimizer)
     wrapped = cls.__new__(cls)
     wrapped.__dict__ = optimizer.__dict__       # one optimizer, two views: state is shared
@@ -289,8 +291,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     # Horovod's parameter -> name map, read by scripts and tests.
     wrapped.__dict__["_parameter_names"] = {param: name for name, param in named}
     if sharded:
-        zero_optimizer.shard_param_groups(wrapped)
-        zero_optimizer.install_clip_guard()
+        shard_param_groups(wrapped)
+        install_clip_guard()
         if overlap_forward:
             sync.gathers.enable_overlap()
         return wrapped

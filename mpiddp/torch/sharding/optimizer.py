@@ -1,6 +1,6 @@
 """The optimizer side of ``DistributedOptimizer(zero_stage=1|2)`` (docs/sharding.md).
 
-The wrapped optimizer's param groups hold this rank's shards (``zero.py``), so its ``state``
+The wrapped optimizer's param groups hold this rank's shards (``layout.py``, ``sync.py``), so its ``state``
 holds only their state and its own ``step`` steps only them; ``ShardedOptimizer`` adds the
 parameter gathers after the step, the global-norm clipping from the shards and the state in
 its three forms: consolidated (the wrapped class's own format, on one rank or all),
@@ -14,15 +14,16 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import runtime
-from ..errors import TensorMismatchError
-from ..reduce_ops import ReduceOp
-from .collectives import allreduce
-from .functions import allgather_object
-from .gradient_sync import OWNER_ATTR
-from .optimizer_methods import (STEP_WHILE_IN_FLIGHT, _check_same_everywhere, _clear_grads,
-                                _DistributedOptimizer)
-from .zero import SHARD_ATTR, ShardedSync
+from ... import runtime
+from ...errors import TensorMismatchError
+from ...reduce_ops import ReduceOp
+from ..collectives import allreduce
+from ..functions import allgather_object
+from ..optimizer.methods import (STEP_WHILE_IN_FLIGHT, _check_consolidate_to,
+                                 _check_same_everywhere, _clear_grads, _DistributedOptimizer)
+from ..subset_step import step_subset
+from .state import _as_param_state, _copy_piece, _groups, _indices, _load_full, \
+    _set_hyperparameters
 
 __all__ = ["elementwise_optimizer"]
 
@@ -33,10 +34,6 @@ _ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.opti
                 torch.optim.RMSprop, torch.optim.Adadelta, torch.optim.ASGD,
                 torch.optim.Rprop)
 _declared: "weakref.WeakSet[type]" = weakref.WeakSet()
-
-# Per-parameter scalar state that a zero-dimensional parameter's elementwise state cannot be
-# told apart from by its shape.
-_SCALAR_KEYS = {"step", "eta", "mu", "mu_product"}
 
 
 def elementwise_optimizer(cls: type) -> type:
@@ -76,7 +73,7 @@ def check_shardable(optimizer, named, compression, zero_stage: int) -> None:
             + ", ".join(c.__name__ for c in _ELEMENTWISE) + ". If each element's update of "
             f"{cls.__name__} depends only on that element, declare it with "
             f"mpiddp.elementwise_optimizer({cls.__name__}); otherwise use zero_stage=0.")
-    from .compression import Compression
+    from ..compression import Compression
     if compression not in (Compression.none, Compression.fp16, Compression.bf16):
         raise ValueError(f"DistributedOptimizer(zero_stage={zero_stage}) takes "
                          "Compression.none, .fp16 or .bf16, not a custom compressor "
@@ -97,7 +94,13 @@ def shard_param_groups(optimizer) -> None:
     if optimizer.state:
         full_state = torch.optim.Optimizer.state_dict(optimizer)
     sync.full_groups = [list(group["params"]) for group in optimizer.param_groups]
-    sync.optimizer_ref = weakref.ref(optimizer)
+    sync.optimizer_ref = ref = weakref.ref(optimizer)
+
+    def step_shards(shards: list, options: Optional[list]) -> None:
+        """The wrapped class's own step on ``shards`` (the early schedule's steps)."""
+        opt = ref()
+        step_subset(opt.param_groups, super(_DistributedOptimizer, opt).step, shards, options)
+    sync.step_shards = step_shards
     for group in optimizer.param_groups:
         group["params"] = _shards_of(sync, group["params"])
     optimizer.state.clear()
@@ -118,6 +121,10 @@ class ShardedOptimizer(_DistributedOptimizer):
         parameters: before returning, or with ``overlap_forward`` just before each
         parameter's first use. A collective.
 
+        Under the early schedule (decided by the first step: docs/sharding.md) most shards
+        were already stepped during backward, and their gathers started; this steps what is
+        left and waits for the gathers (with ``overlap_forward`` it returns at once).
+
         Args:
             closure: evaluated once, with gradients enabled, before the step; default None.
 
@@ -125,11 +132,40 @@ class ShardedOptimizer(_DistributedOptimizer):
             The closure's loss, or None.
 
         Raises:
-            RuntimeError: inside ``skip_synchronize()`` while reductions are in flight.
+            RuntimeError: inside ``skip_synchronize()`` while reductions are in flight; under
+                the early schedule, gradients or hyperparameters changed after backward.
             MpiddpError: a reduction or gather failed.
         """
         sync = self._mpiddp
+        # GradScaler's, when it called (``_step_supports_amp_scaling``): kept from the
+        # wrapped class's step and put back for the scaler, which deletes them.
+        scale = self.__dict__.pop("grad_scale", None)
+        found_inf = self.__dict__.pop("found_inf", None)
+        try:
+            if sync.awaiting_step and closure is None:
+                if found_inf is not None:
+                    raise RuntimeError(
+                        f"{sync.timing.owner}: a GradScaler stepped this optimizer, but the "
+                        "first step did not use one, so its shards were stepped during "
+                        "backward on gradients the scaler had not unscaled. Use the "
+                        "GradScaler from the first step on")
+                return self._finish_early_step()
+            return self._step_at_step(closure, scale, found_inf)
+        finally:
+            if found_inf is not None:
+                self.__dict__.update(grad_scale=scale, found_inf=found_inf)
+
+    # GradScaler hands step() its scale and its inf check (the two attributes above) instead
+    # of stepping itself: a sharded optimizer must know that a scaler is in use.
+    _step_supports_amp_scaling = True
+
+    def _step_at_step(self, closure, scale, found_inf) -> Any:
+        """Every shard stepped now (the ``AT_STEP`` schedule, or a step the early one cannot
+        take: a closure, fewer backward passes than a step)."""
+        sync = self._mpiddp
         sync.gathers.complete()
+        deciding = sync.timing.mode is None
+        needs_whole = closure is not None or sync.skip_synchronize or found_inf is not None
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -140,12 +176,33 @@ class ShardedOptimizer(_DistributedOptimizer):
         else:
             sync.schedule.before_step(sync)
         sync.marks.record("step_begin")
-        super(_DistributedOptimizer, self).step()
-        sync.consolidated = None
+        # An inf in any rank's shard shows in every rank's (ShardRound): all skip alike.
+        if found_inf is None or not float(found_inf.sum()):
+            if scale is not None:
+                _unscale(self, scale)
+            super(_DistributedOptimizer, self).step()
+            sync.consolidated = None
+            sync.gathers.start(sync.gather_buckets)
         sync.synchronized = False
-        sync.gathers.start(sync.gather_buckets)
+        if deciding:
+            sync.decide(self, needs_whole)
+        sync.timing.end_step()
         sync.marks.record("step_end")
         return loss
+
+    def _finish_early_step(self) -> None:
+        """``step()`` after an early backward: the shards still due are stepped with the
+        hyperparameters of now (at once, or with forward overlap when first needed)."""
+        sync = self._mpiddp
+        sync.marks.record("step_begin")
+        sync.record_step(self)
+        sync.synchronized = False
+        if sync.gathers.deferred:
+            sync.gathers.watch([r.bucket for r in sync.in_flight] + sync.gathers.pending())
+        else:
+            sync.gathers.complete()
+        sync.marks.record("step_end")
+        return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the shards' averaged gradients and the parameters' local ones (completing
@@ -158,6 +215,8 @@ class ShardedOptimizer(_DistributedOptimizer):
             MpiddpError: a reduction in flight failed.
         """
         sync = self._mpiddp
+        if sync.awaiting_step or sync.step_options is not None:
+            sync.finish_previous("zero_grad()")
         sync.wait_all()
         sync.synchronized = False
         super(_DistributedOptimizer, self).zero_grad(set_to_none)
@@ -190,6 +249,22 @@ class ShardedOptimizer(_DistributedOptimizer):
         group["params"] = _shards_of(sync, full)
         self.__dict__["_parameter_names"].update({p: n for n, p in named})
 
+    def synchronize(self) -> None:
+        """Wait until every shard's averaged gradient is in its ``.grad`` (see
+        ``DistributedOptimizer``'s ``synchronize``). Called after backward from the first
+        step on, it keeps every step at ``step()``, after your changes to the gradients
+        (clipping); under the early schedule it waits for the shards already stepped.
+
+        Raises:
+            MpiddpError: a reduction failed.
+        """
+        sync = self._mpiddp
+        sync.timing.touch()
+        if sync.awaiting_step:
+            sync.advance(wait=True)
+        else:
+            sync.synchronize()
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the averaged gradients by their global norm, computed from every rank's
@@ -207,9 +282,17 @@ class ShardedOptimizer(_DistributedOptimizer):
             The total norm (a one-element float tensor, as torch's).
 
         Raises:
-            RuntimeError: ``error_if_nonfinite`` and the norm is inf or nan (every rank).
+            RuntimeError: ``error_if_nonfinite`` and the norm is inf or nan (every rank);
+                under the early schedule, where the shards were already stepped.
         """
         sync = self._mpiddp
+        sync.timing.touch()
+        if sync.awaiting_step:
+            raise RuntimeError(
+                f"{sync.timing.owner}.clip_grad_norm_: the shards were already stepped during "
+                "backward (the early schedule, chosen because the first step() clipped "
+                "nothing). Clip from the first step on, or call optimizer.synchronize() after "
+                "backward from the first step on: every step then waits for step()")
         if sync.pending:
             sync.synchronize()
         norm_type = float(norm_type)
@@ -253,10 +336,7 @@ class ShardedOptimizer(_DistributedOptimizer):
         """
         sync = self._mpiddp
         size, rank = runtime.set_size(sync.process_set), runtime.set_rank(sync.process_set)
-        if to is not None and (isinstance(to, bool) or not isinstance(to, int)
-                               or not 0 <= to < size):
-            raise ValueError(f"consolidate_state_dict(to={to!r}): give a rank from 0 to "
-                             f"{size - 1}, or None for every rank")
+        _check_consolidate_to(to, size)
         sync.gathers.complete()
         index_of, params = _indices(sync)
         gathering = to is None or to == rank
@@ -408,149 +488,20 @@ class ShardedOptimizer(_DistributedOptimizer):
         sync.consolidated = None
 
 
-def _indices(sync) -> tuple[dict, list]:
-    params = [p for group in sync.full_groups for p in group]
-    return {p: i for i, p in enumerate(params)}, params
+# torch.optim wraps an optimizer class's step in its profiling/hook wrapper unless marked
+# (see optimizer/methods.py): the wrapped class's own step runs the hooks.
+ShardedOptimizer.step.hooked = True
 
 
-def _groups(optimizer, sync) -> list:
-    groups, start = [], 0
-    for group, full in zip(optimizer.param_groups, sync.full_groups):
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": list(range(start, start + len(full)))})
-        start += len(full)
-    return groups
-
-
-def _copy_piece(values: dict, piece_values: dict, start: int, stop: int, lo: int, hi: int,
-                base: int, length: int) -> list:
-    """Copy elements ``lo:hi`` of a parameter from the state of a piece holding its elements
-    ``start:stop`` into ``values``, whose elementwise tensors hold its elements from ``base``
-    on (``length`` of them: made at the first piece). Per-parameter values (``step``) are
-    taken from the first piece. Returns the keys of the elementwise tensors made."""
-    made = []
-    for key, value in piece_values.items():
-        # Elementwise: a slice of the whole tensor's (one element per parameter element).
-        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == stop - start:
-            if key not in values:
-                values[key] = torch.empty(length, dtype=value.dtype)
-                made.append(key)
-            values[key][lo - base:hi - base] = value[lo - start:hi - start]
-        else:
-            values.setdefault(key, value)
-    return made
-
-
-def _as_param_state(values: dict, shard) -> dict:
-    """As torch's ``load_state_dict`` does: floating state in the parameter's dtype (not
-    ``step``), everything on its device."""
-    result = {}
-    for key, value in values.items():
-        if torch.is_tensor(value):
-            if key != "step" and value.is_floating_point():
-                value = value.to(dtype=shard.dtype, device=shard.device)
-            elif key != "step":
-                value = value.to(device=shard.device)
-            value = value.clone()
-        result[key] = value
-    return result
-
-
-def _set_hyperparameters(optimizer, groups: list) -> None:
-    sync = optimizer._mpiddp
-    sizes = [len(full) for full in sync.full_groups]
-    theirs = [len(group["params"]) for group in groups]
-    if sizes != theirs:
-        raise ValueError(f"the state dict belongs to another model: its param groups hold "
-                         f"{theirs} parameters, this optimizer's {sizes}")
-    for group, saved in zip(optimizer.param_groups, groups):
-        for key, value in saved.items():
-            if key not in ("params", "param_names"):
-                group[key] = value
-
-
-def _load_full(optimizer, state_dict: dict) -> None:
-    """Every rank keeps its shards' slices of a whole state (see ``load_state_dict``)."""
-    sync = optimizer._mpiddp
-    _set_hyperparameters(optimizer, state_dict["param_groups"])
-    _, params = _indices(sync)
-    order = [i for group in state_dict["param_groups"] for i in group["params"]]
-    position = {saved: mine for mine, saved in enumerate(order)}
-    names = optimizer.__dict__.get("_parameter_names", {})
-    new_state: dict = {}
-    for saved_index, values in state_dict["state"].items():
-        param = params[position[saved_index]]
-        for key, value in values.items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
-                raise ValueError(
-                    f"load_state_dict: state '{key}' of parameter "
-                    f"'{names.get(param, position[saved_index])}' has shape {list(value.shape)}"
-                    f", the parameter {list(param.shape)}: a state dict of another model")
-        bucket = sync.layout.bucket_of.get(param)
-        for piece in (bucket.pieces if bucket is not None else []):
-            if piece.param is not param:
-                continue
-            sliced = {}
-            for key, value in values.items():
-                elementwise = torch.is_tensor(value) and value.shape == param.shape and \
-                    not (param.dim() == 0 and key in _SCALAR_KEYS)
-                sliced[key] = value.reshape(-1)[piece.start:piece.stop] if elementwise \
-                    else value
-            new_state[piece.shard] = _as_param_state(sliced, piece.shard)
-    optimizer.state.clear()
-    optimizer.state.update(new_state)
-
-
-# ---- torch.nn.utils.clip_grad_norm_ on sharded gradients fails loudly ----------------------
-_guard_installed = False
-
-
-def install_clip_guard() -> None:
-    """Make ``torch.nn.utils.clip_grad_norm_`` (and ``clip_grad_value_``) raise on parameters
-    of a sharded optimizer: each rank holds only its shard of the averaged gradient there, so
-    the norm would be this rank's alone, silently wrong."""
-    global _guard_installed
-    if _guard_installed:
-        return
-    _guard_installed = True
-    import torch.nn.utils as utils
-    import torch.nn.utils.clip_grad as clip_grad
-    for name, advice in (("clip_grad_norm_", "optimizer.clip_grad_norm_(max_norm)"),
-                         ("clip_grad_value_", "torch.nn.utils.clip_grad_value_ on the "
-                          "optimizer's param groups (its shards)")):
-        original = getattr(clip_grad, name)
-        guarded = _guarded(original, name, advice, shards_too=name == "clip_grad_norm_")
-        setattr(clip_grad, name, guarded)
-        setattr(utils, name, guarded)
-
-
-def _guarded(original, name: str, advice: str, shards_too: bool):
-    def guarded(parameters, *args, **kwargs):
-        if isinstance(parameters, torch.Tensor):
-            parameters = [parameters]
-        parameters = list(parameters)
-        for param in parameters:
-            stage = _sharded_stage(param, shards_too)
-            if stage:
-                raise RuntimeError(
-                    f"torch.nn.utils.{name} on parameters of a DistributedOptimizer("
-                    f"zero_stage={stage}): each rank holds only its shard of the averaged "
-                    f"gradients, so the result would be silently wrong. Use {advice} instead.")
-        return original(parameters, *args, **kwargs)
-    guarded.__wrapped__ = original
-    guarded.__doc__ = original.__doc__
-    guarded.__name__ = name
-    return guarded
-
-
-def _sharded_stage(param, shards_too: bool) -> int:
-    owner = getattr(param, OWNER_ATTR, None)
-    sync = owner() if owner is not None else None
-    if isinstance(sync, ShardedSync):
-        return sync.zero_stage
-    if shards_too:
-        owner = getattr(param, SHARD_ATTR, None)
-        sync = owner() if owner is not None else None
-        if isinstance(sync, ShardedSync):
-            return sync.zero_stage
-    return 0
+def _unscale(optimizer, scale: torch.Tensor) -> None:
+    """Divide the shards' gradients by GradScaler's scale, with the kernel and the reciprocal
+    its own ``unscale_`` uses (the same bits)."""
+    inverse = scale.double().reciprocal().float()
+    by_device: dict = {}
+    for group in optimizer.param_groups:
+        for shard in group["params"]:
+            if shard.grad is not None:
+                by_device.setdefault(shard.grad.device, []).append(shard.grad)
+    for device, grads in by_device.items():
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            grads, torch.zeros(1, device=device), inverse.to(device))
