@@ -379,14 +379,15 @@ class CycleProtocol:
                            plan.retune if plan is not None else None)
 
     def _by_urgency(self, ready: list) -> list:
-        """``ready`` with the prioritized all-reduces last, most urgent first, cut after
+        """``ready`` with the prioritized requests last, most urgent first, cut after
         ``priority_cycle_bytes``; the cut ones stay pending (they are cached, so they are
         ready again in the next cycle, next to anything more urgent submitted meanwhile).
         Unchanged when nothing in it has a priority (the standard path)."""
         if not any(response.request.priority for response in ready):
             return ready
-        def urgent(r):
-            return r.request.priority and r.request.kind == ALLREDUCE and r.error is None
+        def urgent(r):   # all-reduces, and a sharded optimizer's ring halves
+            return r.request.priority and r.error is None and \
+                (r.request.kind == ALLREDUCE or r.request.ring_order)
         plain = [r for r in ready if not urgent(r)]
         by_urgency = sorted(filter(urgent, ready), key=lambda r: r.request.priority)
         # The requests' own budget (the largest among them: a cycle carries a whole piece of

@@ -43,10 +43,11 @@ class Request(NamedTuple):
     # This rank rejected its own input (the reason): the request only tells the other ranks,
     # so that the collective fails on every rank instead of leaving them waiting.
     invalid: Optional[str] = None
-    # > 0: an all-reduce the engine may schedule by urgency (1 = most urgent): in a cycle,
-    # ready prioritized all-reduces run most urgent first, up to Settings.priority_cycle_bytes,
-    # and the rest wait one cycle so that more urgent ones submitted meanwhile overtake them
-    # (forward overlap: the next forward needs the first layers' gradients first).
+    # > 0: an all-reduce (or a ring_order half) the engine may schedule by urgency (1 = most
+    # urgent): in a cycle, ready prioritized requests run most urgent first, up to
+    # Settings.priority_cycle_bytes, and the rest wait one cycle so that more urgent ones
+    # submitted meanwhile overtake them (forward overlap: the next forward needs the first
+    # layers' gradients, or a sharded optimizer's first layers' bucket, first).
     priority: int = 0
     # Prioritized all-reduces: the most bytes of them one cycle runs, carried by the request
     # (forward overlap's pieces, sized for its gradients: torch/gradients/cycle_budget.py); 0: the

@@ -206,11 +206,17 @@ def check_early_schedule_refusals():
     backward(2)
     checks.expect(RuntimeError, lambda: opt.clip_grad_norm_(1.0), "already stepped",
                   "synchronize()")
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(torch.ones(()))            # (the scale is made at the first use)
+    checks.expect(RuntimeError, lambda: scaler.step(opt), "GradScaler stepped this optimizer",
+                  "first step")
+    opt.synchronize()                # every bucket stepped now, with lr 0.1
     for group in opt.param_groups:
         group["lr"] = 0.05
     checks.expect(RuntimeError, opt.step, "hyperparameters", "changed between backward")
-    checks.ok("early schedule: a skipped step, clipping after the early steps and a learning "
-              "rate set between backward and step() are refused", RANK)
+    checks.ok("early schedule: a skipped step, clipping after the early steps, a GradScaler "
+              "that the first step did not use and a learning rate set between backward and "
+              "step() are refused", RANK)
 
 
 def check_one_parameter_buckets():

@@ -40,6 +40,14 @@ class Gathers:
         self.guard_this_thread()
         _live_gathers.add(self)
 
+    def priority(self, bucket: Bucket) -> int:
+        """With forward overlap, the engine runs a bucket's reduce-scatter and gather by
+        urgency: the first layers' (the last bucket) first, which the next forward needs
+        first (0: in submission order)."""
+        if not self.deferred:
+            return 0
+        return len(self._sync().layout.buckets) - bucket.index
+
     def add(self, bucket: Bucket) -> None:
         """Early schedule: ``bucket`` was just stepped; its gather goes out now (without
         forward overlap, once fewer than ``window`` buffered ones are in flight)."""
@@ -47,12 +55,16 @@ class Gathers:
             self.queue.append(bucket)
             self._start_more()
 
+    def has_work(self) -> bool:
+        """Whether ``poll`` has a gather to unpack."""
+        return bool(self.started) and self.started[0][1].done()
+
     def poll(self) -> None:
         """Unpack the gathers already done (in the order started) and start queued ones: no
         waiting."""
         with self.lock, self.internal():
             while self.started and self.started[0][1].done():
-                self._finish_first()
+                self._finish(0)
             if self.queue:
                 self._start_more()
 
@@ -103,8 +115,9 @@ class Gathers:
                     torch.empty(0, dtype=bucket.dtype, device=bucket.device)
                 output = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
                 buffered += 1
-            entries.append(ring_allgather_entry(chunk, output,
-                                                f"{sync.prefix}.gather{bucket.index}"))
+            entry = ring_allgather_entry(chunk, output, f"{sync.prefix}.gather{bucket.index}")
+            entry.request = entry.request._replace(priority=self.priority(bucket))
+            entries.append(entry)
             started.append((bucket, None if single else output))
         if entries:
             handles = submit_together(entries, sync.process_set)
@@ -112,25 +125,35 @@ class Gathers:
                                 for (bucket, output), handle in zip(started, handles))
 
     def complete(self, until: Optional[Bucket] = None) -> None:
-        """Finish the gathers (all, or those started up to ``until``'s), unpacking each."""
+        """Finish the gathers, unpacking each: all of them, or ``until``'s alone (without
+        waiting for the ones started before it: with forward overlap the engine runs the
+        first layers' first)."""
         with self.lock, self.internal():
             if until is None:
                 self._sync().advance(wait=True)     # early schedule: what is left to step
-            while self.queue or self.started:
-                if self.queue:
-                    self._start_more()
-                if self._finish_first() is until and until is not None:
+                while self.queue or self.started:
+                    if self.queue:
+                        self._start_more()
+                    self._finish(0)
+                return
+            while any(bucket is until for bucket in self.queue):
+                self._start_more()
+                if any(bucket is until for bucket in self.queue):
+                    self._finish(0)             # the window is full: make room
+            for index, started in enumerate(self.started):
+                if started[0] is until:
+                    self._finish(index)
                     break
 
-    def _finish_first(self) -> Bucket:
-        """Wait for the first gather started and unpack it into its parameters."""
-        bucket, handle, output = self.started.popleft()
+    def _finish(self, index: int) -> None:
+        """Wait for the ``index``-th gather started and unpack it into its parameters."""
+        bucket, handle, output = self.started[index]
+        del self.started[index]
         handle.wait()
         if output is not None:
             with torch.no_grad(), torch.inference_mode(False):
                 bucket.unpack_gathered(output)
         self.unwatch(bucket)
-        return bucket
 
     @contextlib.contextmanager
     def internal(self):
@@ -145,21 +168,18 @@ class Gathers:
 
     # ---- the forward_overlap guard's protocol --------------------------------------------
     def touched(self, params: list, what: str) -> None:
-        """A torch call is about to use ``params``: finish their buckets' gathers (and the
-        ones started before them, which the forward needs first)."""
+        """A torch call is about to use ``params``: finish their buckets' gathers (under the
+        early schedule, stepping them first if their reduce-scatters are still out)."""
         sync = self._sync()
         bucket_of = sync.layout.bucket_of
         wanted = {id(bucket_of[p]) for p in params if p in bucket_of}
         unstepped = [r.bucket for r in sync.in_flight if id(r.bucket) in wanted]
-        if unstepped:       # early schedule: step them first (their gathers start then)
+        if unstepped:       # their gathers start once they are stepped
             with self.lock, self.internal():
                 sync.advance(until=unstepped[-1], wait=True)
-        last = None
         for bucket in self.pending():
             if id(bucket) in wanted:
-                last = bucket
-        if last is not None:
-            self.complete(until=last)
+                self.complete(until=bucket)
         for param in params:       # nothing left to wait for (no rank had its gradient)
             self.watched.pop(id(param), None)
 

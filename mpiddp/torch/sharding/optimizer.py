@@ -141,19 +141,18 @@ class ShardedOptimizer(_DistributedOptimizer):
         # wrapped class's step and put back for the scaler, which deletes them.
         scale = self.__dict__.pop("grad_scale", None)
         found_inf = self.__dict__.pop("found_inf", None)
-        try:
-            if sync.awaiting_step and closure is None:
-                if found_inf is not None:
-                    raise RuntimeError(
-                        f"{sync.timing.owner}: a GradScaler stepped this optimizer, but the "
-                        "first step did not use one, so its shards were stepped during "
-                        "backward on gradients the scaler had not unscaled. Use the "
-                        "GradScaler from the first step on")
-                return self._finish_early_step()
-            return self._step_at_step(closure, scale, found_inf)
-        finally:
+        if sync.awaiting_step and closure is None:
             if found_inf is not None:
-                self.__dict__.update(grad_scale=scale, found_inf=found_inf)
+                raise RuntimeError(
+                    f"{sync.timing.owner}: a GradScaler stepped this optimizer, but the first "
+                    "step did not use one, so its shards were stepped during backward on "
+                    "gradients the scaler had not unscaled. Use the GradScaler from the first "
+                    "step on")
+            return self._finish_early_step()
+        result = self._step_at_step(closure, scale, found_inf)
+        if found_inf is not None:
+            self.__dict__.update(grad_scale=scale, found_inf=found_inf)
+        return result
 
     # GradScaler hands step() its scale and its inf check (the two attributes above) instead
     # of stepping itself: a sharded optimizer must know that a scaler is in use.

@@ -70,7 +70,7 @@ class Reduction:
     def handles(self) -> list:
         return [self.handle] + ([self.usage_handle] if self.usage_handle is not None else [])
 
-    def settle(self, zero_stage: int) -> None:
+    def settle(self, zero_stage: int, check_finite: bool = True) -> None:
         """Once reduced (waits otherwise): release the flat buffer, note any inf or nan, and
         cut the chunk into the pieces' gradients. Stage 1 writes them into ``param.grad``'s
         own elements (the full-size gradient is kept anyway), so that the chunk is freed as
@@ -81,8 +81,9 @@ class Reduction:
         self.flat = None
         output = self.output()
         self.output = None
-        self.nonfinite = output.is_floating_point() and output.numel() > 0 and \
-            not bool(torch.isfinite(output).all())
+        # (for GradScaler's agreement at the end of backward; the early schedule has none)
+        self.nonfinite = check_finite and output.is_floating_point() and output.numel() > 0 \
+            and not bool(torch.isfinite(output).all())
         parts = []
         with torch.no_grad():
             for piece in self.bucket.pieces:
@@ -114,6 +115,7 @@ class ShardedSync(GradientSync):
             rank, size, self.bucket_cap,
             lambda p: casts.wire_dtype if casts.casts(p.dtype) else p.dtype)
         self.filling: dict[int, tuple] = {}      # bucket index -> (flat, queued set, events)
+        self.missing: dict[int, int] = {}        # ... -> members requiring a gradient not queued
         self.in_flight: list[Reduction] = []
         self.complete: set[int] = set()          # buckets filled, waiting for their turn
         self.next_bucket = 0                     # the next bucket to submit, in layout order
@@ -190,6 +192,7 @@ class ShardedSync(GradientSync):
             flat = grad.view(-1) if handed_over else \
                 torch.empty(bucket.numel, dtype=bucket.wire_dtype, device=bucket.device)
             self.filling[bucket.index] = (flat, queued, events)
+            self.missing[bucket.index] = sum(1 for p in bucket.params if p.requires_grad)
         if not handed_over:
             offset = bucket.offsets[param]
             if grad is not None:
@@ -209,9 +212,10 @@ class ShardedSync(GradientSync):
         """``param`` is packed: note it, and submit its bucket once every member is."""
         self.used[param] = had_grad
         self.pending[param] = Pending(None, None, None, not had_grad)
-        queued = self.filling[bucket.index][1]
-        queued.add(param)
-        if len(queued) >= sum(1 for p in bucket.params if p.requires_grad or p in queued):
+        self.filling[bucket.index][1].add(param)
+        if param.requires_grad:
+            self.missing[bucket.index] -= 1
+        if self.missing[bucket.index] <= 0:       # every member that requires a gradient
             self.complete.add(bucket.index)
             self._submit_in_order()
 
@@ -239,7 +243,7 @@ class ShardedSync(GradientSync):
         while sum(1 for r in self.in_flight if r.parts is None) >= MAX_IN_FLIGHT:
             oldest = next(r for r in self.in_flight if r.parts is None)
             try:
-                oldest.settle(self.zero_stage)
+                oldest.settle(self.zero_stage, not self.timing.early)
             except BaseException:            # raised again where the round finishes
                 break
         flat, queued, events = self.filling.pop(bucket.index)
@@ -253,7 +257,9 @@ class ShardedSync(GradientSync):
                 stream.wait_event(event)
         entry, output = reducescatter_entry(flat, f"{self.prefix}.zero{bucket.index}",
                                             self.op, self.prescale, self.postscale)
-        entry.request = entry.request._replace(ring_order=True, shape=(bucket.numel,))
+        priority = self.gathers.priority(bucket)
+        entry.request = entry.request._replace(ring_order=True, shape=(bucket.numel,),
+                                               priority=priority)
         entries, usage = [entry], None
         if self.timing.early:
             # Which members had a gradient on some rank, known with the bucket itself: its
@@ -261,7 +267,7 @@ class ShardedSync(GradientSync):
             usage = torch.tensor([self.used.get(p, False) for p in bucket.params],
                                  dtype=torch.uint8)
             entries.append(allreduce_request_(usage, f"{self.prefix}.zero{bucket.index}.used",
-                                              ReduceOp.MAX))
+                                              ReduceOp.MAX, priority=priority))
         handles = submit_together(entries, self.process_set)
         self.in_flight.append(Reduction(bucket, handles[0], output, flat, usage,
                                         handles[1] if usage is not None else None))
@@ -272,7 +278,7 @@ class ShardedSync(GradientSync):
         for reduction in self.in_flight:
             if reduction.parts is None and reduction.handle.done():
                 try:
-                    reduction.settle(self.zero_stage)
+                    reduction.settle(self.zero_stage, not self.timing.early)
                 except BaseException:        # raised again where the round finishes
                     pass
 
@@ -328,8 +334,9 @@ class ShardedSync(GradientSync):
         """Step the buckets whose reductions have landed (with ``wait``: all of them, or up to
         ``until``, waiting), in layout order, and start their gathers; unpack the gathers
         already done."""
-        if not self.timing.early:
-            return
+        if not self.timing.early or not (wait or self.gathers.has_work() or (
+                self.in_flight and self.in_flight[0].done())):
+            return                # nothing to do: the common case, in every gradient hook
         with self.gathers.internal():
             while self.in_flight:
                 reduction = self.in_flight[0]
@@ -344,7 +351,7 @@ class ShardedSync(GradientSync):
                 self._end_early_step()
 
     def _step_early(self, reduction: Reduction) -> None:
-        reduction.settle(self.zero_stage)
+        reduction.settle(self.zero_stage, not self.timing.early)
         reduction.usage_handle.wait()
         bucket = reduction.bucket
         used = {id(param) for param, flag in zip(bucket.params, reduction.usage) if flag}
