@@ -191,3 +191,22 @@ def process_gone(pid: int) -> bool:
         return stat_fields(pid)[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def rank_pid(marker: str, rank: int, timeout: float = 30) -> int:
+    """The pid of the process of ``rank`` whose command line contains ``marker`` (hydra gives
+    each rank PMI_RANK in its environment)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() not in f.read().split(b"\0"):
+                        continue
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if f"PMI_RANK={rank}".encode() in f.read().split(b"\0"):
+                        return int(entry)
+            except OSError:
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no rank {rank} with {marker!r} in its command line")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from mpi_launch import ROOT, assert_ok, mpiexec_path, run_mpi
+from mpi_launch import ROOT, assert_ok, mpiexec_path, rank_pid, run_mpi
 
 TRAIN = str(ROOT / "scripts" / "train.py")
 RANKS, EPOCHS, BATCH = 4, 6, 16
@@ -81,25 +81,6 @@ def test_resume_on_a_different_number_of_ranks(tmp_path: Path):
         saved = torch.load(checkpoint, weights_only=False)
         assert saved["epoch"] == 4 and saved["ranks"] == after
         assert saved["extra"]["scheduler"]["last_epoch"] == 4 * steps_per_epoch
-
-
-def rank_pid(marker: str, rank: int, timeout: float = 30) -> int:
-    """The pid of the process of ``rank`` whose command line contains ``marker`` (hydra gives
-    each rank PMI_RANK in its environment)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for entry in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if marker.encode() not in f.read().split(b"\0"):
-                        continue
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if f"PMI_RANK={rank}".encode() in f.read().split(b"\0"):
-                        return int(entry)
-            except OSError:
-                continue
-        time.sleep(0.05)
-    raise AssertionError(f"no rank {rank} with {marker!r} in its command line")
 
 
 def run_until_signalled(args: list, marker: str, signal_rank: int, after_line: str,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from mpi_launch import ROOT, Job, MPIResult, assert_ok, mpi_command, run_mpi
+from mpi_launch import ROOT, Job, MPIResult, assert_ok, mpi_command, rank_pid, run_mpi
 
 EXAMPLE = ROOT / "examples" / "getting_started.py"
 CALL = "named_parameters=model.named_parameters())"
@@ -51,21 +51,15 @@ def signal_rank_once_caught(job: Job, marker: str, rank: int, signum: int,
     """Send ``signum`` to the rank ``rank`` of the job (hydra gives each rank PMI_RANK; the
     ranks' command lines hold ``marker``) as soon as it has a handler for it: here,
     ``mpiddp.Checkpoint`` installed it, before training began."""
+    pid = rank_pid(marker, rank, timeout)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and job.running():
-        for entry in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if marker.encode() not in f.read().split(b"\0"):
-                        continue
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if f"PMI_RANK={rank}".encode() not in f.read().split(b"\0"):
-                        continue
-                if handler_installed(int(entry), signum):
-                    os.kill(int(entry), signum)
-                    return
-            except OSError:
-                continue
+        try:
+            if handler_installed(pid, signum):
+                os.kill(pid, signum)
+                return
+        except OSError:
+            break
         time.sleep(0.02)
     raise AssertionError(f"rank {rank} never caught {signum}:\n{job.wait(5).output}")
 

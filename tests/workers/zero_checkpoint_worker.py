@@ -60,15 +60,22 @@ def make_optimizer(model, stage: int):
                                        zero_stage=stage)
 
 
-def train(stage: int, file: str, preempt_at=None):
-    """Train to the end of EPOCHS through ``Checkpoint(file)`` (resuming what it holds);
-    returns (the Checkpoint, whether restore() resumed, the Preempted raised or None)."""
+def checkpointed(stage: int, file: str):
+    """A fresh model, optimizer and loader, and the ``Checkpoint(file)`` of them (not restored
+    yet): (model, optimizer, loader, checkpoint)."""
     model = make_model()
     optimizer = make_optimizer(model, stage)
     data = dataset()
     sampler = ResumableSampler(data, num_replicas=SIZE, rank=RANK, seed=0)
     loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
     ckpt = mpiddp.Checkpoint(file, model=model, optimizer=optimizer, sampler=sampler)
+    return model, optimizer, loader, ckpt
+
+
+def train(stage: int, file: str, preempt_at=None):
+    """Train to the end of EPOCHS through ``Checkpoint(file)`` (resuming what it holds);
+    returns (the Checkpoint, whether restore() resumed, the Preempted raised or None)."""
+    model, optimizer, loader, ckpt = checkpointed(stage, file)
     resumed = ckpt.restore()
     try:
         for epoch in ckpt.epochs(EPOCHS):
@@ -219,12 +226,7 @@ def restore_mode():
             shutil.copy(path("for-3-ranks.pt"), file)
         mpiddp.barrier()
         saved = load(file)                  # every rank reads it (one machine here)
-        model = make_model()
-        optimizer = make_optimizer(model, stage)
-        data = dataset()
-        sampler = ResumableSampler(data, num_replicas=SIZE, rank=RANK, seed=0)
-        loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
-        ckpt = mpiddp.Checkpoint(file, model=model, optimizer=optimizer, sampler=sampler)
+        model, optimizer, loader, ckpt = checkpointed(stage, file)
         assert ckpt.restore() and ckpt.ranks == saved["ranks"] == 2 != SIZE
         assert (ckpt.epoch, ckpt.step) == (saved["epoch"], saved["step"] * 2 // SIZE)
         for name, tensor in model.state_dict().items():
