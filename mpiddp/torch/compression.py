@@ -20,7 +20,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor"]
+from .powersgd_settings import PowerSGDCompressor
+
+__all__ = ["Compression", "Compressor", "NoneCompressor", "FP16Compressor", "BF16Compressor",
+           "PowerSGDCompressor"]
 # WireCasts: framework glue (DistributedOptimizer), not public API.
 
 
@@ -142,11 +145,44 @@ class Compression:
             bytes of float32; range up to 65504, see ``gradient_predivide_factor``).
         bf16: ``BF16Compressor``: floating-point gradients are reduced as bfloat16
             (float32's range, 8 bits of mantissa).
+
+    ``Compression.powersgd(rank=...)`` (a function: it takes settings) sends each gradient
+    matrix as two low-rank factors with error feedback (``DistributedOptimizer`` only).
     """
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+
+    @staticmethod
+    def powersgd(rank: int = 1, start_step: int = 1000, min_compression_rate: float = 2,
+                 warm_start: bool = True, error_feedback: bool = True,
+                 orthogonalization_epsilon: float = 0.0, seed: int = 0) -> PowerSGDCompressor:
+        """PowerSGD: each gradient matrix travels as two rank-``rank`` factors, with error
+        feedback (docs/powersgd.md). For ``DistributedOptimizer`` only; the names follow
+        torch's ``PowerSGDState``.
+
+        Args:
+            rank: the approximation's rank (torch's ``matrix_approximation_rank``), >= 1.
+            start_step: steps of plain averaging before PowerSGD starts (torch's
+                ``start_powerSGD_iter``); 0 compresses from the first step.
+            min_compression_rate: a matrix n x m is compressed only where
+                ``(n + m) * rank * min_compression_rate < n * m``; others (and 1-D tensors)
+                are averaged uncompressed.
+            warm_start: start each step's power iteration from the last step's Q.
+            error_feedback: add what the last step's approximation missed to the gradient.
+            orthogonalization_epsilon: added to each column's norm in the
+                orthogonalization (e.g. 1e-8); 0 divides by the norm itself.
+            seed: seeds the initial Q (the same on every rank).
+
+        Returns:
+            The settings, for ``DistributedOptimizer(compression=...)``.
+
+        Raises:
+            ValueError: a setting of the wrong type or out of range (e.g. ``rank=0``).
+        """
+        return PowerSGDCompressor(rank, start_step, min_compression_rate, warm_start,
+                                  error_feedback, orthogonalization_epsilon, seed)
 
 
 class WireCasts:

@@ -312,6 +312,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         state = {key: _skeleton(value, root_tensors)
                  for key, value in state_dict["state"].items()}
         skeleton = {"state": state, "param_groups": state_dict["param_groups"]}
+        # Entries of the optimizer's own beside those two (e.g. the PowerSGD memories that
+        # DistributedOptimizer(compression=Compression.powersgd(...)) adds): pickled along.
+        skeleton["extra"] = {key: value for key, value in state_dict.items()
+                             if key not in ("state", "param_groups")}
     skeleton = broadcast_object(skeleton, root_rank, name=f"{base}.skeleton",
                                 process_set=process_set)
 
@@ -333,7 +337,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
             f"{root_groups} but rank {runtime.rank()} has {local_groups}: the optimizers "
             "hold different parameters")
     if not is_root:
-        optimizer.load_state_dict({"state": state, "param_groups": skeleton["param_groups"]})
+        optimizer.load_state_dict({**skeleton["extra"], "state": state,
+                                   "param_groups": skeleton["param_groups"]})
 
 
 def _sharded_groups(optimizer) -> list[tuple[int, dict]]:

@@ -286,7 +286,9 @@ def _check_same_everywhere(sync: GradientSync, named, what: str) -> None:
               "zero_stage": getattr(sync, "zero_stage", 0),
               "compression": getattr(sync.compression, "__name__",
                                      type(sync.compression).__name__),
-              "gradient_predivide_factor": sync.postscale}
+              "gradient_predivide_factor": sync.postscale,
+              # e.g. Compression.powersgd's settings (gradients/powersgd.py)
+              "compression_settings": getattr(sync, "compression_settings", None)}
     signature = [(name, tuple(p.shape), str(p.dtype).replace("torch.", ""))
                  for name, p in named if p.requires_grad]
     everyone = allgather_object((config, signature), name=f"{sync.prefix}.signature",

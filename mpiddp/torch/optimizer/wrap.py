@@ -32,6 +32,8 @@ from .adasum import wrap_adasum
 from ...runtime import ProcessSet
 from ..compression import Compression
 from ..gradients.forward_overlap import ForwardOverlap
+from ..gradients.powersgd import PowerSGDSync, attach_state, check_powersgd
+from ..powersgd_settings import PowerSGDCompressor
 from ..gradients.sync import OWNER_ATTR, GradientSync
 from .methods import (_DistributedOptimizer, _check_passes, _check_same_everywhere,
                       _complete_overlap)
@@ -130,7 +132,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             every parameter of ``optimizer``). Names identify gradients across ranks and in
             stall reports and timelines. Without it, names are generated from positions.
         compression: ``Compression.none`` (default), ``Compression.fp16`` or
-            ``Compression.bf16``: the dtype gradients are reduced in.
+            ``Compression.bf16``: the dtype gradients are reduced in; or
+            ``Compression.powersgd(rank=...)``: gradient matrices travel as low-rank factors
+            with error feedback (docs/powersgd.md; not with Adasum, ``zero_stage`` or
+            ``overlap_forward``).
         backward_passes_per_step: backward passes accumulated locally before one reduction;
             call ``step()`` after that many passes (scale the loss by 1/passes to average).
         op: ``mpiddp.Average`` (default) or ``mpiddp.Sum``; or ``mpiddp.Adasum``: each rank
@@ -182,14 +187,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         ValueError: ``optimizer`` is already a DistributedOptimizer; a parameter already
             belongs to another live DistributedOptimizer; ``backward_passes_per_step`` is
             not a positive integer; ``op`` is not Average, Sum or Adasum; Adasum with
-            forward overlap, a predivide factor or LBFGS;
+            forward overlap, a predivide factor or LBFGS; ``Compression.powersgd`` with
+            Adasum, ``zero_stage``, ``overlap_forward=True`` or a matrix it cannot compress
+            (complex);
             ``gradient_predivide_factor`` is not positive, or not 1.0 with Sum;
             ``bucket_cap_mb`` is negative; ``named_parameters`` repeats a name for different
             parameters or misses parameters of ``optimizer``; ``overlap_forward`` with
             ``torch.optim.LBFGS`` (it steps with a closure).
         TensorMismatchError: the ranks' trainable parameters (names, shapes, dtypes) or
-            settings (``backward_passes_per_step``, ``op``, ``compression``,
-            ``gradient_predivide_factor``) differ; raised on every rank.
+            settings (``backward_passes_per_step``, ``op``, ``compression`` and
+            ``Compression.powersgd``'s settings, ``gradient_predivide_factor``) differ;
+            raised on every rank.
         NotInitializedError: before ``init()``.
         EngineShutdownError: after ``shutdown()``, or the engine stopped during
             construction.
@@ -226,6 +234,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     named, name_map = _names_for(optimizer, named_parameters)
     # Bad arguments are reported before a missing init(), as Horovod does.
     settings = runtime.require("DistributedOptimizer()").settings
+    powersgd = isinstance(compression, PowerSGDCompressor)
+    if powersgd:        # its refusals, before the Adasum and sharded paths' own
+        overlap_forward = check_powersgd(compression, named, op, zero_stage, overlap_forward,
+                                         settings.overlap_forward)
     if op == ReduceOp.ADASUM:
         return _adasum_optimizer(optimizer, named, compression, backward_passes_per_step,
                                  factor, process_set, overlap_forward, settings)
@@ -261,7 +273,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if sharded:
         check_shardable(optimizer, named, compression, zero_stage)
     make_sync, extra = (ShardedSync, {"zero_stage": zero_stage}) if sharded \
-        else (GradientSync, {})
+        else (PowerSGDSync if powersgd else GradientSync, {})
     sync = make_sync(next(_optimizer_index), compression, backward_passes_per_step, op, factor,
                      sparse_as_dense, float(bucket_cap_mb), process_set, **extra)
     sync.extra_names = name_map
@@ -290,6 +302,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped.__dict__["_mpiddp"] = sync
     # Horovod's parameter -> name map, read by scripts and tests.
     wrapped.__dict__["_parameter_names"] = {param: name for name, param in named}
+    if powersgd:
+        attach_state(wrapped)       # state_dict() carries the PowerSGD memories
     if sharded:
         shard_param_groups(wrapped)
         install_clip_guard()
