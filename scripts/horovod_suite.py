@@ -12,6 +12,9 @@ as a whole at the timeout: a hang is counted as such and never left behind.
 
 A test passes when it passes on every rank; it is skipped when every rank skipped it; it
 hung when the launch hit the timeout; otherwise it failed (the first error line is shown).
+NumPy 2's removed aliases (``np.alltrue``, ...) are put back in each rank for the tests that
+still call them. ``--share-gpus``: rank k uses cuda:(k % visible GPUs) where a test picks
+cuda:k (several ranks on one GPU).
 """
 from __future__ import annotations
 
@@ -53,6 +56,26 @@ def make_shim(directory: Path, horovod: Path) -> Path:
     return directory
 
 
+# Horovod's GPU tests put local rank k on cuda:k, which does not exist when the ranks share
+# fewer GPUs (two ranks on a one-GPU machine): --share-gpus runs a copy of the test file in
+# which that index is taken modulo the visible GPUs, and changes nothing else.
+CUDA_INDEX = "'cuda:{}'.format(hvd.local_rank())"
+SHARED_INDEX = "'cuda:{}'.format(hvd.local_rank() % max(1, torch.cuda.device_count()))"
+
+
+def share_gpus(test_file: Path, directory: Path) -> Path:
+    """A copy of ``test_file`` in ``directory`` whose ranks share the visible GPUs."""
+    text = test_file.read_text()
+    count = text.count(CUDA_INDEX)
+    if not count:
+        raise SystemExit(f"--share-gpus: {test_file.name} has no {CUDA_INDEX}")
+    copy = directory / test_file.name
+    copy.write_text(text.replace(CUDA_INDEX, SHARED_INDEX))
+    print(f"--share-gpus: {count} device choices of {test_file.name} taken modulo the visible "
+          "GPUs", flush=True)
+    return copy
+
+
 def collect(test_file: Path, env: dict, pattern: str | None) -> list[str]:
     # Test ids relative to the test's directory, where the ranks run them (not to the
     # checkout's root, which its configuration file would make pytest's root).
@@ -73,12 +96,21 @@ def mpiexec() -> str:
     return str(candidate) if candidate.exists() else "mpiexec"
 
 
+# NumPy 2 removed aliases that Horovod's tests still call (test_adasum_pytorch.py's CUDA tests
+# assert with np.alltrue): each rank gets them back, as the functions they named, before the
+# test runs. A test harness shim, like horovod.torch above: mpiddp is not involved.
+NUMPY_ALIASES = {"alltrue": "all", "sometrue": "any", "product": "prod", "cumproduct": "cumprod"}
+
 RANK_RUNNER = """import os, sys, pytest
+import numpy
+for _old, _new in %r.items():
+    if not hasattr(numpy, _old):
+        setattr(numpy, _old, getattr(numpy, _new))
 rank = os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "0"
 sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", "--no-header",
                       "--junitxml=" + os.path.join(sys.argv[2], "rank" + rank + ".xml"),
                       sys.argv[1]]))
-"""
+""" % (NUMPY_ALIASES,)
 
 
 def rank_outcome(report: Path) -> tuple[str, str]:
@@ -131,6 +163,8 @@ def main(argv=None) -> int:
     p.add_argument("-k", dest="pattern", default=None, help="only tests matching (pytest -k)")
     p.add_argument("--timeout", type=float, default=120, help="seconds per test launch")
     p.add_argument("--json", type=Path, default=None, help="write every outcome here")
+    p.add_argument("--share-gpus", action="store_true",
+                   help="ranks share the visible GPUs (rank k on cuda:k %% count, not cuda:k)")
     args = p.parse_args(argv)
     test_file = (args.horovod / "test" / "parallel" / args.file).resolve()
     if not test_file.exists():
@@ -138,6 +172,10 @@ def main(argv=None) -> int:
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="horovod-shim-") as tmp:
         shim = make_shim(Path(tmp), args.horovod)
+        if args.share_gpus:
+            tests_dir = Path(tmp) / "tests"
+            tests_dir.mkdir()
+            test_file = share_gpus(test_file, tests_dir)
         runner = Path(tmp) / "run_rank.py"
         runner.write_text(RANK_RUNNER)
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",

@@ -730,6 +730,31 @@ def fake_empty(gpu: FakeGPU, real_empty):
     return empty
 
 
+def fake_as_tensor(gpu: FakeGPU, real_as_tensor):
+    """``torch.as_tensor(device_array, device="cuda:k")``: a torch view of device memory (how
+    mpiddp runs torch's kernels on CuPy buffers, e.g. Adasum's). The view is a CPU tensor over
+    the same memory, so torch's kernels on it run at once on the host; the fake counts them as
+    one step of torch's *current stream* at the time the view is made, reading and writing the
+    whole array: the view fails (``OrderingError``) unless that stream is ordered after the
+    buffer's last writer (and readers), and later work on other streams must wait for it.
+    Only the order is checked this way, as for every operation of the fake; a kernel queued on
+    the view after another stream wrote it in between would go unseen."""
+    import torch
+
+    def as_tensor(data, dtype=None, device=None):
+        if not isinstance(data, FakeArray):
+            return real_as_tensor(data, dtype=dtype, device=device)
+        index = int(str(device).split(":")[1]) if ":" in str(device) else gpu.current()
+        if device is None or "cuda" not in str(device) or index != data.memory.device:
+            raise DeviceError(f"torch.as_tensor of {data!r} with device={device!r}")
+        stream = gpu.torch_stream(index)
+        gpu.enqueue(stream, "torch kernels on a view of device memory", reads=[data.span],
+                    writes=[data.span])
+        tensor = torch.from_numpy(data.host)
+        return tensor if dtype is None else tensor.to(dtype)
+    return as_tensor
+
+
 class FakeUUID:
     """torch's ``_CUuuid``: its ``str()`` is the UUID."""
 
@@ -795,6 +820,11 @@ def install(gpu: FakeGPU, monkeypatch=None) -> types.ModuleType:
             monkeypatch.setattr(torch.cuda, name, value)
         else:
             setattr(torch.cuda, name, value)
+    as_tensor = fake_as_tensor(gpu, torch.as_tensor)
+    if monkeypatch is not None:
+        monkeypatch.setattr(torch, "as_tensor", as_tensor)
+    else:
+        torch.as_tensor = as_tensor
     if monkeypatch is None:      # a worker, before it imports mpiddp: nothing to replace
         return cupy
     # mpiddp's device module binds CuPy when imported: a copy bound to the fake, which the
