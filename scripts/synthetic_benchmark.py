@@ -48,6 +48,7 @@ import argparse
 import inspect
 import json
 import os
+import re
 import resource
 import socket
 import statistics
@@ -177,10 +178,11 @@ def supports_overlap_forward() -> bool:
 
 
 def make_mpiddp(args, bucket_cap_mb: float, name: str, overlap: bool | str = False,
-                zero_stage: int = 0, at_step: bool = False) -> Variant:
+                zero_stage: int = 0, at_step: bool = False, compression=None) -> Variant:
     model, data, target = build(args)
     optimizer = make_optimizer(args, model, model.parameters())
-    compression = getattr(mpiddp.Compression, args.compression)
+    if compression is None:
+        compression = getattr(mpiddp.Compression, args.compression)
     # Only passed when asked for, so the standard path runs on any mpiddp.
     extra = {"overlap_forward": overlap} if overlap else {}
     if zero_stage:
@@ -222,12 +224,19 @@ def init_torch_distributed(single_node: bool, backend: str = "gloo") -> None:
     dist.init_process_group(backend, store=store, rank=rank, world_size=size)
 
 
-def make_ddp(args, bucket_cap_mb: float, name: str) -> Variant:
+def make_ddp(args, bucket_cap_mb: float, name: str, powersgd_rank: int = 0) -> Variant:
     from torch.nn.parallel import DistributedDataParallel
 
     model, data, target = build(args)
     ddp_model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-    if args.compression != "none":   # the same compression on both sides
+    if powersgd_rank:                # torch's PowerSGD hook, as mpiddp's psgdN variant
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        state = powerSGD_hook.PowerSGDState(process_group=None,
+                                            matrix_approximation_rank=powersgd_rank,
+                                            start_powerSGD_iter=args.powersgd_start)
+        ddp_model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif args.compression != "none":   # the same compression on both sides
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
         hook = {"fp16": default_hooks.fp16_compress_hook,
@@ -334,9 +343,15 @@ def parse_args(argv=None):
                         "; overlap-zero1 / overlap-zero2 with overlap_forward=True; each with "
                         "-atstep: optimizer.synchronize() after backward, which keeps every "
                         "shard's step at step()); ddp-zero (DDP with torch's "
-                        "ZeroRedundancyOptimizer); "
+                        "ZeroRedundancyOptimizer); fp16 (mpiddp with Compression.fp16); "
+                        "psgd<r> (mpiddp with Compression.powersgd(rank=r)) and ddp-psgd<r> "
+                        "(DDP with torch's powerSGD_hook at rank r), both from "
+                        "--powersgd-start on; "
                         "mpiddp:MB / overlap:MB / ddp:MB set the bucket size of "
                         "that variant (e.g. mpiddp:0,mpiddp:1000,ddp,ddp:1000)")
+    p.add_argument("--powersgd-start", type=int, default=2,
+                   help="psgd<r> / ddp-psgd<r>: plain averaging for this many steps first "
+                        "(start_step, start_powerSGD_iter)")
     p.add_argument("--overlap-forward", action="store_true",
                    help="every mpiddp variant with DistributedOptimizer(overlap_forward=True)"
                         " (refused if the installed mpiddp lacks it)")
@@ -453,8 +468,16 @@ def report_bound(args, result: dict, names: list, nodes: int, params: int) -> No
             print(f"  {name}: {step:.3f} s per step = {100 * bound / step:.0f}% of the bound")
 
 
+def powersgd_rank(kind: str) -> int:
+    """``psgd<r>`` / ``ddp-psgd<r>``: PowerSGD at rank r (0: not PowerSGD)."""
+    match = re.fullmatch(r"(?:ddp-)?psgd(\d+)", kind)
+    return int(match.group(1)) if match else 0
+
+
 def uses_mpiddp(name: str) -> bool:
-    return name.split(":")[0] in MPIDDP_KINDS
+    kind = name.split(":")[0]
+    return kind in MPIDDP_KINDS or kind == "fp16" or (powersgd_rank(kind) > 0
+                                                      and not kind.startswith("ddp"))
 
 
 # The mpiddp variants: the standard path, forward overlap (fixed, or auto), every reduction
@@ -477,12 +500,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [n for n in names
-               if n.split(":")[0] not in (*MPIDDP_KINDS, "ddp", "ddp-zero", "single")]
+               if n.split(":")[0] not in (*MPIDDP_KINDS, "fp16", "ddp", "ddp-zero", "single")
+               and not powersgd_rank(n.split(":")[0])]
     if unknown or len(set(names)) != len(names):
         raise SystemExit(f"bad --variants {args.variants!r}: use mpiddp[:MB], overlap[:MB], "
                          "auto[:MB], native[:MB], zero1[:MB], zero2[:MB], overlap-zero1[:MB], "
-                         "overlap-zero2[:MB] (each zero one also with -atstep), ddp[:MB], "
-                         "ddp-zero[:MB], single")
+                         "overlap-zero2[:MB] (each zero one also with -atstep), fp16[:MB], "
+                         "psgd<r>[:MB], ddp[:MB], ddp-zero[:MB], ddp-psgd<r>[:MB], single")
     if (args.overlap_forward or any(n.startswith(("overlap", "auto")) for n in names)) \
             and not supports_overlap_forward():
         raise SystemExit(f"--overlap-forward / the overlap variant: the installed mpiddp "
@@ -516,17 +540,25 @@ def main(argv=None) -> int:
     variants = {}
     for name in names:
         kind, _, cap = name.partition(":")
-        if kind in ("ddp", "ddp-zero"):
+        if kind.startswith("ddp"):
             import torch.distributed as dist
             if not dist.is_initialized():
                 init_torch_distributed(local_size == size)
-            make = make_ddp if kind == "ddp" else make_ddp_zero
-            variants[name] = make(args, float(cap or args.ddp_bucket_mb), name)
+            if kind == "ddp-zero":
+                variants[name] = make_ddp_zero(args, float(cap or args.ddp_bucket_mb), name)
+            else:
+                variants[name] = make_ddp(args, float(cap or args.ddp_bucket_mb), name,
+                                          powersgd_rank=powersgd_rank(kind))
         elif kind == "single":
             variants[name] = make_single(args)
         else:
             mpiddp.init()
+            compression = mpiddp.Compression.fp16 if kind == "fp16" else \
+                mpiddp.Compression.powersgd(rank=powersgd_rank(kind),
+                                            start_step=args.powersgd_start) \
+                if powersgd_rank(kind) else None
             variants[name] = make_mpiddp(args, float(cap or args.bucket_cap_mb), name,
+                                         compression=compression,
                                          overlap="auto" if kind == "auto" else
                                          kind.startswith("overlap") or args.overlap_forward,
                                          zero_stage=int(kind.split("zero")[1][0])

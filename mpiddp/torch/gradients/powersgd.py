@@ -75,9 +75,14 @@ def orthogonalize_(matrix: torch.Tensor, epsilon: float) -> torch.Tensor:
         if i:
             length = torch.linalg.vector_norm(column)
             once = _remove_earlier(matrix, i, column.clone())
-            twice = _remove_earlier(matrix, i, once.clone())
             shrunk = torch.linalg.vector_norm(once) < 0.5 * length
-            column.copy_(torch.where(shrunk, twice, once))   # (no wait on a device)
+            if matrix.device.type == "cpu":     # the test is free here: the second pass
+                if bool(shrunk):                # only where it is needed
+                    _remove_earlier(matrix, i, once)
+                column.copy_(once)
+            else:                               # (no wait on a device: both, then choose)
+                twice = _remove_earlier(matrix, i, once.clone())
+                column.copy_(torch.where(shrunk, twice, once))
         norm = torch.linalg.vector_norm(column)
         if epsilon:
             column.div_(norm + epsilon)
