@@ -8,7 +8,6 @@ on a GPU; the tests below that need one run the workers where a GPU is present.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from mpi_launch import ROOT, WORKERS, assert_ok, reported, run_mpi
+from test_gpu import HAVE_GPU
 
 sys.path.insert(0, str(WORKERS))
 import fake_cuda  # noqa: E402
@@ -27,24 +27,8 @@ from fake_cuda import FakeGPU, OrderingError  # noqa: E402
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 
-def _gpu_available() -> bool:
-    if not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None:
-        return False
-    import cupy
-    try:
-        return bool(cupy.cuda.is_available())
-    except Exception:
-        return False
-
-
-HAVE_GPU = _gpu_available()
 needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU with torch.cuda and CuPy "
                                "(scripts/gpu_check.sh runs it on one)")
-TORCH_KERNELS = ("torch's own kernels on CUDA tensors (a model's forward and backward, the "
-                 "optimizer's step, {what}) exist only on a real device: the fake CUDA layer "
-                 "provides CuPy and torch.cuda's devices, streams and events, and its "
-                 "FakeCudaTensor has no torch kernels. scripts/gpu_check.sh runs it "
-                 "(part '{part}'); the same worker runs here on host tensors")
 
 
 # ---- the sharded optimizer --------------------------------------------------------------------
