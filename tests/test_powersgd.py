@@ -96,7 +96,7 @@ def test_bad_settings_are_refused_when_made(bad):
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_matches_the_reference_of_the_paper_at_every_step(ranks):
     result = run_mpi("powersgd_worker.py", ranks, timeout=240)
-    assert_ok(result, expect_lines=4 + (ranks >= 3))
+    assert_ok(result, expect_lines=5 + (ranks >= 3))
 
 
 def test_follows_torchs_ddp_hook_from_the_same_first_q():

@@ -317,7 +317,6 @@ def check_refusals():
                                            **kwargs)
     checks.expect(ValueError, lambda: build(zero_stage=1), "zero_stage=1", "reduce-scatter")
     checks.expect(ValueError, lambda: build(op=mpiddp.Adasum), "Adasum")
-    checks.expect(ValueError, lambda: build(overlap_forward=True), "overlap_forward")
     weird = nn.Linear(8, 8, dtype=torch.complex64)
     checks.expect(ValueError, lambda: mpiddp.DistributedOptimizer(
         torch.optim.SGD(weird.parameters(), lr=0.1), named_parameters=weird.named_parameters(),
@@ -328,15 +327,51 @@ def check_refusals():
                       lambda: build(compression=P(rank=1 + (RANK == SIZE - 1))),
                       "compression_settings")
     gc.collect()
-    opt = build(overlap_forward="auto")      # "auto" means off with PowerSGD
-    assert type(opt._mpiddp.schedule).__name__ == "SynchronizeAtBackwardEnd"
-    del opt
-    gc.collect()
-    checks.ok("refusals: bad settings, zero_stage, Adasum, overlap_forward, complex, "
+    checks.ok("refusals: bad settings, zero_stage, Adasum, complex, "
               "settings differing across ranks", RANK, barrier=mpiddp.barrier)
 
 
+def check_forward_overlap(steps=6):
+    """overlap_forward=True: the same parameters after every step, bitwise, as without it
+    (the same arithmetic, finished in the next forward instead of at the end of backward);
+    also with two passes a step."""
+    def train(overlap, passes):
+        model = Net(torch.float32)
+        opt = mpiddp.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            named_parameters=model.named_parameters(),
+            compression=mpiddp.Compression.powersgd(rank=2, start_step=1),
+            backward_passes_per_step=passes, overlap_forward=overlap, bucket_cap_mb=0.0)
+        model.jitter = True
+        history = []
+        for step in range(steps):
+            opt.zero_grad()
+            for part in range(passes):
+                x, y = batch(passes * step + part, RANK, torch.float32)
+                loss = F.cross_entropy(model(x, step, RANK), y) / passes
+                loss.backward()
+            opt.step()
+            # Reading the parameters completes the deferred update first (the guard).
+            history.append([p.detach().clone() for p in model.parameters()])
+        identical_everywhere(model)
+        deferred = getattr(opt._mpiddp.schedule, "deferred_steps", 0)
+        del opt
+        gc.collect()
+        return history, deferred
+
+    for passes in (1, 2):
+        plain, _ = train(False, passes)
+        overlapped, deferred = train(True, passes)
+        assert deferred == steps, f"{deferred} of {steps} steps deferred"
+        for step, (a, b) in enumerate(zip(plain, overlapped)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), \
+                f"passes={passes}: step {step} differs with overlap_forward"
+    checks.ok("overlap_forward=True: every step deferred into the next forward, parameters "
+              "bitwise those without it (1 and 2 passes a step)", RANK, barrier=mpiddp.barrier)
+
+
 check_refusals()
+check_forward_overlap()
 check_against_reference()
 check_grad_scaler()
 check_state_dict()

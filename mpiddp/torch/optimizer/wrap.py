@@ -134,8 +134,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         compression: ``Compression.none`` (default), ``Compression.fp16`` or
             ``Compression.bf16``: the dtype gradients are reduced in; or
             ``Compression.powersgd(rank=...)``: gradient matrices travel as low-rank factors
-            with error feedback (docs/powersgd.md; not with Adasum, ``zero_stage`` or
-            ``overlap_forward``).
+            with error feedback (docs/powersgd.md; not with Adasum or ``zero_stage``).
         backward_passes_per_step: backward passes accumulated locally before one reduction;
             call ``step()`` after that many passes (scale the loss by 1/passes to average).
         op: ``mpiddp.Average`` (default) or ``mpiddp.Sum``; or ``mpiddp.Adasum``: each rank
@@ -188,8 +187,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             belongs to another live DistributedOptimizer; ``backward_passes_per_step`` is
             not a positive integer; ``op`` is not Average, Sum or Adasum; Adasum with
             forward overlap, a predivide factor or LBFGS; ``Compression.powersgd`` with
-            Adasum, ``zero_stage``, ``overlap_forward=True`` or a matrix it cannot compress
-            (complex);
+            Adasum, ``zero_stage`` or a matrix it cannot compress (complex);
             ``gradient_predivide_factor`` is not positive, or not 1.0 with Sum;
             ``bucket_cap_mb`` is negative; ``named_parameters`` repeats a name for different
             parameters or misses parameters of ``optimizer``; ``overlap_forward`` with
@@ -236,8 +234,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     settings = runtime.require("DistributedOptimizer()").settings
     powersgd = isinstance(compression, PowerSGDCompressor)
     if powersgd:        # its refusals, before the Adasum and sharded paths' own
-        overlap_forward = check_powersgd(compression, named, op, zero_stage, overlap_forward,
-                                         settings.overlap_forward)
+        check_powersgd(compression, named, op, zero_stage)
     if op == ReduceOp.ADASUM:
         return _adasum_optimizer(optimizer, named, compression, backward_passes_per_step,
                                  factor, process_set, overlap_forward, settings)
