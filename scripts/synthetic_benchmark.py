@@ -344,7 +344,8 @@ def parse_args(argv=None):
                         "-atstep: optimizer.synchronize() after backward, which keeps every "
                         "shard's step at step()); ddp-zero (DDP with torch's "
                         "ZeroRedundancyOptimizer); fp16 (mpiddp with Compression.fp16); "
-                        "psgd<r> (mpiddp with Compression.powersgd(rank=r)) and ddp-psgd<r> "
+                        "psgd<r> (mpiddp with Compression.powersgd(rank=r); overlap-psgd<r> "
+                        "with overlap_forward=True) and ddp-psgd<r> "
                         "(DDP with torch's powerSGD_hook at rank r), both from "
                         "--powersgd-start on; "
                         "mpiddp:MB / overlap:MB / ddp:MB set the bucket size of "
@@ -469,8 +470,9 @@ def report_bound(args, result: dict, names: list, nodes: int, params: int) -> No
 
 
 def powersgd_rank(kind: str) -> int:
-    """``psgd<r>`` / ``ddp-psgd<r>``: PowerSGD at rank r (0: not PowerSGD)."""
-    match = re.fullmatch(r"(?:ddp-)?psgd(\d+)", kind)
+    """``psgd<r>`` / ``overlap-psgd<r>`` / ``ddp-psgd<r>``: PowerSGD at rank r (0: not
+    PowerSGD)."""
+    match = re.fullmatch(r"(?:ddp-|overlap-)?psgd(\d+)", kind)
     return int(match.group(1)) if match else 0
 
 
@@ -506,7 +508,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"bad --variants {args.variants!r}: use mpiddp[:MB], overlap[:MB], "
                          "auto[:MB], native[:MB], zero1[:MB], zero2[:MB], overlap-zero1[:MB], "
                          "overlap-zero2[:MB] (each zero one also with -atstep), fp16[:MB], "
-                         "psgd<r>[:MB], ddp[:MB], ddp-zero[:MB], ddp-psgd<r>[:MB], single")
+                         "psgd<r>[:MB], overlap-psgd<r>[:MB], ddp[:MB], ddp-zero[:MB], "
+                         "ddp-psgd<r>[:MB], single")
     if (args.overlap_forward or any(n.startswith(("overlap", "auto")) for n in names)) \
             and not supports_overlap_forward():
         raise SystemExit(f"--overlap-forward / the overlap variant: the installed mpiddp "

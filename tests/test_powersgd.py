@@ -102,3 +102,24 @@ def test_matches_the_reference_of_the_paper_at_every_step(ranks):
 def test_follows_torchs_ddp_hook_from_the_same_first_q():
     result = run_mpi("powersgd_ddp_worker.py", 2, timeout=180)
     assert_ok(result, expect_lines=2)       # rank 2 (torch: Gram-Schmidt) and 3 (QR)
+
+
+def test_elastic_state_keeps_steps_and_q_and_resets_errors_at_another_rank_count(tmp_path):
+    """elastic.State (docs/powersgd.md "Checkpoints and restarts"): 3 ranks commit snapshots
+    and restore one in process, then 2 ranks restore the last: each time every rank gets the
+    committed PowerSGD step count and every Q bitwise, with no error buffer, and the next steps
+    match the float64 reference started from that Q and zero errors
+    (tests/workers/powersgd_elastic_worker.py)."""
+    from mpi_launch import reported
+
+    first = run_mpi("powersgd_elastic_worker.py", 3, tmp_path, "first", timeout=90)
+    assert_ok(first, expect_lines=2)
+    in_process = reported(first, "restored in process")[0]
+    assert in_process["steps"] == 4 and in_process["q"] == ["0.weight", "2.weight"], in_process
+    assert reported(first, "reference matched")[0]["committed"] == 6
+    second = run_mpi("powersgd_elastic_worker.py", 2, tmp_path, "second", timeout=90)
+    assert_ok(second, expect_lines=2)
+    restored = reported(second, "restored at 2 ranks")[0]
+    assert restored["step"] == 6 and restored["steps"] == 6, restored
+    finished = reported(second, "end of the epoch")[0]
+    assert finished["steps_trained"] == 4 and finished["step"] == 10, finished
