@@ -5,6 +5,7 @@ memory that the wrapped optimizer steps in place). See docs/dev/sharding.md."""
 from __future__ import annotations
 
 import collections
+from typing import Optional
 
 import torch
 
@@ -43,6 +44,10 @@ class Bucket:
         self.size = size
         own = owned_chunk(rank, size, ring_order=True)
         self.lo, self.hi = self.bounds[own], self.bounds[own + 1]
+        # Stage 3 (own_storage): the full parameters' memory and this rank's chunk.
+        self.flat: Optional[torch.Tensor] = None
+        self.chunk: Optional[torch.Tensor] = None
+        self.gathered = True          # the full parameters hold their values
         self.pieces: list[Piece] = []
         for param in params:
             start = max(self.lo, self.offsets[param]) - self.offsets[param]
@@ -51,6 +56,49 @@ class Bucket:
                 shard = param.detach().view(-1)[start:stop]
                 self.pieces.append(Piece(param, start, stop,
                                          self.offsets[param] + start - self.lo, shard))
+
+    # ---- stage 3: the bucket owns the parameters' memory (docs/dev/zero3.md) -------------
+    def own_storage(self) -> None:
+        """Move the parameters into one flat buffer of the bucket (``flat``; each parameter's
+        ``.data`` a view of it: the same ``Parameter`` objects, shapes and values) and this
+        rank's chunk into memory of its own (``chunk``, which the shards now view), so that
+        ``release`` can free the full parameters and the shards survive it."""
+        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for param in self.params:
+                offset = self.offsets[param]
+                view = flat[offset:offset + param.numel()]
+                view.copy_(param.detach().reshape(-1))
+                # ``.data =`` keeps the parameter's own version counter: writes into ``flat``
+                # (gathers) never look like in-place changes to autograd.
+                param.data = view.view_as(param)
+        self.flat = flat
+        self.chunk = flat[self.lo:self.hi].clone()
+        self.pieces = [piece._replace(shard=self.chunk[piece.chunk_offset:piece.chunk_offset
+                                                       + piece.stop - piece.start])
+                       for piece in self.pieces]
+        self.gathered = True
+
+    @property
+    def owns_storage(self) -> bool:
+        return self.chunk is not None
+
+    def release(self) -> None:
+        """Free the full parameters' memory (their shapes stay; their data must not be read
+        until ``materialise`` and a gather have refilled it)."""
+        if self.gathered and self.owns_storage:
+            self.flat.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def materialise(self) -> torch.Tensor:
+        """Give the full parameters their memory back (every view of it sees it again) and
+        return the flat buffer for a gather to fill (its contents are undefined until then)."""
+        storage = self.flat.untyped_storage()
+        needed = self.numel * self.flat.element_size()
+        if storage.nbytes() < needed:
+            storage.resize_(needed)
+        self.gathered = True
+        return self.flat
 
     def unpack_gathered(self, gathered: torch.Tensor) -> None:
         """Write the gathered bucket (every rank's chunk, in bucket order) into the
@@ -124,3 +172,12 @@ class ShardLayout:
     def pieces(self):
         for bucket in self.buckets:
             yield from bucket.pieces
+
+    def own_storage(self, buckets: list) -> None:
+        """Stage 3: ``buckets`` own their parameters' memory (``Bucket.own_storage``); the
+        shards of their parameters are views of their chunks from now on."""
+        for bucket in buckets:
+            bucket.own_storage()
+            for param in bucket.params:
+                self.shards[param] = [piece.shard for piece in bucket.pieces
+                                      if piece.param is param]
