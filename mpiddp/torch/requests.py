@@ -24,7 +24,7 @@ from ..runtime import ProcessSet
 from .handles import TensorHandle
 from .naming import collective_name
 from .streams import caller_stream, ready_event as stream_ready_event, record_use
-from .views import device_name, dtype_name, flat_array
+from .views import device_name, dtype_name, flat_array, resizable_array
 
 __all__ = ["allreduce_request_", "submit_together"]
 
@@ -152,14 +152,16 @@ def allgather_entry(tensor, name: str) -> tuple[Entry, Callable[[], torch.Tensor
     return entry, lambda: holder["output"]
 
 
-def ring_allgather_entry(chunk: torch.Tensor, output: torch.Tensor, name: str) -> Entry:
+def ring_allgather_entry(chunk: torch.Tensor, output: torch.Tensor, name: str,
+                         resizable: bool = False) -> Entry:
     """A sharded optimizer's gather (``Request.ring_order``): ``chunk`` is this rank's chunk
     of the flat ``output``, which receives every rank's (in chunk order). ``output`` may be
-    the parameter itself, with ``chunk`` a view of its own elements."""
+    the parameter itself, with ``chunk`` a view of its own elements. ``resizable``: leave
+    ``output``'s storage resizable (stage 3 frees it between uses)."""
     dtype = check_tensor(chunk, name)
     request = Request(name, ALLGATHER, dtype, (output.numel(),), device_name(chunk),
                       ring_order=True)
-    view = flat_array(output)
+    view = resizable_array(output) if resizable else flat_array(output)
     return Entry(request, flat_array(chunk), view, Handle(name), allocate=lambda shape: view,
                  ready_event=stream_ready_event(chunk))
 

@@ -1,6 +1,8 @@
 """torch tensors <-> flat buffers the engine can move, sharing memory where possible."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
@@ -41,6 +43,21 @@ def flat_array(tensor: torch.Tensor):
         tensor = tensor.view(torch.int16)
     array = tensor.numpy().reshape(-1)   # NumPy's reshape is cheaper than torch's
     return array.view(np.uint16) if bf16 else array
+
+
+def resizable_array(tensor: torch.Tensor):
+    """``flat_array`` of a contiguous tensor without pinning its storage's size: NumPy made
+    from the memory's address (``Tensor.numpy()`` marks a storage not resizable for good,
+    and stage 3 frees a bucket's parameters by resizing theirs to 0). The caller keeps the
+    memory alive and unresized while the array is in use."""
+    if tensor.is_cuda:
+        return _device_view(tensor)
+    dtype = flat_array(torch.empty(0, dtype=tensor.dtype)).dtype
+    if not tensor.numel():
+        return np.empty(0, dtype=dtype)
+    memory = (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(
+        tensor.data_ptr())
+    return np.frombuffer(memory, dtype=dtype)
 
 
 def _device_view(tensor: torch.Tensor):

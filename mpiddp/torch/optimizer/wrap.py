@@ -37,6 +37,7 @@ from ..powersgd_settings import PowerSGDCompressor
 from ..gradients.sync import OWNER_ATTR, GradientSync
 from .methods import (_DistributedOptimizer, _check_passes, _check_same_everywhere,
                       _complete_overlap)
+from ..sharding import param_gathers
 from ..sharding.clip_guard import install_clip_guard
 from ..sharding.optimizer import ShardedOptimizer, check_shardable, shard_param_groups
 from ..sharding.sync import ShardedSync
@@ -220,7 +221,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError(f"gradient_predivide_factor must be positive, not {factor}")
     if factor != 1.0 and op != ReduceOp.AVERAGE:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
-    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2):
+    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2) and not (
+            zero_stage == 3 and param_gathers.PREVIEW):
         raise ValueError(f"zero_stage must be 0, 1 or 2, not {zero_stage!r}")
     if zero_stage and op == ReduceOp.ADASUM:
         raise ValueError("DistributedOptimizer(op=Adasum) cannot shard (zero_stage): Adasum "

@@ -46,6 +46,7 @@ from ..requests import allreduce_request_, reducescatter_entry, submit_together
 from ..streams import ready_event
 from ..subset_step import hyperparameters, same_hyperparameters
 from .gathers import Gathers
+from .param_gathers import ParamGathers
 from .layout import MAX_IN_FLIGHT, SHARD_ATTR, Bucket, ShardLayout
 from .registry import register
 
@@ -121,7 +122,7 @@ class ShardedSync(GradientSync):
         self.next_bucket = 0                     # the next bucket to submit, in layout order
         self.used: dict = {}                     # parameter -> had a gradient on this rank
         self.gather_buckets: list[Bucket] = []   # changed by the last round's shards
-        self.gathers = Gathers(self)
+        self.gathers = ParamGathers(self) if zero_stage == 3 else Gathers(self)
         self.consolidated = None                 # (to, state dict) until the next step
         self.full_groups: list[list] = []        # the param groups' full parameters
         self.optimizer_ref = lambda: None        # weak: the optimizer whose groups hold shards
@@ -148,7 +149,10 @@ class ShardedSync(GradientSync):
         self._lay_out([param for _, param in named if param.requires_grad])
 
     def _lay_out(self, params: list) -> None:
+        before = len(self.layout.buckets)
         self.layout.add(params)
+        if self.zero_stage == 3:    # the buckets own the parameters' memory from now on
+            self.gathers.adopt(self.layout.buckets[before:])
         ref = weakref.ref(self)
         for param in params:
             for shard in self.layout.shards[param]:
@@ -199,7 +203,7 @@ class ShardedSync(GradientSync):
                 flat[offset:offset + param.numel()].copy_(grad.reshape(-1))
             else:
                 flat[offset:offset + param.numel()].zero_()
-        if grad is not None and self.zero_stage == 2:
+        if grad is not None and self.zero_stage >= 2:
             param.grad = None                # the full-size gradient is no longer needed
         event = ready_event(flat)
         if event is not None:
@@ -216,6 +220,8 @@ class ShardedSync(GradientSync):
         if param.requires_grad:
             self.missing[bucket.index] -= 1
         if self.missing[bucket.index] <= 0:       # every member that requires a gradient
+            if self.zero_stage == 3:
+                self.gathers.bucket_complete(bucket)
             self.complete.add(bucket.index)
             self._submit_in_order()
 

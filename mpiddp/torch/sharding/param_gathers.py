@@ -1,0 +1,296 @@
+"""Stage 3: the full parameters exist only while they are used (docs/dev/zero3.md).
+
+Each bucket owns its parameters' memory (``Bucket.own_storage``): the shards the optimizer
+steps live in the bucket's ``chunk``; the full parameters are views of its ``flat`` buffer,
+which is freed (``release``) and refilled by an all-gather of every rank's chunk when they
+are next used:
+
+* **forward, and any other use**: a ``TorchFunctionMode`` (``ParamGuard``) sees every torch
+  call on the training thread; a call on a parameter of a released bucket (or on a view of
+  one) gathers that bucket first. At most ``GATHERED_IN_FORWARD`` buckets stay gathered: the
+  least recently used other ones are released;
+* **backward**: tensors autograd saves that are parameters (or views of them) are packed with
+  their bucket (``saved_tensors_hooks``); unpacking one gathers its bucket again if it was
+  released. A bucket is released once its gradients are all final (nothing in this backward
+  needs it any more) and once its shards are stepped (its values are stale).
+
+Gathers are collectives in the order of use, which is the same on every rank when every rank
+runs the same forward and backward.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import inspect
+import threading
+import weakref
+from typing import Optional
+
+import torch
+from torch.autograd.graph import _engine_run_backward
+from torch.overrides import TorchFunctionMode
+
+from ..requests import ring_allgather_entry, submit_together
+from .layout import Bucket
+
+# Stage 3 is a preview: DistributedOptimizer accepts zero_stage=3 only while this is True
+# (the tests set it); users get it once its state forms and checkpointing are built.
+PREVIEW = False
+
+# Buckets kept gathered by the forward's uses (the one in use and the one before it: the
+# last ones are what backward needs first).
+GATHERED_IN_FORWARD = 2
+
+# Torch calls that read only a tensor's metadata: no gather (listing the shapes of a model's
+# parameters must not gather them, nor make one rank gather what another does not).
+_METADATA = {
+    getattr(torch.Tensor, name).__get__ for name in (
+        "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "ndim", "layout",
+        "grad_fn", "itemsize", "is_cuda", "is_sparse", "_base", "_version")
+} | {getattr(torch.Tensor, name) for name in (
+    "size", "numel", "dim", "stride", "element_size", "__len__", "__hash__", "is_floating_point",
+    "is_complex", "nelement", "data_ptr", "untyped_storage", "is_contiguous",
+    "register_hook", "register_post_accumulate_grad_hook", "requires_grad_")}
+
+
+# loss.backward() and torch.autograd.backward: run by the guard (ParamGuard._backward).
+_BACKWARD = {torch.Tensor.backward, torch.autograd.backward}
+
+
+class _Saved:
+    """A parameter (or a view of one) autograd saved for backward, with its bucket and
+    (weakly) the ``ParamGathers`` that gathers it."""
+
+    __slots__ = ("tensor", "bucket", "owner")
+
+    def __init__(self, tensor: torch.Tensor, bucket: Bucket, owner):
+        self.tensor, self.bucket, self.owner = tensor, bucket, owner
+
+
+class ParamGathers:
+    """Stage 3's ``Gathers``: the same protocol for ``ShardedSync`` and ``ShardedOptimizer``
+    (stepped buckets are released instead of gathered; nothing is deferred), plus the
+    gathers on use (module docstring)."""
+
+    def __init__(self, sync):
+        self._sync = weakref.ref(sync)
+        self.deferred = False                 # (forward overlap is implied: see below)
+        self.busy = False
+        self.params: dict[int, tuple] = {}    # id(parameter) -> (parameter, its bucket)
+        self.gathered: "collections.OrderedDict[int, Bucket]" = collections.OrderedDict()
+        self.guards: dict[int, ParamGuard] = {}
+        self.saving: set[int] = set()         # threads whose saved tensors are packed
+        self.lock = threading.RLock()
+        self.gathers_done = 0                 # (tests and benchmarks: gathers so far)
+
+    # ---- laying out -------------------------------------------------------------------
+    def adopt(self, buckets: list) -> None:
+        """``buckets`` were just laid out: they own their memory from now on, released
+        until first used."""
+        sync = self._sync()
+        sync.layout.own_storage(buckets)
+        for bucket in buckets:
+            for param in bucket.params:
+                self.params[id(param)] = (param, bucket)
+            bucket.release()
+        self.guard_this_thread()
+
+    def guard_this_thread(self) -> None:
+        """The guard and the saved-tensor hooks, on this thread (each thread has its own
+        mode stack and hooks; the builder's thread gets them now, another at its first
+        step)."""
+        ident = threading.get_ident()
+        if ident not in self.guards:
+            guard = self.guards[ident] = ParamGuard(self)
+            guard.__enter__()      # stays on this thread's mode stack, inert once we are gone
+            ref = weakref.ref(self)
+            torch.autograd.graph.saved_tensors_hooks(
+                lambda tensor: _pack(ref, tensor), _unpack).__enter__()
+
+    # ---- gathering and releasing --------------------------------------------------------
+    def bucket_of(self, tensor: torch.Tensor) -> Optional[Bucket]:
+        found = self.params.get(id(tensor))
+        if found is None and tensor._base is not None:
+            found = self.params.get(id(tensor._base))
+        return found[1] if found is not None else None
+
+    def use(self, buckets: list, keep: int = GATHERED_IN_FORWARD) -> None:
+        """``buckets`` are about to be used: gather those released (stepping first the ones
+        whose reduce-scatter is still out under the early schedule) and, with ``keep``,
+        release the least recently used others beyond ``keep``."""
+        sync = self._sync()
+        with self.lock, self.internal():
+            wanted = {id(b) for b in buckets}
+            unstepped = [r.bucket for r in sync.in_flight if id(r.bucket) in wanted]
+            if unstepped:
+                sync.advance(until=unstepped[-1], wait=True)
+            for bucket in buckets:
+                if not bucket.gathered:
+                    self._gather(bucket)
+                self.gathered[id(bucket)] = bucket
+                self.gathered.move_to_end(id(bucket))
+            if keep:
+                for key in list(self.gathered):
+                    if len(self.gathered) <= max(keep, len(wanted)):
+                        break
+                    if key not in wanted:
+                        self.release(self.gathered[key])
+
+    def _gather(self, bucket: Bucket) -> None:
+        sync = self._sync()
+        output = bucket.materialise()
+        entry = ring_allgather_entry(bucket.chunk, output, f"{sync.prefix}.gather{bucket.index}",
+                                     resizable=True)
+        (handle,) = submit_together([entry], sync.process_set)
+        try:
+            handle.wait()
+        except BaseException:
+            bucket.release()
+            raise
+        self.gathers_done += 1
+
+    def release(self, bucket: Bucket) -> None:
+        bucket.release()
+        self.gathered.pop(id(bucket), None)
+
+    def release_all(self) -> None:
+        for bucket in list(self.gathered.values()):
+            self.release(bucket)
+
+    @contextlib.contextmanager
+    def internal(self):
+        """Our own torch calls on parameters pass the guard."""
+        busy, self.busy = self.busy, True
+        try:
+            yield
+        finally:
+            self.busy = busy
+
+    # ---- the Gathers protocol of ShardedSync / ShardedOptimizer ---------------------------
+    def priority(self, bucket: Bucket) -> int:
+        return 0
+
+    def add(self, bucket: Bucket) -> None:
+        """Early schedule: ``bucket`` was just stepped (its gradients were all final, so
+        backward needs it no more): its full parameters are stale."""
+        self.release(bucket)
+
+    def bucket_complete(self, bucket: Bucket) -> None:
+        """Every gradient of ``bucket`` is final: this backward needs it no more."""
+        self.release(bucket)
+
+    def start(self, buckets: list) -> None:
+        """After ``step()``: the stepped buckets' full parameters are stale."""
+        for bucket in buckets:
+            self.release(bucket)
+
+    def complete(self, until: Optional[Bucket] = None) -> None:
+        """Step what the early schedule left (the gathers themselves happen on use)."""
+        if until is None:
+            with self.lock, self.internal():
+                self._sync().advance(wait=True)
+
+    def has_work(self) -> bool:
+        return False
+
+    def poll(self) -> None:
+        pass
+
+    def pending(self) -> list:
+        return []
+
+    def watch(self, buckets) -> None:
+        pass
+
+    def unwatch(self, bucket: Bucket) -> None:
+        pass
+
+    def enable_overlap(self) -> None:
+        """Stage 3 gathers every parameter at its first use anyway: forward overlap is what
+        it does, nothing to enable."""
+
+
+class ParamGuard(TorchFunctionMode):
+    """Gathers a released bucket before a torch call uses one of its parameters (module
+    docstring)."""
+
+    def __init__(self, gathers: ParamGathers):
+        super().__init__()
+        self.gathers = weakref.ref(gathers)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        gathers = self.gathers()
+        if gathers is None:
+            return func(*args, **(kwargs or {}))
+        if func in _BACKWARD:
+            return self._backward(func, args, kwargs or {})
+        if not gathers.busy and func not in _METADATA:
+            buckets = _buckets_in(gathers, args)
+            if kwargs:
+                buckets += _buckets_in(gathers, kwargs.values())
+            if buckets:
+                # Inside backward (a custom Function's backward, an activation checkpoint's
+                # recomputation) nothing is released: tensors autograd holds there may view
+                # any gathered bucket; those buckets go when their gradients are final.
+                in_backward = torch._C._current_autograd_node() is not None
+                gathers.use(buckets, keep=0 if in_backward else GATHERED_IN_FORWARD)
+        return func(*args, **(kwargs or {}))
+
+    def _backward(self, func, args, kwargs):
+        """``loss.backward()`` / ``torch.autograd.backward`` with this guard on during the
+        backward pass. torch removes a mode from the stack while the mode handles a call, and
+        backward is such a call, so a recomputation (activation checkpointing) or a custom
+        Function's backward would otherwise use released parameters unseen. So the autograd
+        engine is run here, inside the guard, with the arguments torch's ``backward``
+        would give it (docs/dev/zero3.md; tests/test_zero3_layout.py pins the private entry)."""
+        bound = inspect.signature(func).bind(*args, **kwargs).arguments
+        tensors = bound.get("self", bound.get("tensors"))
+        grads = bound.get("gradient", bound.get("grad_tensors"))
+        inputs = bound.get("inputs")
+        if bound.get("grad_variables") is not None or not (
+                isinstance(inputs, (torch.Tensor, list, tuple)) or inputs is None):
+            return func(*args, **kwargs)      # forms this does not rebuild: as torch does
+        tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+        inputs = () if inputs is None else \
+            (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        grads = torch.autograd._tensor_or_tensors_to_tuple(grads, len(tensors))
+        grads = torch.autograd._make_grads(tensors, grads, is_grads_batched=False)
+        create_graph = bool(bound.get("create_graph", False))
+        retain_graph = bound.get("retain_graph")
+        with self:
+            _engine_run_backward(tensors, grads,
+                                 create_graph if retain_graph is None else retain_graph,
+                                 create_graph, inputs, allow_unreachable=True,
+                                 accumulate_grad=True)
+
+
+def _buckets_in(gathers: ParamGathers, values) -> list:
+    found = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            bucket = gathers.bucket_of(value)
+            if bucket is not None and all(b is not bucket for b in found):
+                found.append(bucket)
+        elif isinstance(value, (list, tuple)):
+            found += [b for b in _buckets_in(gathers, value)
+                      if all(f is not b for f in found)]
+    return found
+
+
+def _pack(ref, tensor: torch.Tensor):
+    gathers = ref()
+    if gathers is not None:
+        bucket = gathers.bucket_of(tensor)
+        if bucket is not None:
+            return _Saved(tensor, bucket, ref)
+    return tensor
+
+
+def _unpack(saved):
+    if isinstance(saved, _Saved):
+        bucket = saved.bucket
+        owner = saved.owner()
+        if not bucket.gathered and owner is not None:
+            owner.use([bucket], keep=0)
+        return saved.tensor
+    return saved

@@ -1,0 +1,135 @@
+"""Stage 3 (the preview, ``param_gathers.PREVIEW``) against ``zero_stage=0``.
+
+Run with ``MPIDDP_ALLREDUCE_ALGORITHM=ring`` (the sharded reduce-scatter sums in the ring
+all-reduce's order). Checks (rank 0 prints 'OK <check>'): parameters after every step bitwise
+those of stage 0 at 2 ranks (allclose from 3) for SGD (momentum, nesterov, weight decay),
+Adam and AdamW, with one bucket and with several (the early schedule), on a model with a
+tied weight, a frozen layer and a layer used every other step, with a ``torch.no_grad()``
+evaluation between steps; the full parameters' memory released after each step and at most
+``GATHERED_IN_FORWARD`` buckets gathered after a forward.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import checks
+import mpiddp
+from mpiddp.torch.sharding import param_gathers
+
+torch.set_num_threads(1)
+mpiddp.init()
+param_gathers.PREVIEW = True
+RANK, SIZE = mpiddp.rank(), mpiddp.size()
+VOCAB, WIDTH, HIDDEN, BATCH = 11, 13, 17, 6
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.l1 = nn.Linear(WIDTH, HIDDEN)
+        self.l2 = nn.Linear(HIDDEN, WIDTH)
+        self.frozen = nn.Linear(WIDTH, WIDTH)
+        self.frozen.requires_grad_(False)
+        self.sometimes = nn.Linear(WIDTH, WIDTH)
+        self.out = nn.Linear(WIDTH, VOCAB)
+        self.out.weight = self.emb.weight
+
+    checkpointed = None      # activation checkpointing of l1-l2: None, or use_reentrant
+
+    def block(self, h):
+        return self.l2(torch.tanh(self.l1(h)))
+
+    def forward(self, tokens, step):
+        h = self.emb(tokens).mean(1)
+        if self.checkpointed is None or not torch.is_grad_enabled():
+            h = self.block(h) + self.frozen(h)
+        else:
+            h = torch.utils.checkpoint.checkpoint(self.block, h,
+                                                  use_reentrant=self.checkpointed) \
+                + self.frozen(h)
+        if step % 2 == 0:
+            h = h + self.sometimes(h)
+        return self.out(torch.tanh(h))
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (BATCH, 4), generator=g), \
+        torch.randint(0, VOCAB, (BATCH,), generator=g)
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+}
+
+
+def train(stage, kind, cap, steps=4, checkpointed=None):
+    torch.manual_seed(5)
+    model = Net()
+    model.checkpointed = checkpointed
+    opt = mpiddp.DistributedOptimizer(
+        OPTIMIZERS[kind](model.parameters()), named_parameters=model.named_parameters(),
+        zero_stage=stage, bucket_cap_mb=cap)
+    sync = opt._mpiddp
+    snaps, evals = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        tokens, labels = batch(step, RANK)
+        F.cross_entropy(model(tokens, step), labels).backward()
+        opt.step()
+        if stage == 3:
+            if not sync.timing.early:
+                assert not any(b.gathered for b in sync.layout.buckets), "gathered after step"
+            assert all(p.grad is None for p in model.parameters())
+        with torch.no_grad():
+            evals.append(model(*batch(100 + step, 0)[:1], step).clone())
+        if stage == 3:
+            gathered = sum(b.gathered for b in sync.layout.buckets)
+            assert gathered <= param_gathers.GATHERED_IN_FORWARD, gathered
+            released = [b for b in sync.layout.buckets if not b.gathered]
+            assert all(p.untyped_storage().nbytes() == 0 for b in released for p in b.params)
+        snaps.append([p.detach().clone() for p in model.parameters()])
+    info = (len(sync.layout.buckets), sync.timing.mode, sync.gathers.gathers_done) \
+        if stage == 3 else None
+    del opt, sync
+    return snaps, evals, info
+
+
+def check_against_stage_0():
+    compare = (lambda a, b: torch.equal(a, b)) if SIZE == 2 else \
+        (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    seen = {}
+    for cap in (64.0, 0.0005):
+        for kind in OPTIMIZERS:
+            reference, ref_evals, _ = train(0, kind, cap)
+            got, evals, info = train(3, kind, cap)
+            seen[f"{kind} cap {cap}"] = info
+            for step, (r, g) in enumerate(zip(reference, got)):
+                assert all(compare(a, b) for a, b in zip(r, g)), (kind, cap, step)
+            for step, (r, g) in enumerate(zip(ref_evals, evals)):
+                assert compare(r, g), ("eval", kind, cap, step)
+    checks.ok("stage 3 equal to zero_stage=0 after every step and in no_grad evaluation "
+              "(SGD, Adam, AdamW; one bucket and several, the early schedule; tied, frozen "
+              "and sometimes-used layers); full parameters released", RANK,
+              bitwise=SIZE == 2, buckets_mode_gathers=seen)
+
+
+def check_activation_checkpointing():
+    """torch.utils.checkpoint (both forms): the recomputation in backward gathers what it
+    uses (the guard runs backward inside itself)."""
+    compare = (lambda a, b: torch.equal(a, b)) if SIZE == 2 else \
+        (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    reference, _, _ = train(0, "adam", 0.0005)
+    for reentrant in (False, True):
+        got, _, _ = train(3, "adam", 0.0005, checkpointed=reentrant)
+        for step, (r, g) in enumerate(zip(reference, got)):
+            assert all(compare(a, b) for a, b in zip(r, g)), (reentrant, step)
+    checks.ok("activation checkpointing (use_reentrant False and True) with stage 3: equal "
+              "to zero_stage=0", RANK, bitwise=SIZE == 2)
+
+
+check_against_stage_0()
+check_activation_checkpointing()
