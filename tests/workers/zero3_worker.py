@@ -66,20 +66,44 @@ OPTIMIZERS = {
 }
 
 
-def train(stage, kind, cap, steps=4, checkpointed=None):
+def train(stage, kind, cap, steps=4, checkpointed=None, passes=1, scaler_inf_at=None,
+          clip=None, schedule=False):
     torch.manual_seed(5)
     model = Net()
     model.checkpointed = checkpointed
     opt = mpiddp.DistributedOptimizer(
         OPTIMIZERS[kind](model.parameters()), named_parameters=model.named_parameters(),
-        zero_stage=stage, bucket_cap_mb=cap)
+        zero_stage=stage, bucket_cap_mb=cap, backward_passes_per_step=passes)
     sync = opt._mpiddp
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.7 ** step + 0.1 * step) \
+        if schedule else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) \
+        if scaler_inf_at is not None else None
     snaps, evals = [], []
     for step in range(steps):
         opt.zero_grad()
-        tokens, labels = batch(step, RANK)
-        F.cross_entropy(model(tokens, step), labels).backward()
-        opt.step()
+        for part in range(passes):
+            tokens, labels = batch(passes * step + part, RANK)
+            loss = F.cross_entropy(model(tokens, step), labels) / passes
+            if scaler is not None:
+                if step == scaler_inf_at and RANK == SIZE - 1:
+                    loss = loss * float("inf")
+                scaler.scale(loss).backward()
+            else:
+                loss.backward()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        elif clip is not None:
+            if stage:
+                opt.clip_grad_norm_(clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+        else:
+            opt.step()
+        if scheduler is not None:
+            scheduler.step()
         if stage == 3:
             if not sync.timing.early:
                 assert not any(b.gathered for b in sync.layout.buckets), "gathered after step"
@@ -131,5 +155,28 @@ def check_activation_checkpointing():
               "to zero_stage=0", RANK, bitwise=SIZE == 2)
 
 
+def check_with_the_rest():
+    """Accumulation (two passes a step), GradScaler skipping everywhere on one rank's inf,
+    optimizer.clip_grad_norm_ from the shards (to float reassociation: the norm's sum), an LR
+    scheduler changing the rate every step: stage 0's parameters (bitwise at 2 ranks)."""
+    compare = (lambda a, b: torch.equal(a, b)) if SIZE == 2 else \
+        (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    for label, kwargs in (("two passes", dict(passes=2)),
+                          ("GradScaler", dict(scaler_inf_at=2)),
+                          ("clip", dict(clip=0.05)),
+                          ("scheduler", dict(schedule=True))):
+        reference, _, _ = train(0, "adam", 0.0005, **kwargs)
+        got, _, _ = train(3, "adam", 0.0005, **kwargs)
+        # (The global norm sums the shards' squares in another order than torch's.)
+        same = compare if label != "clip" else \
+            (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+        for step, (r, g) in enumerate(zip(reference, got)):
+            assert all(same(a, b) for a, b in zip(r, g)), (label, step)
+    checks.ok("stage 3 with backward_passes_per_step=2, GradScaler (one rank's inf), "
+              "clip_grad_norm_, an LR scheduler: equal to zero_stage=0", RANK,
+              bitwise=SIZE == 2)
+
+
 check_against_stage_0()
 check_activation_checkpointing()
+check_with_the_rest()
