@@ -9,68 +9,24 @@ evaluation between steps; the full parameters' memory released after each step a
 ``GATHERED_IN_FORWARD`` buckets gathered after a forward.
 """
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 import checks
 import mpiddp
 from mpiddp.torch.sharding import param_gathers
+from zero_model import OPTIMIZERS, Net, batch
 
 torch.set_num_threads(1)
 mpiddp.init()
 param_gathers.PREVIEW = True
 RANK, SIZE = mpiddp.rank(), mpiddp.size()
-VOCAB, WIDTH, HIDDEN, BATCH = 11, 13, 17, 6
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.l1 = nn.Linear(WIDTH, HIDDEN)
-        self.l2 = nn.Linear(HIDDEN, WIDTH)
-        self.frozen = nn.Linear(WIDTH, WIDTH)
-        self.frozen.requires_grad_(False)
-        self.sometimes = nn.Linear(WIDTH, WIDTH)
-        self.out = nn.Linear(WIDTH, VOCAB)
-        self.out.weight = self.emb.weight
-
-    checkpointed = None      # activation checkpointing of l1-l2: None, or use_reentrant
-
-    def block(self, h):
-        return self.l2(torch.tanh(self.l1(h)))
-
-    def forward(self, tokens, step):
-        h = self.emb(tokens).mean(1)
-        if self.checkpointed is None or not torch.is_grad_enabled():
-            h = self.block(h) + self.frozen(h)
-        else:
-            h = torch.utils.checkpoint.checkpoint(self.block, h,
-                                                  use_reentrant=self.checkpointed) \
-                + self.frozen(h)
-        if step % 2 == 0:
-            h = h + self.sometimes(h)
-        return self.out(torch.tanh(h))
-
-
-def batch(step, rank):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, VOCAB, (BATCH, 4), generator=g), \
-        torch.randint(0, VOCAB, (BATCH,), generator=g)
-
-
-OPTIMIZERS = {
-    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
-    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
-    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
-}
 
 
 def train(stage, kind, cap, steps=4, checkpointed=None, passes=1, scaler_inf_at=None,
           clip=None, schedule=False):
     torch.manual_seed(5)
     model = Net()
-    model.checkpointed = checkpointed
+    model.checkpointed = checkpointed       # (an instance attribute: the class's stays None)
     opt = mpiddp.DistributedOptimizer(
         OPTIMIZERS[kind](model.parameters()), named_parameters=model.named_parameters(),
         zero_stage=stage, bucket_cap_mb=cap, backward_passes_per_step=passes)

@@ -22,38 +22,15 @@ import torch.nn.functional as F
 
 import checks
 import mpiddp
+from zero_model import BATCH, OPTIMIZERS, VOCAB, Net, batch  # noqa: F401
 
 torch.set_num_threads(1)
 mpiddp.init()
 RANK, SIZE = mpiddp.rank(), mpiddp.size()
 PER_TENSOR = "per-tensor" in sys.argv[1:]
-VOCAB, WIDTH, HIDDEN, BATCH = 11, 13, 17, 6
 # The unsharded run fuses one step's gradients into one ring all-reduce (one bucket here), or,
 # with per-tensor, reduces each on its own (one parameter per bucket here).
 CAP = 0.0 if PER_TENSOR else 64.0
-
-
-class Net(nn.Module):
-    """Odd and prime sizes; a frozen layer; one used on even steps only; the output layer's
-    weight tied to the embedding."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, WIDTH)
-        self.l1 = nn.Linear(WIDTH, HIDDEN)
-        self.l2 = nn.Linear(HIDDEN, WIDTH)
-        self.frozen = nn.Linear(WIDTH, WIDTH)
-        self.frozen.requires_grad_(False)
-        self.sometimes = nn.Linear(WIDTH, WIDTH)
-        self.out = nn.Linear(WIDTH, VOCAB)
-        self.out.weight = self.emb.weight
-
-    def forward(self, tokens, step):
-        h = self.emb(tokens).mean(1)
-        h = self.l2(torch.tanh(self.l1(h))) + self.frozen(h)
-        if step % 2 == 0:
-            h = h + self.sometimes(h)
-        return self.out(torch.tanh(h))
 
 
 def net():
@@ -61,22 +38,9 @@ def net():
     return Net()
 
 
-def batch(step, rank):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randint(0, VOCAB, (BATCH, 4), generator=g), \
-        torch.randint(0, VOCAB, (BATCH,), generator=g)
-
-
 def full_batch(step):
     parts = [batch(step, r) for r in range(SIZE)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-
-OPTIMIZERS = {
-    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
-    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
-    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
-}
 
 
 def snapshot(model):
