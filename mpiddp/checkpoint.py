@@ -160,6 +160,10 @@ class Checkpoint:
             raise TypeError(f"Checkpoint(sampler=...) takes an mpiddp.checkpoint."
                             f"ResumableSampler (it skips the samples a resumed epoch has "
                             f"done), not a {type(sampler).__name__}")
+        if zero_stage_of(optimizer) == 3:
+            raise ValueError("mpiddp.Checkpoint does not take DistributedOptimizer(zero_stage=3) "
+                             "(a preview) yet: its restore would not reach every rank's shard "
+                             "of the parameters")
         self.path, self.model, self.optimizer, self.sampler = path, model, optimizer, sampler
         self.epoch, self.step, self.ranks = 0, 0, size()
         self.extra: dict[str, Any] = {}

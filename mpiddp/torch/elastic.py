@@ -152,6 +152,9 @@ class State:
                  keep: int = 2, writer: bool | None = None, **extras: Any):
         self.__dict__.update(_model=model, _optimizer=optimizer, _sampler=sampler,
                              _extras=dict(extras), directory=directory, keep=max(1, keep))
+        if optimizer is not None and zero_stage_of(optimizer) == 3:
+            raise ValueError("elastic.State does not take DistributedOptimizer(zero_stage=3) "
+                             "(a preview) yet: its snapshots would not hold the full model")
         clash = set(extras) & set(dir(type(self)))
         if clash:
             raise ValueError(f"elastic.State: extras {sorted(clash)} would hide State's own "

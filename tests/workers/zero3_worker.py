@@ -133,6 +133,69 @@ def check_with_the_rest():
               bitwise=SIZE == 2)
 
 
+def step_once(model, opt, step):
+    opt.zero_grad()
+    tokens, labels = batch(step, RANK)
+    F.cross_entropy(model(tokens, step), labels).backward()
+    opt.step()
+
+
+def check_state_dicts():
+    """model.state_dict(): the full parameters, from consolidate_state_dict(to=0)'s copies on
+    rank 0 or gathered on every rank; model.load_state_dict(full) with the optimizer's whole
+    state on a fresh stage-3 pair goes on exactly as stage 0 does. Checkpoint and
+    elastic.State refuse stage 3 (not built yet)."""
+    from mpiddp.torch.sharding.param_gathers import attach_model
+    pairs = {}
+    for stage in (0, 3):
+        torch.manual_seed(5)
+        model = Net()
+        opt = mpiddp.DistributedOptimizer(
+            OPTIMIZERS["adam"](model.parameters()), named_parameters=model.named_parameters(),
+            zero_stage=stage, bucket_cap_mb=0.0005)
+        if stage == 3:
+            attach_model(opt, model)
+        for step in range(3):
+            step_once(model, opt, step)
+        pairs[stage] = (model, opt)
+    compare = (lambda a, b: torch.equal(a, b)) if SIZE == 2 else \
+        (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    (model0, opt0), (model3, opt3) = pairs[0], pairs[3]
+    want = model0.state_dict()
+    every = model3.state_dict()                  # no consolidation: gathered on every rank
+    assert every.keys() == want.keys()
+    assert all(compare(every[k], want[k]) for k in want), "gathered state_dict"
+    opt3.consolidate_state_dict(to=0)
+    if RANK == 0:                                # rank 0 alone: the consolidated copies
+        mine = model3.state_dict()
+        assert all(torch.equal(mine[k], every[k]) for k in want), "consolidated state_dict"
+        whole = opt3.state_dict()
+    step_once(model3, opt3, 3)
+    step_once(model0, opt0, 3)
+    # A fresh stage-3 pair loads stage 0's model and optimizer state, then both go on.
+    torch.manual_seed(6)
+    fresh = Net()
+    opt = mpiddp.DistributedOptimizer(
+        OPTIMIZERS["adam"](fresh.parameters()), named_parameters=fresh.named_parameters(),
+        zero_stage=3, bucket_cap_mb=0.0005)
+    attach_model(opt, fresh)
+    fresh.load_state_dict(model0.state_dict())
+    opt.load_state_dict(opt0.state_dict())
+    for step in (4, 5):
+        step_once(model0, opt0, step)
+        step_once(fresh, opt, step)
+    assert all(compare(a, b) for a, b in zip(model0.parameters(), fresh.parameters())), \
+        "after load_state_dict"
+    checks.expect(ValueError, lambda: mpiddp.Checkpoint("unused.pt", model=fresh, optimizer=opt),
+                  "zero_stage=3")
+    checks.expect(ValueError, lambda: mpiddp.elastic.State(fresh, opt), "zero_stage=3")
+    checks.ok("stage 3 model.state_dict() (consolidated on rank 0, or gathered everywhere) is "
+              "stage 0's; load_state_dict with the whole optimizer state goes on as stage 0",
+              RANK, bitwise=SIZE == 2, consolidated_keys=len(whole["state"]) if RANK == 0
+              else None)
+
+
 check_against_stage_0()
 check_activation_checkpointing()
 check_with_the_rest()
+check_state_dicts()

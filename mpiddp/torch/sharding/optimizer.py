@@ -337,6 +337,8 @@ class ShardedOptimizer(_DistributedOptimizer):
         size, rank = runtime.set_size(sync.process_set), runtime.set_rank(sync.process_set)
         _check_consolidate_to(to, size)
         sync.gathers.complete()
+        if sync.zero_stage == 3:        # the full parameters too, for model.state_dict()
+            sync.gathers.consolidated = sync.gathers.full_values(to)
         index_of, params = _indices(sync)
         gathering = to is None or to == rank
         state: dict = {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import inspect
 import threading
 import weakref
@@ -30,6 +31,7 @@ import torch
 from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
 
+from ... import runtime
 from ..requests import ring_allgather_entry, submit_together
 from .layout import Bucket
 
@@ -82,6 +84,9 @@ class ParamGathers:
         self.saving: set[int] = set()         # threads whose saved tensors are packed
         self.lock = threading.RLock()
         self.gathers_done = 0                 # (tests and benchmarks: gathers so far)
+        # consolidate_state_dict's copies of the full parameters on its ``to`` rank, for
+        # model.state_dict() there, until the next step
+        self.consolidated: Optional[dict] = None
 
     # ---- laying out -------------------------------------------------------------------
     def adopt(self, buckets: list) -> None:
@@ -166,6 +171,26 @@ class ParamGathers:
         finally:
             self.busy = busy
 
+    # ---- the model's full form (attach_model) ----------------------------------------------
+    def full_values(self, to: Optional[int] = None) -> Optional[dict]:
+        """Collective: gather every bucket in turn; on rank ``to`` of the optimizer's process
+        set (every rank: None) return copies of the full parameters (id -> tensor)."""
+        sync = self._sync()
+        keep = to is None or to == runtime.set_rank(sync.process_set)
+        self.complete()
+        values = {}
+        with self.lock, self.internal():
+            for bucket in sync.layout.buckets:
+                was_gathered = bucket.gathered
+                if not was_gathered:
+                    self._gather(bucket)
+                if keep:
+                    for param in bucket.params:
+                        values[id(param)] = param.detach().clone()
+                if not was_gathered:
+                    bucket.release()
+        return values if keep else None
+
     # ---- the Gathers protocol of ShardedSync / ShardedOptimizer ---------------------------
     def priority(self, bucket: Bucket) -> int:
         return 0
@@ -174,6 +199,7 @@ class ParamGathers:
         """Early schedule: ``bucket`` was just stepped (its gradients were all final, so
         backward needs it no more): its full parameters are stale."""
         self.release(bucket)
+        self.consolidated = None
 
     def bucket_complete(self, bucket: Bucket) -> None:
         """Every gradient of ``bucket`` is final: this backward needs it no more."""
@@ -183,6 +209,7 @@ class ParamGathers:
         """After ``step()``: the stepped buckets' full parameters are stale."""
         for bucket in buckets:
             self.release(bucket)
+        self.consolidated = None
 
     def complete(self, until: Optional[Bucket] = None) -> None:
         """Step what the early schedule left (the gathers themselves happen on use)."""
@@ -294,3 +321,76 @@ def _unpack(saved):
             owner.use([bucket], keep=0)
         return saved.tensor
     return saved
+
+
+# ---- the model's state dict (docs/dev/zero3.md "Model and optimizer state") -----------------
+def attach_model(optimizer, model: torch.nn.Module) -> None:
+    """Stage 3: ``model.state_dict()`` gives the full parameters (the copies
+    ``optimizer.consolidate_state_dict(to)`` made on rank ``to``, until the next step;
+    otherwise gathered there and then, a collective on every rank), and
+    ``model.load_state_dict(full)`` takes them (every sharded parameter's key present; the
+    whole model is materialised while it loads). Only the root module's calls do this."""
+    gathers = optimizer._mpiddp.gathers
+    if not isinstance(gathers, ParamGathers):
+        raise ValueError("attach_model is for DistributedOptimizer(zero_stage=3)")
+    own = {id(p) for p in model.parameters()}
+    strays = [optimizer._mpiddp.names[p] for p in optimizer._mpiddp.params if id(p) not in own]
+    if strays:
+        raise ValueError(f"the optimizer's parameters {strays[:3]} are not the model's")
+    ref = weakref.ref(gathers)
+    model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: _quiet(ref, True))
+    model.register_state_dict_post_hook(functools.partial(_full_state, ref))
+    model.register_load_state_dict_pre_hook(functools.partial(_before_load, ref))
+    model.register_load_state_dict_post_hook(functools.partial(_after_load, ref))
+
+
+def _quiet(ref, quiet: bool) -> None:
+    """The guard passes (state_dict's detach() and load's copy_() are ours to handle)."""
+    gathers = ref()
+    if gathers is not None:
+        gathers.busy = quiet
+
+
+def _sharded_keys(gathers: ParamGathers, module, prefix: str) -> list:
+    return [(prefix + name, param) for name, param in
+            module.named_parameters(remove_duplicate=False) if id(param) in gathers.params]
+
+
+def _full_state(ref, module, state_dict, prefix, local_metadata) -> None:
+    gathers = ref()
+    if gathers is None:
+        return
+    _quiet(ref, False)
+    values = gathers.consolidated if gathers.consolidated is not None \
+        else gathers.full_values()
+    for key, param in _sharded_keys(gathers, module, prefix):
+        if key in state_dict:
+            state_dict[key] = values[id(param)]
+
+
+def _before_load(ref, module, state_dict, prefix, local_metadata, strict, missing, unexpected,
+                 error_msgs) -> None:
+    gathers = ref()
+    if gathers is None:
+        return
+    absent = [key for key, _ in _sharded_keys(gathers, module, prefix) if key not in state_dict]
+    if absent:
+        raise ValueError(f"zero_stage=3 loads every sharded parameter: {absent[:3]} missing "
+                         "from the state dict")
+    sync = gathers._sync()
+    for bucket in sync.layout.buckets:
+        bucket.materialise()        # load_state_dict writes every parameter whole
+    _quiet(ref, True)
+
+
+def _after_load(ref, module, incompatible_keys) -> None:
+    gathers = ref()
+    if gathers is None:
+        return
+    _quiet(ref, False)
+    sync = gathers._sync()
+    with torch.no_grad():
+        for bucket in sync.layout.buckets:
+            bucket.chunk.copy_(bucket.flat[bucket.lo:bucket.hi])
+            gathers.release(bucket)
+    gathers.consolidated = None
