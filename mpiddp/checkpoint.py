@@ -33,6 +33,7 @@ from .torch.elastic import write_durably
 from .torch.functions import _broadcast_hyperparameters, allgather_object, broadcast_object, \
     broadcast_optimizer_state, broadcast_parameters
 from .torch.handles import synchronize
+from .torch.sharding.param_gathers import model_attached
 from .torch.sharding.registry import zero_stage_of
 from .torch.sharding.state import broadcast_whole_state
 
@@ -160,10 +161,10 @@ class Checkpoint:
             raise TypeError(f"Checkpoint(sampler=...) takes an mpiddp.checkpoint."
                             f"ResumableSampler (it skips the samples a resumed epoch has "
                             f"done), not a {type(sampler).__name__}")
-        if zero_stage_of(optimizer) == 3:
-            raise ValueError("mpiddp.Checkpoint does not take DistributedOptimizer(zero_stage=3) "
-                             "(a preview) yet: its restore would not reach every rank's shard "
-                             "of the parameters")
+        if zero_stage_of(optimizer) == 3 and not model_attached(optimizer, model):
+            raise ValueError("mpiddp.Checkpoint with DistributedOptimizer(zero_stage=3) (a "
+                             "preview) needs the model attached to the optimizer "
+                             "(attach_model): its state_dict() must give the full parameters")
         self.path, self.model, self.optimizer, self.sampler = path, model, optimizer, sampler
         self.epoch, self.step, self.ranks = 0, 0, size()
         self.extra: dict[str, Any] = {}
@@ -195,13 +196,18 @@ class Checkpoint:
         sharded = zero_stage_of(self.optimizer)
         if rank() == 0 and os.path.exists(self.path):
             state = torch.load(self.path, map_location="cpu", weights_only=False)
-            self.model.load_state_dict(state["model"])
+            if sharded != 3:
+                self.model.load_state_dict(state["model"])
             if not sharded:
                 self.optimizer.load_state_dict(state["optimizer"])
         position = None if state is None else \
             {key: state[key] for key in ("epoch", "step", "ranks", "extra", "rng")}
         position = broadcast_object(position, root_rank=0, name="mpiddp.checkpoint.position")
-        broadcast_parameters(self.model.state_dict(), root_rank=0)
+        if sharded == 3:
+            _restore_full_model(self.model, state["model"] if state else None,
+                                position is not None)
+        else:
+            broadcast_parameters(self.model.state_dict(), root_rank=0)
         if not sharded:
             broadcast_optimizer_state(self.optimizer, root_rank=0)
         elif position is not None:
@@ -314,3 +320,21 @@ class Checkpoint:
                 "rng": rng, "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict()})
         self.epoch, self.step, self.ranks = epoch, 0, size()
+
+
+def _restore_full_model(model: torch.nn.Module, saved: dict | None, found: bool) -> None:
+    """Stage 3 (a preview): rank 0's file's model state reaches every rank whole (a tensor per
+    entry, broadcast), and each rank's ``load_state_dict`` keeps its chunks of the parameters
+    (``attach_model``). Without a file only the buffers come from rank 0: the parameters,
+    gathered from every rank's chunk, are already the same everywhere."""
+    if not found:
+        broadcast_parameters(dict(model.named_buffers()), root_rank=0,
+                             prefix="mpiddp.checkpoint.buffers")
+        return
+    shapes = broadcast_object({key: (tuple(value.shape), value.dtype)
+                               for key, value in saved.items()} if rank() == 0 else None,
+                              root_rank=0, name="mpiddp.checkpoint.model")
+    full = saved if rank() == 0 else {key: torch.empty(shape, dtype=dtype)
+                                      for key, (shape, dtype) in shapes.items()}
+    broadcast_parameters(full, root_rank=0, prefix="mpiddp.checkpoint.model")
+    model.load_state_dict(full)

@@ -186,8 +186,6 @@ def check_state_dicts():
         step_once(fresh, opt, step)
     assert all(compare(a, b) for a, b in zip(model0.parameters(), fresh.parameters())), \
         "after load_state_dict"
-    checks.expect(ValueError, lambda: mpiddp.Checkpoint("unused.pt", model=fresh, optimizer=opt),
-                  "zero_stage=3")
     checks.expect(ValueError, lambda: mpiddp.elastic.State(fresh, opt), "zero_stage=3")
     checks.ok("stage 3 model.state_dict() (consolidated on rank 0, or gathered everywhere) is "
               "stage 0's; load_state_dict with the whole optimizer state goes on as stage 0",
@@ -195,7 +193,59 @@ def check_state_dicts():
               else None)
 
 
+def check_checkpoint():
+    """mpiddp.Checkpoint at stage 3: the file is stage 0's (the full model and the whole
+    optimizer state); a fresh stage-3 pair restores it and goes on as stage 0 does."""
+    import os
+    import shutil
+    import tempfile
+    from mpiddp.torch.sharding.param_gathers import attach_model
+    directory = mpiddp.broadcast_object(tempfile.mkdtemp(prefix="zero3-") if RANK == 0
+                                        else None)
+    path = os.path.join(directory, "checkpoint.pt")
+
+    def pair(stage, seed=5):
+        torch.manual_seed(seed)
+        model = Net()
+        opt = mpiddp.DistributedOptimizer(
+            OPTIMIZERS["adamw"](model.parameters()), named_parameters=model.named_parameters(),
+            zero_stage=stage, bucket_cap_mb=0.0005)
+        if stage == 3:
+            attach_model(opt, model)
+        return model, opt
+    model0, opt0 = pair(0)
+    model3, opt3 = pair(3)
+    checks.expect(ValueError, lambda: mpiddp.Checkpoint(path, model=Net(), optimizer=opt3),
+                  "zero_stage=3", "attach_model")
+    for step in range(3):
+        step_once(model0, opt0, step)
+        step_once(model3, opt3, step)
+    mpiddp.Checkpoint(path, model=model3, optimizer=opt3).save(epoch=1)
+    compare = (lambda a, b: torch.equal(a, b)) if SIZE == 2 else \
+        (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    if RANK == 0:
+        saved = torch.load(path, weights_only=False)
+        want = model0.state_dict()
+        assert saved["model"].keys() == want.keys()
+        assert all(compare(saved["model"][k], want[k]) for k in want), "the file's model"
+        assert len(saved["optimizer"]["state"]) == len(opt0.state_dict()["state"])
+    fresh, opt = pair(3, seed=9)
+    checkpoint = mpiddp.Checkpoint(path, model=fresh, optimizer=opt)
+    assert checkpoint.restore() and checkpoint.epoch == 1
+    for step in (3, 4):
+        step_once(model0, opt0, step)
+        step_once(fresh, opt, step)
+    assert all(compare(a, b) for a, b in zip(model0.parameters(), fresh.parameters())), \
+        "after restore"
+    mpiddp.barrier()
+    if RANK == 0:
+        shutil.rmtree(directory)
+    checks.ok("mpiddp.Checkpoint at stage 3: the file is stage 0's, a restore goes on as stage "
+              "0 does", RANK, bitwise=SIZE == 2)
+
+
 check_against_stage_0()
+check_checkpoint()
 check_activation_checkpointing()
 check_with_the_rest()
 check_state_dicts()

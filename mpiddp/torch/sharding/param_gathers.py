@@ -338,10 +338,18 @@ def attach_model(optimizer, model: torch.nn.Module) -> None:
     if strays:
         raise ValueError(f"the optimizer's parameters {strays[:3]} are not the model's")
     ref = weakref.ref(gathers)
+    gathers.model = weakref.ref(model)
     model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: _quiet(ref, True))
     model.register_state_dict_post_hook(functools.partial(_full_state, ref))
     model.register_load_state_dict_pre_hook(functools.partial(_before_load, ref))
     model.register_load_state_dict_post_hook(functools.partial(_after_load, ref))
+
+
+def model_attached(optimizer, model) -> bool:
+    """Whether ``attach_model(optimizer, model)`` was called."""
+    gathers = optimizer.__dict__["_mpiddp"].gathers
+    attached = getattr(gathers, "model", None)
+    return attached is not None and attached() is model
 
 
 def _quiet(ref, quiet: bool) -> None:
