@@ -1,7 +1,8 @@
 """Memory per rank of ZeRO-style sharding on the CPU: mpiddp's ``DistributedOptimizer`` at
 ``zero_stage`` 0, 1 and 2 beside torch's ``ZeroRedundancyOptimizer`` (with
-``DistributedDataParallel``) and FSDP2 (``fully_shard(reshard_after_forward=False)``), both
-over gloo, for one float32 model trained with ``torch.optim.Adam``.
+``DistributedDataParallel``) and FSDP2 (``fully_shard`` with ``reshard_after_forward=False``,
+ZeRO-2 style, and with ``True``, ZeRO-3 style: the parameters sharded too), all over gloo, for
+one float32 model trained with ``torch.optim.Adam``.
 
     python scripts/benchmark_zero_memory.py --ranks 2 --json zero_memory.json
     python scripts/benchmark_zero_memory.py --ranks 4 --layers 2 --width 256 --steps 2
@@ -25,8 +26,12 @@ the ranks outnumber the cores). The model is ``--layers`` ``nn.Linear(W, W)`` + 
   optimizer state, communication buffers); the *model-state* memory is that plus the
   parameters' bytes (resident in the baseline), to compare with the ZeRO paper's formula for
   float32 Adam, 4 B parameters + 4 B gradients + 8 B optimizer state per parameter:
-  stage 0 16 B, stage 1 4 + 4 + 8/N, stage 2 4 + (4 + 8)/N (ZeroRedundancyOptimizer with DDP
-  is compared with stage 1, FSDP2 without resharding after forward with stage 2);
+  stage 0 16 B, stage 1 4 + 4 + 8/N, stage 2 4 + (4 + 8)/N, stage 3 (4 + 4 + 8)/N
+  (ZeroRedundancyOptimizer with DDP is compared with stage 1, FSDP2 without resharding after
+  forward with stage 2, FSDP2 resharding after forward with stage 3). The JSON also has
+  ``peak_rss_steps``, the peak over the training steps alone (reset after the wrapping,
+  where the kernel allows; else null), to tell a wrapping transient (``fully_shard`` holds
+  the whole parameters and their shards at once) from the training's peak;
 * the ``param.grad`` bytes held after the last backward (mpiddp's stage 2 releases the
   full-size gradients; FSDP2's are its local shards);
 * the final parameters: every rank's must agree, and mpiddp's stages 1 and 2 must end where
@@ -68,11 +73,13 @@ CONFIGS = {
     "mpiddp-zero2": ("mpiddp zero_stage=2", 2),
     "torch-zero-ddp": ("torch ZeRO + DDP", 1),
     "fsdp2": ("FSDP2 no reshard", 2),
+    "fsdp2-reshard": ("FSDP2 reshard", 3),
 }
 # the modules each configuration's wrapping loads (imported before the baseline)
 WRAPPER_MODULES = {**{c: ("mpiddp.torch.sharding.optimizer",) for c in CONFIGS if "mpiddp" in c},
                    "torch-zero-ddp": ("torch.distributed.optim", "torch.nn.parallel"),
-                   "fsdp2": ("torch.distributed.fsdp",)}
+                   "fsdp2": ("torch.distributed.fsdp",),
+                   "fsdp2-reshard": ("torch.distributed.fsdp",)}
 REFERENCE = "mpiddp-zero0"          # the others' final parameters are compared with its
 _running: list = []                 # the driver's launch in progress (its own process session)
 
@@ -125,10 +132,11 @@ def grad_bytes(params) -> int:
 
 def formula_bytes(stage: int, params: int, ranks: int) -> dict:
     """The ZeRO paper's model-state bytes per rank for float32 Adam at ``stage``."""
+    weights = 4 * params / (ranks if stage >= 3 else 1)
     grads = 4 * params / (ranks if stage >= 2 else 1)
     optimizer = 8 * params / (ranks if stage >= 1 else 1)
-    return {"params": 4 * params, "grads": grads, "optimizer": optimizer,
-            "total": 4 * params + grads + optimizer}
+    return {"params": weights, "grads": grads, "optimizer": optimizer,
+            "total": weights + grads + optimizer}
 
 
 # ---- model and data -------------------------------------------------------------------------
@@ -175,8 +183,8 @@ def prepare(config: str, comm, args):
     init_torch_distributed(single_node=True)
     if config == "torch-zero-ddp":
         return model, lambda: wrap_torch_zero(model)
-    if config == "fsdp2":
-        return model, lambda: wrap_fsdp2(model)
+    if config in ("fsdp2", "fsdp2-reshard"):
+        return model, lambda: wrap_fsdp2(model, reshard=config == "fsdp2-reshard")
     raise ValueError(f"unknown configuration {config!r}")
 
 
@@ -205,16 +213,18 @@ def wrap_torch_zero(model) -> Setup:
                  lambda: [p.detach() for p in model.parameters()])
 
 
-def wrap_fsdp2(model) -> Setup:
+def wrap_fsdp2(model, reshard: bool = False) -> Setup:
     """FSDP2: ``fully_shard`` on each linear layer and the root, without resharding after
-    forward (ZeRO-2 style), then Adam on the sharded parameters."""
+    forward (ZeRO-2 style) or, with ``reshard``, resharding after forward (ZeRO-3 style: the
+    parameters freed after each layer's forward and all-gathered again for its backward),
+    then Adam on the sharded parameters."""
     import torch
     from torch import nn
     from torch.distributed.fsdp import fully_shard
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, reshard_after_forward=False)
-    fully_shard(model, reshard_after_forward=False)
+            fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
     optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
     return Setup(model, optimizer, optimizer.state,
                  lambda: [p.full_tensor().detach() for p in model.parameters()])
@@ -274,11 +284,15 @@ def measure(config: str, comm, outdir: Path, args) -> dict:
     hwm_reset = reset_peak_rss()
     start = time.perf_counter()
     setup = wrap()
+    peak_wrap = peak_rss_bytes()
+    steps_reset = hwm_reset and reset_peak_rss()
     held = train(setup, model, comm.rank, args)
     seconds = time.perf_counter() - start
-    peak = peak_rss_bytes()
+    peak_steps = peak_rss_bytes()
+    peak = max(peak_wrap, peak_steps)
     result = {"config": config, "rank": comm.rank, "ranks": comm.size, "params": params,
               "rss_before_model": rss_before_model, "baseline_rss": baseline, "peak_rss": peak,
+              "peak_rss_steps": peak_steps if steps_reset else None,
               "rss_after": proc_status_bytes("VmRSS"), "hwm_reset": hwm_reset,
               "optimizer_state_bytes": state_bytes(setup.state),
               "full_grad_bytes_after_backward": held, "seconds": seconds}
@@ -405,6 +419,8 @@ def summarize(config: str, run: dict, args) -> dict:
         formula=formula,
         ranks_agree=len({r["params_sha256"] for r in ranks}) == 1,
         hwm_reset=all(r["hwm_reset"] for r in ranks),
+        peak_rss_steps=None if any(r.get("peak_rss_steps") is None for r in ranks)
+        else max(r["peak_rss_steps"] for r in ranks),
         seconds=max(r["seconds"] for r in ranks))
     row["ratio"] = row["model_state_bytes"] / formula["total"]
     row["optimizer_ratio"] = row["optimizer_state_bytes"] / formula["optimizer"]

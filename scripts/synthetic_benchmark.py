@@ -7,6 +7,9 @@ rank and in total. In the same run, on the same model, batch and data, it also t
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` over the gloo backend (torch's CPU
   backend; torch.distributed is initialised from the MPI rank/size with a TCP store whose
   port rank 0 picks and broadcasts through mpi4py), and
+* ``fsdp2`` (with ``--variants``): FSDP2, ``torch.distributed.fsdp.fully_shard`` over the same
+  gloo group with ``reshard_after_forward=True`` (parameters sharded too, ZeRO-3 style),
+  applied per block of the model (``fsdp_units``), then on the root, and
 * ``single``: one process alone (rank 0 trains while the other ranks wait without using CPU),
   the baseline for scaling efficiency = total / (ranks x single).
 
@@ -265,6 +268,81 @@ def make_ddp_zero(args, bucket_cap_mb: float, name: str) -> Variant:
     return Variant(name, ddp_model, optimizer, data, target)
 
 
+def fsdp_block(name: str) -> str:
+    """The block a parameter-holding module belongs to, from its qualified name (a simulated
+    layer's: the real layer's): the name up to its first numeric component (a transformer
+    layer ``encoder.layer.3``, a residual block ``layer2.1``, VGG's ``features.10``, the
+    MLP's ``2``), else its first component (``embeddings``, ``Mixed_5b``, ``conv1``, ``fc``)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return parts[0]
+
+
+def fsdp_units(model: nn.Module) -> list:
+    """The modules each ``fully_shard`` call takes, in forward (registration) order: one
+    entry per block (``fsdp_block``), a module or a list of modules.
+
+    Why blocks: it is how FSDP2 is applied in practice (its docs and torchtitan shard each
+    transformer block, then the root), and mpiddp's stage 3 will choose its units itself, so
+    the peer gets the usual hand-written policy, automated. It keeps the collectives few
+    and about the size of DDP's 25 MB buckets (full size: sim-bert 15 units, an encoder
+    layer 7.1 M parameters; sim-resnet50 19, median 1.1 M; ResNet-18 11; the MLP one per
+    Linear). One ``fully_shard`` per simulated layer (BERT has 102 with parameters, most a
+    LayerNorm or a small linear) would pay gloo's per-collective latency some 300 times
+    a step, and one on the whole model would gather it all at once, which is not ZeRO-3.
+    A simulated model's layers sit side by side in one ``ModuleDict``, so a block's layers
+    go to ``fully_shard`` as a list (one group: one all-gather before the first of them, one
+    reduce-scatter after the backward of all of them); a real model's block is its
+    submodule."""
+    if isinstance(model, sim.SimulatedModel):
+        named = [(layer.spec.name, layer) for layer in model.layers.values() if layer.params]
+    else:
+        named = [(name, module) for name, module in model.named_modules()
+                 if name and next(module.parameters(recurse=False), None) is not None]
+    blocks: dict[str, list] = {}
+    for name, module in named:
+        blocks.setdefault(fsdp_block(name), []).append(module)
+    if isinstance(model, sim.SimulatedModel):
+        return [layers if len(layers) > 1 else layers[0] for layers in blocks.values()]
+    return [model.get_submodule(block) for block in blocks]
+
+
+def make_fsdp2(args, name: str) -> Variant:
+    """FSDP2 over gloo: ``fully_shard(reshard_after_forward=True)`` on each of
+    ``fsdp_units(model)``, then on the root (whose own parameters, if any, are gathered for
+    the whole forward); the optimizer on the sharded (DTensor) parameters. The model starts
+    from the same weights on every rank (``build``'s seed), as FSDP2 does not broadcast.
+    The simulated layers' custom autograd Function (``_Layer``, the parameters passed as
+    inputs) needs no change: FSDP2's hooks are module hooks that swap the unsharded
+    parameters in as the module's registered ones before its forward and its backward, so
+    ``_Layer`` takes them and its gradients accumulate into them, to be reduce-scattered."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, data, target = build(args)
+    real_elements = {n: p.sim_elements for n, p in model.named_parameters()
+                     if hasattr(p, "sim_elements")}
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    # FSDP2's defaults otherwise. On the CPU it issues its all-gathers and reduce-scatters
+    # with async_op=False (its overlap rests on CUDA streams): each blocks the training
+    # thread, so its communication does not overlap compute here, whatever the prefetch
+    # settings (the private _set_unshard_async_op(True) with set_modules_to_forward_prefetch
+    # would overlap the forward all-gathers only). That is FSDP2 over gloo as it is.
+    for unit in fsdp_units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    # fully_shard replaced the parameters by sharded ones: a simulated optimizer steps this
+    # rank's share of the real layer's elements (as mpiddp's zero variants' shards do).
+    for n, p in model.named_parameters():
+        if n in real_elements:
+            p.sim_elements = round(real_elements[n] * p.to_local().numel() / p.numel())
+    optimizer = make_optimizer(args, model, model.parameters())
+    return Variant(name, model, optimizer, data, target)
+
+
 def make_single(args) -> Variant:
     model, data, target = build(args, nominal=True)
     optimizer = make_optimizer(args, model, model.parameters())
@@ -343,7 +421,10 @@ def parse_args(argv=None):
                         "; overlap-zero1 / overlap-zero2 with overlap_forward=True; each with "
                         "-atstep: optimizer.synchronize() after backward, which keeps every "
                         "shard's step at step()); ddp-zero (DDP with torch's "
-                        "ZeroRedundancyOptimizer); fp16 (mpiddp with Compression.fp16); "
+                        "ZeroRedundancyOptimizer); fsdp2 (FSDP2 fully_shard over gloo with "
+                        "reshard_after_forward=True, ZeRO-3 style, per block of the model "
+                        "then the root; not with --compression or --device cuda); "
+                        "fp16 (mpiddp with Compression.fp16); "
                         "psgd<r> (mpiddp with Compression.powersgd(rank=r); overlap-psgd<r> "
                         "with overlap_forward=True) and ddp-psgd<r> "
                         "(DDP with torch's powerSGD_hook at rank r), both from "
@@ -476,6 +557,12 @@ def powersgd_rank(kind: str) -> int:
     return int(match.group(1)) if match else 0
 
 
+def torch_peer(name: str) -> bool:
+    """A torch variant over gloo (DDP in its forms, FSDP2): the denominators of the ratios."""
+    kind = name.split(":")[0]
+    return kind.startswith("ddp") or kind == "fsdp2"
+
+
 def uses_mpiddp(name: str) -> bool:
     kind = name.split(":")[0]
     return kind in MPIDDP_KINDS or kind == "fp16" or (powersgd_rank(kind) > 0
@@ -502,14 +589,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [n for n in names
-               if n.split(":")[0] not in (*MPIDDP_KINDS, "fp16", "ddp", "ddp-zero", "single")
-               and not powersgd_rank(n.split(":")[0])]
+               if n.split(":")[0] not in (*MPIDDP_KINDS, "fp16", "ddp", "ddp-zero", "fsdp2",
+                                          "single")
+               and not powersgd_rank(n.split(":")[0]) or n.startswith("fsdp2:")]
     if unknown or len(set(names)) != len(names):
         raise SystemExit(f"bad --variants {args.variants!r}: use mpiddp[:MB], overlap[:MB], "
                          "auto[:MB], native[:MB], zero1[:MB], zero2[:MB], overlap-zero1[:MB], "
                          "overlap-zero2[:MB] (each zero one also with -atstep), fp16[:MB], "
                          "psgd<r>[:MB], overlap-psgd<r>[:MB], ddp[:MB], ddp-zero[:MB], "
-                         "ddp-psgd<r>[:MB], single")
+                         "ddp-psgd<r>[:MB], fsdp2, single")
     if (args.overlap_forward or any(n.startswith(("overlap", "auto")) for n in names)) \
             and not supports_overlap_forward():
         raise SystemExit(f"--overlap-forward / the overlap variant: the installed mpiddp "
@@ -537,17 +625,28 @@ def main(argv=None) -> int:
             print("ddp left out: its bf16_compress_hook needs CUDA and NCCL (or XPU)",
                   flush=True)
         names = [n for n in names if not n.startswith("ddp")]
+    if "fsdp2" in names and (args.compression != "none" or args.device == "cuda"):
+        # FSDP2's counterpart of compression (MixedPrecisionPolicy(reduce_dtype=...)) and
+        # FSDP2 over gloo with CUDA tensors are not tried here: no like-for-like peer.
+        if rank == 0:
+            print("fsdp2 left out: not set up for --compression or --device cuda",
+                  flush=True)
+        names.remove("fsdp2")
+    if not names:
+        raise SystemExit("no variant left to run")
 
     # mpiddp runs only during its own rounds (init ... shutdown), so that its idle engine
     # (a heartbeat cycle every MPIDDP_CYCLE_TIME ms) costs the other variants nothing.
     variants = {}
     for name in names:
         kind, _, cap = name.partition(":")
-        if kind.startswith("ddp"):
+        if torch_peer(kind):
             import torch.distributed as dist
             if not dist.is_initialized():
                 init_torch_distributed(local_size == size)
-            if kind == "ddp-zero":
+            if kind == "fsdp2":
+                variants[name] = make_fsdp2(args, name)
+            elif kind == "ddp-zero":
                 variants[name] = make_ddp_zero(args, float(cap or args.ddp_bucket_mb), name)
             else:
                 variants[name] = make_ddp(args, float(cap or args.ddp_bucket_mb), name,
@@ -661,7 +760,7 @@ def main(argv=None) -> int:
     print()
     result["ratios"] = {}
     for a in (n for n in names if uses_mpiddp(n)):
-        for b in (n for n in names if n.startswith("ddp")):
+        for b in (n for n in names if torch_peer(n)):
             va, vb = result["variants"][a], result["variants"][b]
             ratio = va["total"] / vb["total"]
             per_round = [x / y for x, y in zip(va["rounds"], vb["rounds"])]

@@ -254,6 +254,44 @@ def test_benchmark_straggler_and_native_variant(tmp_path):
     assert "native engine on rank 0" in result.output
 
 
+def test_fsdp2_units_are_the_models_blocks():
+    """The fsdp2 variant's fully_shard units: a transformer layer or residual block each
+    (a simulated block's layers as one list), the MLP one per Linear."""
+    units = bench.fsdp_units(sim.SimulatedModel("sim-bert", 0.01))
+    assert len(units) == 15          # embeddings, 12 encoder layers, pooler, classifier
+    assert [layer.spec.name for layer in units[0]] == [
+        "embeddings.word_embeddings", "embeddings.position_embeddings",
+        "embeddings.token_type_embeddings", "embeddings.LayerNorm"]
+    assert all(bench.fsdp_block(layer.spec.name) == "encoder.layer.0" for layer in units[1])
+    assert len(units[1]) == 8    # Q, K, V, attention output + norm, intermediate, output + norm
+    resnet = bench.fsdp_units(bench.ResNet18())
+    assert [type(u).__name__ for u in resnet] == ["Conv2d", "BatchNorm2d"] + \
+        ["BasicBlock"] * 8 + ["Linear"]
+    assert [type(u).__name__ for u in bench.fsdp_units(bench.mlp(8, 3))] == ["Linear"] * 3
+
+
+def test_benchmark_fsdp2_variant_two_ranks(tmp_path):
+    """The fsdp2 peer (FSDP2 fully_shard over gloo, reshard_after_forward=True) trains a
+    simulated model (its layers a custom autograd Function taking the parameters as inputs)
+    and a real one beside mpiddp, and is a denominator of the ratios."""
+    out = tmp_path / "result.json"
+    result = run_mpi(str(ROOT / "scripts" / "synthetic_benchmark.py"), 2,
+                     "--threads", "1", "--model", "sim-resnet18", "--param-scale", "0.02",
+                     "--step-time", "0.05", "--iters", "1", "--steps", "1", "--warmup", "1",
+                     "--variants", "mpiddp,fsdp2", "--json", out, timeout=60)
+    assert_ok(result)
+    data = json.loads(out.read_text())
+    assert set(data["variants"]) == {"mpiddp", "fsdp2"}
+    assert data["variants"]["fsdp2"]["step_s"] > 0
+    assert "mpiddp / fsdp2" in data["ratios"], result.output
+    result = run_mpi(str(ROOT / "scripts" / "synthetic_benchmark.py"), 2,
+                     "--threads", "1", "--model", "mlp", "--width", "64", "--depth", "2",
+                     "--batch-size", "4", "--iters", "1", "--steps", "1", "--warmup", "1",
+                     "--variants", "fsdp2", timeout=60)
+    assert_ok(result)
+    assert "fsdp2 " in result.output, result.output
+
+
 def test_allreduce_benchmark_times_single_tensors_and_lists(tmp_path):
     """scripts/benchmark_allreduce.py checks every method's sums before timing it (a wrong
     result ends the run), then reports the CPU per GB with its user-space share; --pieces adds

@@ -1,6 +1,6 @@
-"""scripts/benchmark_zero_memory.py at 2 ranks on a small model: it runs every configuration,
-prints its table, writes its JSON, and ZeRO stage 1 holds half of stage 0's optimizer state
-per rank."""
+"""scripts/benchmark_zero_memory.py at 2 ranks on a small model: it runs every configuration
+(FSDP2 with and without resharding after forward among them), prints its table, writes its
+JSON, and ZeRO stage 1 holds half of stage 0's optimizer state per rank."""
 import json
 import os
 import signal
@@ -50,7 +50,7 @@ def test_zero_memory_benchmark_two_ranks(tmp_path):
     results = json.loads(out.read_text())
     rows = {row["config"]: row for row in results["results"]}
     assert set(rows) == {"mpiddp-zero0", "mpiddp-zero1", "mpiddp-zero2", "torch-zero-ddp",
-                         "fsdp2"}, output
+                         "fsdp2", "fsdp2-reshard"}, output
     for config in ("mpiddp-zero0", "mpiddp-zero1", "mpiddp-zero2"):
         row = rows[config]
         assert row["error"] is None, output
@@ -68,6 +68,11 @@ def test_zero_memory_benchmark_two_ranks(tmp_path):
     assert rows["mpiddp-zero1"]["full_grad_bytes_after_backward"] == 4 * params, output
     for config in ("mpiddp-zero1", "mpiddp-zero2"):
         assert rows[config]["vs_reference"]["equal"], output
+    # FSDP2 resharding after forward is set against ZeRO-3's formula: everything sharded.
+    assert rows["fsdp2-reshard"]["formula_stage"] == 3
+    if rows["fsdp2-reshard"]["error"] is None:
+        assert rows["fsdp2-reshard"]["formula"]["total"] == 16 * params / 2, output
+        assert "FSDP2 reshard " in output, output
     for row in rows.values():
         if row["error"] is None:
             assert row["peak_rss"] >= row["baseline_rss"] > 0, output
