@@ -338,11 +338,15 @@ class _Layer(torch.autograd.Function):
             p.detach()
         layer.device.run(layer.forward_s)
         ctx.layer = layer
+        # Kept for backward, as a real layer keeps its weights (its input gradient needs
+        # them): sharded parameters (stage 3) are gathered again there.
+        ctx.save_for_backward(*params)
         return x.clone()           # a new (batch, 1) activation: the graph links the layers
 
     @staticmethod
     def backward(ctx, grad):
         layer = ctx.layer
+        assert len(ctx.saved_tensors) == len(layer.params)   # read, as a real layer reads them
         input_grad = ctx.needs_input_grad[0]
         layer.device.submit(layer.forward_s * (2 if input_grad else 1))
         grads = [layer.gradient(i, p) for i, p in enumerate(layer.params)]

@@ -188,6 +188,11 @@ def make_mpiddp(args, bucket_cap_mb: float, name: str, overlap: bool | str = Fal
         compression = getattr(mpiddp.Compression, args.compression)
     # Only passed when asked for, so the standard path runs on any mpiddp.
     extra = {"overlap_forward": overlap} if overlap else {}
+    # Before the optimizer: at stage 3 the parameters are released once it is built.
+    mpiddp.broadcast_parameters(model.state_dict(), root_rank=0)
+    if zero_stage == 3:                  # a preview, not offered to users yet
+        from mpiddp.torch.sharding import param_gathers
+        param_gathers.PREVIEW = True
     if zero_stage:
         if isinstance(optimizer, sim.SimulatedOptimizer):
             mpiddp.elementwise_optimizer(sim.SimulatedOptimizer)   # a shard takes its share
@@ -200,7 +205,6 @@ def make_mpiddp(args, bucket_cap_mb: float, name: str, overlap: bool | str = Fal
             if hasattr(piece.param, "sim_elements"):
                 piece.shard.sim_elements = round(piece.param.sim_elements *
                                                  piece.shard.numel() / piece.param.numel())
-    mpiddp.broadcast_parameters(model.state_dict(), root_rank=0)
     return Variant(name, model, optimizer, data, target, overlap, at_step)
 
 
@@ -418,6 +422,7 @@ def parse_args(argv=None):
                         "native (mpiddp, every reduction by the MPI library's "
                         "MPI_Allreduce), ddp (torch DDP over gloo), single (one process, the "
                         "scaling baseline), zero1 / zero2 (DistributedOptimizer(zero_stage=1|2)"
+                        "; zero3: the stage-3 preview"
                         "; overlap-zero1 / overlap-zero2 with overlap_forward=True; each with "
                         "-atstep: optimizer.synchronize() after backward, which keeps every "
                         "shard's step at step()); ddp-zero (DDP with torch's "
@@ -571,9 +576,9 @@ def uses_mpiddp(name: str) -> bool:
 
 # The mpiddp variants: the standard path, forward overlap (fixed, or auto), every reduction
 # by MPI_Allreduce, and sharded (zero1, zero2: DistributedOptimizer(zero_stage=1|2); with
-# overlap-: the parameter gathers ride the next forward).
-MPIDDP_KINDS = ("mpiddp", "overlap", "auto", "native", "zero1", "zero2", "overlap-zero1",
-                "overlap-zero2", "zero1-atstep", "zero2-atstep", "overlap-zero1-atstep",
+# overlap-: the parameter gathers ride the next forward; zero3: the stage-3 preview).
+MPIDDP_KINDS = ("mpiddp", "overlap", "auto", "native", "zero1", "zero2", "zero3",
+                "overlap-zero1", "overlap-zero2", "zero1-atstep", "zero2-atstep", "overlap-zero1-atstep",
                 "overlap-zero2-atstep")
 
 

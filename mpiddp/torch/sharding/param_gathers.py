@@ -8,7 +8,9 @@ are next used:
 * **forward, and any other use**: a ``TorchFunctionMode`` (``ParamGuard``) sees every torch
   call on the training thread; a call on a parameter of a released bucket (or on a view of
   one) gathers that bucket first. At most ``GATHERED_IN_FORWARD`` buckets stay gathered: the
-  least recently used other ones are released;
+  least recently used other ones are released. The first forward's order of buckets is
+  recorded: using one starts the gather of the next (in backward, of the one before), so it
+  travels while this one computes;
 * **backward**: tensors autograd saves that are parameters (or views of them) are packed with
   their bucket (``saved_tensors_hooks``); unpacking one gathers its bucket again if it was
   released. A bucket is released once its gradients are all final (nothing in this backward
@@ -84,6 +86,9 @@ class ParamGathers:
         self.saving: set[int] = set()         # threads whose saved tensors are packed
         self.lock = threading.RLock()
         self.gathers_done = 0                 # (tests and benchmarks: gathers so far)
+        self.arriving: dict = {}              # id(bucket) -> handle of its gather in flight
+        self.sequence: list[int] = []         # bucket indices in the first forward's order
+        self.recording = True                 # ... until the first backward
         # consolidate_state_dict's copies of the full parameters on its ``to`` rank, for
         # model.state_dict() there, until the next step
         self.consolidated: Optional[dict] = None
@@ -121,40 +126,81 @@ class ParamGathers:
 
     def use(self, buckets: list, keep: int = GATHERED_IN_FORWARD) -> None:
         """``buckets`` are about to be used: gather those released (stepping first the ones
-        whose reduce-scatter is still out under the early schedule) and, with ``keep``,
-        release the least recently used others beyond ``keep``."""
+        whose reduce-scatter is still out under the early schedule), start gathering the
+        bucket expected next (``prefetch``) and, with ``keep``, release the least recently
+        used others beyond ``keep``."""
         sync = self._sync()
+        in_backward = torch._C._current_autograd_node() is not None
         with self.lock, self.internal():
             wanted = {id(b) for b in buckets}
             unstepped = [r.bucket for r in sync.in_flight if id(r.bucket) in wanted]
             if unstepped:
                 sync.advance(until=unstepped[-1], wait=True)
             for bucket in buckets:
-                if not bucket.gathered:
-                    self._gather(bucket)
+                if id(bucket) in self.arriving:
+                    self._wait(bucket)
+                elif not bucket.gathered:
+                    self._start(bucket)
+                    self._wait(bucket)
                 self.gathered[id(bucket)] = bucket
                 self.gathered.move_to_end(id(bucket))
+                if self.recording and not in_backward and bucket.index not in self.sequence:
+                    self.sequence.append(bucket.index)
+            if in_backward:
+                self.recording = False
+            self._prefetch(buckets[-1], backwards=in_backward)
             if keep:
                 for key in list(self.gathered):
-                    if len(self.gathered) <= max(keep, len(wanted)):
+                    if len(self.gathered) <= max(keep, len(wanted)) + len(self.arriving):
                         break
-                    if key not in wanted:
+                    if key not in wanted and key not in self.arriving:
                         self.release(self.gathered[key])
 
-    def _gather(self, bucket: Bucket) -> None:
+    def _prefetch(self, bucket: Bucket, backwards: bool) -> None:
+        """Start gathering the bucket the first forward used after ``bucket`` (in backward:
+        before it), unless it is gathered, arriving or not yet stepped."""
+        if bucket.index not in self.sequence:
+            return
+        at = self.sequence.index(bucket.index) + (-1 if backwards else 1)
+        if not 0 <= at < len(self.sequence):
+            return
+        sync = self._sync()
+        following = sync.layout.buckets[self.sequence[at]]
+        # (Not one whose gradients are complete this step: its chunk is about to be stepped.)
+        if following.gathered or id(following) in self.arriving or \
+                following.index in sync.complete or following.index in sync.filling or \
+                any(r.bucket is following for r in sync.in_flight):
+            return
+        self._start(following)
+        self.gathered[id(following)] = following
+
+    def _start(self, bucket: Bucket) -> None:
         sync = self._sync()
         output = bucket.materialise()
         entry = ring_allgather_entry(bucket.chunk, output, f"{sync.prefix}.gather{bucket.index}",
                                      resizable=True)
         (handle,) = submit_together([entry], sync.process_set)
+        self.arriving[id(bucket)] = handle
+        self.gathers_done += 1
+
+    def _wait(self, bucket: Bucket) -> None:
+        handle = self.arriving.pop(id(bucket))
         try:
             handle.wait()
         except BaseException:
-            bucket.release()
+            self.release(bucket)
             raise
-        self.gathers_done += 1
+
+    def _gather(self, bucket: Bucket) -> None:
+        if id(bucket) not in self.arriving:
+            self._start(bucket)
+        self._wait(bucket)
 
     def release(self, bucket: Bucket) -> None:
+        """Free ``bucket``'s full parameters (a gather into them still arriving is waited
+        for first: the engine writes there, and reads the chunk a step may change)."""
+        if id(bucket) in self.arriving:
+            self._wait(bucket)
         bucket.release()
         self.gathered.pop(id(bucket), None)
 
@@ -181,6 +227,8 @@ class ParamGathers:
         values = {}
         with self.lock, self.internal():
             for bucket in sync.layout.buckets:
+                if id(bucket) in self.arriving:
+                    self._wait(bucket)
                 was_gathered = bucket.gathered
                 if not was_gathered:
                     self._gather(bucket)
@@ -317,8 +365,8 @@ def _unpack(saved):
     if isinstance(saved, _Saved):
         bucket = saved.bucket
         owner = saved.owner()
-        if not bucket.gathered and owner is not None:
-            owner.use([bucket], keep=0)
+        if owner is not None and (not bucket.gathered or id(bucket) in owner.arriving):
+            owner.use([bucket], keep=0)      # (arriving: a prefetch, still on the wire)
         return saved.tensor
     return saved
 
@@ -387,6 +435,8 @@ def _before_load(ref, module, state_dict, prefix, local_metadata, strict, missin
                          "from the state dict")
     sync = gathers._sync()
     for bucket in sync.layout.buckets:
+        if id(bucket) in gathers.arriving:
+            gathers._wait(bucket)
         bucket.materialise()        # load_state_dict writes every parameter whole
     _quiet(ref, True)
 
