@@ -12,7 +12,7 @@ RING = {"MPIDDP_ALLREDUCE_ALGORITHM": "ring"}
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_stage_3_trains_as_the_unsharded_optimizer(ranks):
     result = run_mpi("zero3_worker.py", ranks, timeout=240, env=RING)
-    assert_ok(result, expect_lines=5)
+    assert_ok(result, expect_lines=6)
 
 
 def test_stage_3_is_not_offered_yet():
@@ -24,3 +24,10 @@ def test_stage_3_is_not_offered_yet():
     with pytest.raises(ValueError, match="zero_stage must be 0, 1 or 2"):
         mpiddp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                     named_parameters=model.named_parameters(), zero_stage=3)
+
+
+def test_stage_3_checkpoint_restores_at_another_rank_count(tmp_path):
+    saved = run_mpi("zero3_worker.py", 2, "save", tmp_path, timeout=120, env=RING)
+    assert_ok(saved, expect_lines=1)
+    restored = run_mpi("zero3_worker.py", 3, "restore", tmp_path, timeout=120, env=RING)
+    assert_ok(restored, expect_lines=1)

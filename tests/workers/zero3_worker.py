@@ -8,6 +8,8 @@ tied weight, a frozen layer and a layer used every other step, with a ``torch.no
 evaluation between steps; the full parameters' memory released after each step and at most
 ``GATHERED_IN_FORWARD`` buckets gathered after a forward.
 """
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -244,8 +246,75 @@ def check_checkpoint():
               "0 does", RANK, bitwise=SIZE == 2)
 
 
-check_against_stage_0()
-check_checkpoint()
-check_activation_checkpointing()
-check_with_the_rest()
-check_state_dicts()
+def check_refusals():
+    """What stage 3 cannot do is refused with the reason: torch.compile'd code (at its first
+    run, before the compiled graph reads a released parameter); PowerSGD, Adasum."""
+    torch.manual_seed(5)
+    model = Net()
+    opt = mpiddp.DistributedOptimizer(
+        OPTIMIZERS["sgd"](model.parameters()), named_parameters=model.named_parameters(),
+        zero_stage=3, bucket_cap_mb=0.0005)
+    compiled = torch.compile(model, backend="eager")
+    tokens, _ = batch(0, RANK)
+    checks.expect(RuntimeError, lambda: compiled(tokens, 0), "zero_stage=3", "torch.compile")
+    model(tokens, 0)                    # uncompiled, it still runs
+    del opt
+    for bad in (dict(compression=mpiddp.Compression.powersgd(rank=1)),
+                dict(op=mpiddp.Adasum)):
+        checks.expect(ValueError, lambda: mpiddp.DistributedOptimizer(
+            torch.optim.SGD(Net().parameters(), lr=0.1), zero_stage=3, **bad), "zero_stage")
+    checks.ok("stage 3 refuses torch.compile'd code, PowerSGD and Adasum with the reason",
+              RANK)
+
+
+def check_checkpoint_across_rank_counts(mode, directory):
+    """``save DIR`` (one rank count) then ``restore DIR`` (another): the restored model is
+    bitwise the file's, the optimizer state too (the next step is stage 0's from the file),
+    and the replicas stay identical."""
+    import os
+    from mpiddp.torch.sharding.param_gathers import attach_model
+    path = os.path.join(directory, "checkpoint.pt")
+    torch.manual_seed(5)
+    model = Net()
+    opt = mpiddp.DistributedOptimizer(
+        OPTIMIZERS["adam"](model.parameters()), named_parameters=model.named_parameters(),
+        zero_stage=3, bucket_cap_mb=0.0005)
+    attach_model(opt, model)
+    checkpoint = mpiddp.Checkpoint(path, model=model, optimizer=opt)
+    if mode == "save":
+        for step in range(3):
+            step_once(model, opt, step)
+        checkpoint.save(epoch=2)
+        checks.ok(f"stage 3 saved at {SIZE} ranks", RANK)
+        return
+    assert checkpoint.restore() and checkpoint.epoch == 2 and checkpoint.ranks != SIZE
+    saved = torch.load(path, weights_only=False)
+    now = model.state_dict()
+    assert all(torch.equal(now[k], saved["model"][k]) for k in saved["model"]), "restored"
+    # Stage 0 from the same file takes the same next step.
+    torch.manual_seed(7)
+    plain = Net()
+    plain_opt = mpiddp.DistributedOptimizer(
+        OPTIMIZERS["adam"](plain.parameters()), named_parameters=plain.named_parameters())
+    plain.load_state_dict(saved["model"])
+    plain_opt.load_state_dict(saved["optimizer"])
+    step_once(model, opt, 3)
+    step_once(plain, plain_opt, 3)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+               for a, b in zip(plain.parameters(), model.parameters())), "the next step"
+    mine = [p.detach().clone() for p in model.parameters()]
+    everyone = mpiddp.allgather_object(mine)
+    assert all(all(torch.equal(a, b) for a, b in zip(other, mine)) for other in everyone)
+    checks.ok(f"stage 3 restored at {SIZE} ranks what {checkpoint.ranks} saved: the file's "
+              "model bitwise, the next step stage 0's", RANK)
+
+
+if len(sys.argv) > 2:                   # save DIR / restore DIR
+    check_checkpoint_across_rank_counts(sys.argv[1], sys.argv[2])
+else:
+    check_against_stage_0()
+    check_refusals()
+    check_checkpoint()
+    check_activation_checkpointing()
+    check_with_the_rest()
+    check_state_dicts()

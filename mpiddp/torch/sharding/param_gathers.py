@@ -292,10 +292,14 @@ class ParamGuard(TorchFunctionMode):
     def __init__(self, gathers: ParamGathers):
         super().__init__()
         self.gathers = weakref.ref(gathers)
+        self.refuse_compiled_code = _refusal()     # (made here: not while Dynamo traces)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         gathers = self.gathers()
         if gathers is None:
+            return func(*args, **(kwargs or {}))
+        if torch.compiler.is_compiling():       # Dynamo traces this method: refuse at run time
+            self.refuse_compiled_code()
             return func(*args, **(kwargs or {}))
         if func in _BACKWARD:
             return self._backward(func, args, kwargs or {})
@@ -337,6 +341,19 @@ class ParamGuard(TorchFunctionMode):
                                  create_graph if retain_graph is None else retain_graph,
                                  create_graph, inputs, allow_unreachable=True,
                                  accumulate_grad=True)
+
+
+@functools.cache
+def _refusal():
+    """A function Dynamo does not trace (a graph break: it runs when the compiled code first
+    meets the guard, before the compiled region) that refuses compiled code. Made at first
+    need: ``torch.compiler.disable`` imports torch._dynamo, seconds of CPU."""
+    def refuse() -> None:
+        raise RuntimeError(
+            "DistributedOptimizer(zero_stage=3) cannot run torch.compile'd code: a compiled "
+            "graph reads every parameter inside itself, where none can be gathered just "
+            "before its use. Run the model uncompiled, or use zero_stage=2")
+    return torch.compiler.disable(refuse)
 
 
 def _buckets_in(gathers: ParamGathers, values) -> list:
