@@ -30,7 +30,6 @@ import weakref
 from typing import Optional
 
 import torch
-from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
 
 from ... import runtime
@@ -51,11 +50,12 @@ _METADATA = {
     getattr(torch.Tensor, name).__get__ for name in (
         "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "ndim", "layout",
         "grad_fn", "itemsize", "is_cuda", "is_sparse", "_base", "_version")
+    if hasattr(torch.Tensor, name)
 } | {getattr(torch.Tensor, name) for name in (
     "size", "numel", "dim", "stride", "element_size", "__len__", "__hash__", "is_floating_point",
     "is_complex", "nelement", "data_ptr", "untyped_storage", "is_contiguous",
-    "register_hook", "register_post_accumulate_grad_hook", "requires_grad_")}
-
+    "register_hook", "register_post_accumulate_grad_hook", "requires_grad_")
+    if hasattr(torch.Tensor, name)}
 
 # loss.backward() and torch.autograd.backward: run by the guard (ParamGuard._backward).
 _BACKWARD = {torch.Tensor.backward, torch.autograd.backward}
@@ -334,6 +334,9 @@ class ParamGuard(TorchFunctionMode):
             (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
         grads = torch.autograd._tensor_or_tensors_to_tuple(grads, len(tensors))
         grads = torch.autograd._make_grads(tensors, grads, is_grads_batched=False)
+        # (torch's private entry, imported here: a torch without it fails stage 3's backward
+        # and its pinning test, not every ``import mpiddp``)
+        from torch.autograd.graph import _engine_run_backward
         create_graph = bool(bound.get("create_graph", False))
         retain_graph = bound.get("retain_graph")
         with self:
