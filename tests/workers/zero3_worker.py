@@ -142,21 +142,27 @@ def step_once(model, opt, step):
     opt.step()
 
 
+def pair(stage, kind="adam", seed=5):
+    """A model and its DistributedOptimizer (several buckets), the model attached at stage 3."""
+    from mpiddp.torch.sharding.param_gathers import attach_model
+    torch.manual_seed(seed)
+    model = Net()
+    opt = mpiddp.DistributedOptimizer(
+        OPTIMIZERS[kind](model.parameters()), named_parameters=model.named_parameters(),
+        zero_stage=stage, bucket_cap_mb=0.0005)
+    if stage == 3:
+        attach_model(opt, model)
+    return model, opt
+
+
 def check_state_dicts():
     """model.state_dict(): the full parameters, from consolidate_state_dict(to=0)'s copies on
     rank 0 or gathered on every rank; model.load_state_dict(full) with the optimizer's whole
-    state on a fresh stage-3 pair goes on exactly as stage 0 does. Checkpoint and
-    elastic.State refuse stage 3 (not built yet)."""
-    from mpiddp.torch.sharding.param_gathers import attach_model
+    state on a fresh stage-3 pair goes on exactly as stage 0 does. elastic.State refuses
+    stage 3 (not built yet)."""
     pairs = {}
     for stage in (0, 3):
-        torch.manual_seed(5)
-        model = Net()
-        opt = mpiddp.DistributedOptimizer(
-            OPTIMIZERS["adam"](model.parameters()), named_parameters=model.named_parameters(),
-            zero_stage=stage, bucket_cap_mb=0.0005)
-        if stage == 3:
-            attach_model(opt, model)
+        model, opt = pair(stage)
         for step in range(3):
             step_once(model, opt, step)
         pairs[stage] = (model, opt)
@@ -175,12 +181,7 @@ def check_state_dicts():
     step_once(model3, opt3, 3)
     step_once(model0, opt0, 3)
     # A fresh stage-3 pair loads stage 0's model and optimizer state, then both go on.
-    torch.manual_seed(6)
-    fresh = Net()
-    opt = mpiddp.DistributedOptimizer(
-        OPTIMIZERS["adam"](fresh.parameters()), named_parameters=fresh.named_parameters(),
-        zero_stage=3, bucket_cap_mb=0.0005)
-    attach_model(opt, fresh)
+    fresh, opt = pair(3, seed=6)
     fresh.load_state_dict(model0.state_dict())
     opt.load_state_dict(opt0.state_dict())
     for step in (4, 5):
@@ -201,22 +202,11 @@ def check_checkpoint():
     import os
     import shutil
     import tempfile
-    from mpiddp.torch.sharding.param_gathers import attach_model
     directory = mpiddp.broadcast_object(tempfile.mkdtemp(prefix="zero3-") if RANK == 0
                                         else None)
     path = os.path.join(directory, "checkpoint.pt")
-
-    def pair(stage, seed=5):
-        torch.manual_seed(seed)
-        model = Net()
-        opt = mpiddp.DistributedOptimizer(
-            OPTIMIZERS["adamw"](model.parameters()), named_parameters=model.named_parameters(),
-            zero_stage=stage, bucket_cap_mb=0.0005)
-        if stage == 3:
-            attach_model(opt, model)
-        return model, opt
-    model0, opt0 = pair(0)
-    model3, opt3 = pair(3)
+    model0, opt0 = pair(0, "adamw")
+    model3, opt3 = pair(3, "adamw")
     checks.expect(ValueError, lambda: mpiddp.Checkpoint(path, model=Net(), optimizer=opt3),
                   "zero_stage=3", "attach_model")
     for step in range(3):
@@ -231,7 +221,7 @@ def check_checkpoint():
         assert saved["model"].keys() == want.keys()
         assert all(compare(saved["model"][k], want[k]) for k in want), "the file's model"
         assert len(saved["optimizer"]["state"]) == len(opt0.state_dict()["state"])
-    fresh, opt = pair(3, seed=9)
+    fresh, opt = pair(3, "adamw", seed=9)
     checkpoint = mpiddp.Checkpoint(path, model=fresh, optimizer=opt)
     assert checkpoint.restore() and checkpoint.epoch == 1
     for step in (3, 4):
@@ -249,11 +239,7 @@ def check_checkpoint():
 def check_refusals():
     """What stage 3 cannot do is refused with the reason: torch.compile'd code (at its first
     run, before the compiled graph reads a released parameter); PowerSGD, Adasum."""
-    torch.manual_seed(5)
-    model = Net()
-    opt = mpiddp.DistributedOptimizer(
-        OPTIMIZERS["sgd"](model.parameters()), named_parameters=model.named_parameters(),
-        zero_stage=3, bucket_cap_mb=0.0005)
+    model, opt = pair(3, "sgd")
     compiled = torch.compile(model, backend="eager")
     tokens, _ = batch(0, RANK)
     checks.expect(RuntimeError, lambda: compiled(tokens, 0), "zero_stage=3", "torch.compile")
@@ -272,14 +258,8 @@ def check_checkpoint_across_rank_counts(mode, directory):
     bitwise the file's, the optimizer state too (the next step is stage 0's from the file),
     and the replicas stay identical."""
     import os
-    from mpiddp.torch.sharding.param_gathers import attach_model
     path = os.path.join(directory, "checkpoint.pt")
-    torch.manual_seed(5)
-    model = Net()
-    opt = mpiddp.DistributedOptimizer(
-        OPTIMIZERS["adam"](model.parameters()), named_parameters=model.named_parameters(),
-        zero_stage=3, bucket_cap_mb=0.0005)
-    attach_model(opt, model)
+    model, opt = pair(3)
     checkpoint = mpiddp.Checkpoint(path, model=model, optimizer=opt)
     if mode == "save":
         for step in range(3):
@@ -292,10 +272,7 @@ def check_checkpoint_across_rank_counts(mode, directory):
     now = model.state_dict()
     assert all(torch.equal(now[k], saved["model"][k]) for k in saved["model"]), "restored"
     # Stage 0 from the same file takes the same next step.
-    torch.manual_seed(7)
-    plain = Net()
-    plain_opt = mpiddp.DistributedOptimizer(
-        OPTIMIZERS["adam"](plain.parameters()), named_parameters=plain.named_parameters())
+    plain, plain_opt = pair(0, seed=7)
     plain.load_state_dict(saved["model"])
     plain_opt.load_state_dict(saved["optimizer"])
     step_once(model, opt, 3)
