@@ -52,7 +52,7 @@ def resizable_array(tensor: torch.Tensor):
     memory alive and unresized while the array is in use."""
     if tensor.is_cuda:
         return _device_view(tensor)
-    dtype = flat_array(torch.empty(0, dtype=tensor.dtype)).dtype
+    dtype = DTYPES[_TORCH_NAMES[tensor.dtype]].storage     # flat_array's dtype
     if not tensor.numel():
         return np.empty(0, dtype=dtype)
     memory = (ctypes.c_char * (tensor.numel() * tensor.element_size())).from_address(

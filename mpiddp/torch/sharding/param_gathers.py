@@ -83,7 +83,6 @@ class ParamGathers:
         self.params: dict[int, tuple] = {}    # id(parameter) -> (parameter, its bucket)
         self.gathered: "collections.OrderedDict[int, Bucket]" = collections.OrderedDict()
         self.guards: dict[int, ParamGuard] = {}
-        self.saving: set[int] = set()         # threads whose saved tensors are packed
         self.lock = threading.RLock()
         self.gathers_done = 0                 # (tests and benchmarks: gathers so far)
         self.arriving: dict = {}              # id(bucket) -> handle of its gather in flight
@@ -107,8 +106,8 @@ class ParamGathers:
 
     def guard_this_thread(self) -> None:
         """The guard and the saved-tensor hooks, on this thread (each thread has its own
-        mode stack and hooks; the builder's thread gets them now, another at its first
-        step)."""
+        mode stack and hooks). Only the builder's thread gets them so far: a forward on
+        another thread is not guarded yet (docs/dev/zero3.md, "Left")."""
         ident = threading.get_ident()
         if ident not in self.guards:
             guard = self.guards[ident] = ParamGuard(self)
@@ -137,11 +136,8 @@ class ParamGathers:
             if unstepped:
                 sync.advance(until=unstepped[-1], wait=True)
             for bucket in buckets:
-                if id(bucket) in self.arriving:
-                    self._wait(bucket)
-                elif not bucket.gathered:
-                    self._start(bucket)
-                    self._wait(bucket)
+                if id(bucket) in self.arriving or not bucket.gathered:
+                    self._gather(bucket)
                 self.gathered[id(bucket)] = bucket
                 self.gathered.move_to_end(id(bucket))
                 if self.recording and not in_backward and bucket.index not in self.sequence:
@@ -203,10 +199,6 @@ class ParamGathers:
             self._wait(bucket)
         bucket.release()
         self.gathered.pop(id(bucket), None)
-
-    def release_all(self) -> None:
-        for bucket in list(self.gathered.values()):
-            self.release(bucket)
 
     @contextlib.contextmanager
     def internal(self):
