@@ -33,7 +33,7 @@ from .torch.elastic import write_durably
 from .torch.functions import _broadcast_hyperparameters, allgather_object, broadcast_object, \
     broadcast_optimizer_state, broadcast_parameters
 from .torch.handles import synchronize
-from .torch.sharding.param_gathers import model_attached
+from .torch.sharding.param_gathers import model_of
 from .torch.sharding.registry import zero_stage_of
 from .torch.sharding.state import broadcast_whole_state
 
@@ -161,10 +161,10 @@ class Checkpoint:
             raise TypeError(f"Checkpoint(sampler=...) takes an mpiddp.checkpoint."
                             f"ResumableSampler (it skips the samples a resumed epoch has "
                             f"done), not a {type(sampler).__name__}")
-        if zero_stage_of(optimizer) == 3 and not model_attached(optimizer, model):
-            raise ValueError("mpiddp.Checkpoint with DistributedOptimizer(zero_stage=3) (a "
-                             "preview) needs the model attached to the optimizer "
-                             "(attach_model): its state_dict() must give the full parameters")
+        if zero_stage_of(optimizer) == 3 and model_of(optimizer) is not model:
+            raise ValueError("mpiddp.Checkpoint(model=..., optimizer=...) with "
+                             "DistributedOptimizer(zero_stage=3): pass the model the optimizer "
+                             "was built with (DistributedOptimizer(..., model=model))")
         self.path, self.model, self.optimizer, self.sampler = path, model, optimizer, sampler
         self.epoch, self.step, self.ranks = 0, 0, size()
         self.extra: dict[str, Any] = {}
@@ -177,9 +177,10 @@ class Checkpoint:
         Without a file, the model's and optimizer's state are still broadcast from rank 0,
         so every rank starts from the same weights.
 
-        A sharded optimizer (``zero_stage`` 1 or 2) gets the whole optimizer state from
+        A sharded optimizer (``zero_stage`` 1 to 3) gets the whole optimizer state from
         rank 0, a part at a time, and each rank keeps its shards: the file may come from any
-        stage and any rank count. Without a file it takes rank 0's hyperparameters only
+        stage and any rank count. At stage 3 the file's model state reaches every rank
+        whole, and each keeps its chunks of the parameters. Without a file it takes rank 0's hyperparameters only
         (its shards' state is each rank's own).
 
         Returns:
@@ -294,7 +295,7 @@ class Checkpoint:
 
     def save(self, epoch: int, step: int = 0, **extra: Any) -> None:
         """Write the checkpoint (rank 0, durably: temporary file, fsync, rename). A sharded
-        optimizer's state (``zero_stage`` 1 or 2) is first gathered into the whole state on
+        optimizer's state (``zero_stage`` 1 to 3) is first gathered into the whole state on
         rank 0 (``consolidate_state_dict(to=0)``), so the file is the same at every stage.
 
         Args:
@@ -323,9 +324,9 @@ class Checkpoint:
 
 
 def _restore_full_model(model: torch.nn.Module, saved: dict | None, found: bool) -> None:
-    """Stage 3 (a preview): rank 0's file's model state reaches every rank whole (a tensor per
+    """Stage 3: rank 0's file's model state reaches every rank whole (a tensor per
     entry, broadcast), and each rank's ``load_state_dict`` keeps its chunks of the parameters
-    (``attach_model``). Without a file only the buffers come from rank 0: the parameters,
+    (``DistributedOptimizer(..., model=model)``). Without a file only the buffers come from rank 0: the parameters,
     gathered from every rank's chunk, are already the same everywhere."""
     if not found:
         broadcast_parameters(dict(model.named_buffers()), root_rank=0,

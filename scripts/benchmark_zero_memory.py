@@ -74,10 +74,8 @@ CONFIGS = {
     "torch-zero-ddp": ("torch ZeRO + DDP", 1),
     "fsdp2": ("FSDP2 no reshard", 2),
     "fsdp2-reshard": ("FSDP2 reshard", 3),
-    # stage 3 while it is a preview (mpiddp.torch.sharding.param_gathers.PREVIEW): on request
-    "mpiddp-zero3": ("mpiddp zero_stage=3 (preview)", 3),
+    "mpiddp-zero3": ("mpiddp zero_stage=3", 3),
 }
-PREVIEWS = ("mpiddp-zero3",)
 # the modules each configuration's wrapping loads (imported before the baseline)
 WRAPPER_MODULES = {**{c: ("mpiddp.torch.sharding.optimizer",) for c in CONFIGS if "mpiddp" in c},
                    "torch-zero-ddp": ("torch.distributed.optim", "torch.nn.parallel"),
@@ -196,13 +194,10 @@ def wrap_mpiddp(model, stage: int, bucket_cap_mb: float) -> Setup:
     import torch
 
     import mpiddp
-    if stage == 3:
-        from mpiddp.torch.sharding import param_gathers
-        param_gathers.PREVIEW = True
     optimizer = mpiddp.DistributedOptimizer(
         torch.optim.Adam(model.parameters(), lr=LEARNING_RATE),
         named_parameters=model.named_parameters(), zero_stage=stage,
-        bucket_cap_mb=bucket_cap_mb)
+        bucket_cap_mb=bucket_cap_mb, model=model if stage == 3 else None)
     # (At stage 3 reading a parameter gathers its bucket, and the copy is taken before
     # another read may release it.)
     return Setup(model, optimizer, optimizer.state,
@@ -494,9 +489,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=3, help="Adam steps (default 3)")
     p.add_argument("--batch", type=int, default=4, help="rows per rank (default 4)")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS),
-                   default=[c for c in CONFIGS if c not in PREVIEWS],
-                   help="configurations to run (default: all but the previews, "
-                        f"{', '.join(PREVIEWS)})")
+                   default=list(CONFIGS), help="configurations to run (default: all)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--timeout", type=int, default=600,
                    help="seconds per launch before it is killed (default 600)")

@@ -190,13 +190,12 @@ def make_mpiddp(args, bucket_cap_mb: float, name: str, overlap: bool | str = Fal
     extra = {"overlap_forward": overlap} if overlap else {}
     # Before the optimizer: at stage 3 the parameters are released once it is built.
     mpiddp.broadcast_parameters(model.state_dict(), root_rank=0)
-    if zero_stage == 3:                  # a preview, not offered to users yet
-        from mpiddp.torch.sharding import param_gathers
-        param_gathers.PREVIEW = True
     if zero_stage:
         if isinstance(optimizer, sim.SimulatedOptimizer):
             mpiddp.elementwise_optimizer(sim.SimulatedOptimizer)   # a shard takes its share
         extra["zero_stage"] = zero_stage
+        if zero_stage == 3:
+            extra["model"] = model
     optimizer = mpiddp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                             compression=compression,
                                             bucket_cap_mb=bucket_cap_mb, **extra)

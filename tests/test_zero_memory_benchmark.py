@@ -50,8 +50,8 @@ def test_zero_memory_benchmark_two_ranks(tmp_path):
     results = json.loads(out.read_text())
     rows = {row["config"]: row for row in results["results"]}
     assert set(rows) == {"mpiddp-zero0", "mpiddp-zero1", "mpiddp-zero2", "torch-zero-ddp",
-                         "fsdp2", "fsdp2-reshard"}, output
-    for config in ("mpiddp-zero0", "mpiddp-zero1", "mpiddp-zero2"):
+                         "fsdp2", "fsdp2-reshard", "mpiddp-zero3"}, output
+    for config in ("mpiddp-zero0", "mpiddp-zero1", "mpiddp-zero2", "mpiddp-zero3"):
         row = rows[config]
         assert row["error"] is None, output
         assert len(row["per_rank"]) == 2 and row["ranks_agree"], output
@@ -66,8 +66,9 @@ def test_zero_memory_benchmark_two_ranks(tmp_path):
     # Stage 2 holds no full-size gradient after backward; stages 1 and 2 end where 0 does.
     assert rows["mpiddp-zero2"]["full_grad_bytes_after_backward"] == 0, output
     assert rows["mpiddp-zero1"]["full_grad_bytes_after_backward"] == 4 * params, output
-    for config in ("mpiddp-zero1", "mpiddp-zero2"):
+    for config in ("mpiddp-zero1", "mpiddp-zero2", "mpiddp-zero3"):
         assert rows[config]["vs_reference"]["equal"], output
+    assert rows["mpiddp-zero3"]["formula"]["total"] == 16 * params / 2, output
     # FSDP2 resharding after forward is set against ZeRO-3's formula: everything sharded.
     assert rows["fsdp2-reshard"]["formula_stage"] == 3
     if rows["fsdp2-reshard"]["error"] is None:

@@ -32,6 +32,7 @@ import torch
 from .. import runtime
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, \
     broadcast_parameters
+from .sharding.param_gathers import model_of
 from .sharding.registry import zero_stage_of
 
 SNAPSHOT_PATTERN = re.compile(r"^snapshot-(\d+)-(.+)\.pt$")
@@ -152,9 +153,11 @@ class State:
                  keep: int = 2, writer: bool | None = None, **extras: Any):
         self.__dict__.update(_model=model, _optimizer=optimizer, _sampler=sampler,
                              _extras=dict(extras), directory=directory, keep=max(1, keep))
-        if optimizer is not None and zero_stage_of(optimizer) == 3:
-            raise ValueError("elastic.State does not take DistributedOptimizer(zero_stage=3) "
-                             "(a preview) yet: its snapshots would not hold the full model")
+        if optimizer is not None and zero_stage_of(optimizer) == 3 and \
+                model_of(optimizer) is not model:
+            raise ValueError("elastic.State(model, optimizer) with DistributedOptimizer("
+                             "zero_stage=3): pass the model the optimizer was built with "
+                             "(DistributedOptimizer(..., model=model))")
         clash = set(extras) & set(dir(type(self)))
         if clash:
             raise ValueError(f"elastic.State: extras {sorted(clash)} would hide State's own "
@@ -210,9 +213,9 @@ class State:
         """Copy the state to host memory now; write it durably in the background. Call it at
         the same step on every rank (it is not collective, but restore needs every writer's
         copy to mean the same step). A write still pending is replaced by this newer one.
-        With a ``DistributedOptimizer(zero_stage=1|2)`` it is a collective: the snapshot holds
-        the whole optimizer state (``consolidate_state_dict(to=None)``), so that a restore at
-        any rank count re-shards it."""
+        With a ``DistributedOptimizer(zero_stage=1|2|3)`` it is a collective: the snapshot
+        holds the whole optimizer state (``consolidate_state_dict(to=None)``; at stage 3 the
+        full parameters too), so that a restore at any rank count re-shards it."""
         self._raise_write_error()
         self.commits += 1
         if zero_stage_of(self._optimizer):
@@ -288,7 +291,11 @@ class State:
 
     def sync(self) -> None:
         """Collective: make every rank's state rank 0's."""
-        broadcast_parameters(self._model.state_dict(), root_rank=0)
+        if zero_stage_of(self._optimizer) == 3:
+            # (The parameters are gathered from every rank's chunk: the same everywhere.)
+            broadcast_parameters(dict(self._model.named_buffers()), root_rank=0)
+        else:
+            broadcast_parameters(self._model.state_dict(), root_rank=0)
         if self._optimizer is not None and not zero_stage_of(self._optimizer):
             # (A sharded optimizer's shards are each rank's own: restore loaded the whole
             # state on every rank, each keeping its shard.)

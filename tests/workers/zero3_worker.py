@@ -1,4 +1,4 @@
-"""Stage 3 (the preview, ``param_gathers.PREVIEW``) against ``zero_stage=0``.
+"""Stage 3 (``DistributedOptimizer(zero_stage=3, model=model)``) against ``zero_stage=0``.
 
 Run with ``MPIDDP_ALLREDUCE_ALGORITHM=ring`` (the sharded reduce-scatter sums in the ring
 all-reduce's order). Checks (rank 0 prints 'OK <check>'): parameters after every step bitwise
@@ -20,7 +20,6 @@ from zero_model import OPTIMIZERS, Net, batch
 
 torch.set_num_threads(1)
 mpiddp.init()
-param_gathers.PREVIEW = True
 RANK, SIZE = mpiddp.rank(), mpiddp.size()
 
 
@@ -31,7 +30,8 @@ def train(stage, kind, cap, steps=4, checkpointed=None, passes=1, scaler_inf_at=
     model.checkpointed = checkpointed       # (an instance attribute: the class's stays None)
     opt = mpiddp.DistributedOptimizer(
         OPTIMIZERS[kind](model.parameters()), named_parameters=model.named_parameters(),
-        zero_stage=stage, bucket_cap_mb=cap, backward_passes_per_step=passes)
+        zero_stage=stage, bucket_cap_mb=cap, backward_passes_per_step=passes,
+        model=model if stage == 3 else None)
     sync = opt._mpiddp
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.7 ** step + 0.1 * step) \
         if schedule else None
@@ -143,23 +143,20 @@ def step_once(model, opt, step):
 
 
 def pair(stage, kind="adam", seed=5):
-    """A model and its DistributedOptimizer (several buckets), the model attached at stage 3."""
-    from mpiddp.torch.sharding.param_gathers import attach_model
+    """A model and its DistributedOptimizer (several buckets)."""
     torch.manual_seed(seed)
     model = Net()
     opt = mpiddp.DistributedOptimizer(
         OPTIMIZERS[kind](model.parameters()), named_parameters=model.named_parameters(),
-        zero_stage=stage, bucket_cap_mb=0.0005)
-    if stage == 3:
-        attach_model(opt, model)
+        zero_stage=stage, bucket_cap_mb=0.0005, model=model if stage == 3 else None)
     return model, opt
 
 
 def check_state_dicts():
     """model.state_dict(): the full parameters, from consolidate_state_dict(to=0)'s copies on
-    rank 0 or gathered on every rank; model.load_state_dict(full) with the optimizer's whole
-    state on a fresh stage-3 pair goes on exactly as stage 0 does. elastic.State refuses
-    stage 3 (not built yet)."""
+    rank 0 (elsewhere an error, not a hang) or gathered on every rank;
+    model.load_state_dict(full) with the optimizer's whole state on a fresh stage-3 pair goes
+    on exactly as stage 0 does."""
     pairs = {}
     for stage in (0, 3):
         model, opt = pair(stage)
@@ -178,6 +175,8 @@ def check_state_dicts():
         mine = model3.state_dict()
         assert all(torch.equal(mine[k], every[k]) for k in want), "consolidated state_dict"
         whole = opt3.state_dict()
+    else:
+        checks.expect(RuntimeError, model3.state_dict, "consolidated onto rank 0")
     step_once(model3, opt3, 3)
     step_once(model0, opt0, 3)
     # A fresh stage-3 pair loads stage 0's model and optimizer state, then both go on.
@@ -189,7 +188,6 @@ def check_state_dicts():
         step_once(fresh, opt, step)
     assert all(compare(a, b) for a, b in zip(model0.parameters(), fresh.parameters())), \
         "after load_state_dict"
-    checks.expect(ValueError, lambda: mpiddp.elastic.State(fresh, opt), "zero_stage=3")
     checks.ok("stage 3 model.state_dict() (consolidated on rank 0, or gathered everywhere) is "
               "stage 0's; load_state_dict with the whole optimizer state goes on as stage 0",
               RANK, bitwise=SIZE == 2, consolidated_keys=len(whole["state"]) if RANK == 0
@@ -208,7 +206,7 @@ def check_checkpoint():
     model0, opt0 = pair(0, "adamw")
     model3, opt3 = pair(3, "adamw")
     checks.expect(ValueError, lambda: mpiddp.Checkpoint(path, model=Net(), optimizer=opt3),
-                  "zero_stage=3", "attach_model")
+                  "zero_stage=3", "model=model")
     for step in range(3):
         step_once(model0, opt0, step)
         step_once(model3, opt3, step)
@@ -245,50 +243,110 @@ def check_refusals():
     checks.expect(RuntimeError, lambda: compiled(tokens, 0), "zero_stage=3", "torch.compile")
     model(tokens, 0)                    # uncompiled, it still runs
     del opt
+    net = Net()
     for bad in (dict(compression=mpiddp.Compression.powersgd(rank=1)),
                 dict(op=mpiddp.Adasum)):
         checks.expect(ValueError, lambda: mpiddp.DistributedOptimizer(
-            torch.optim.SGD(Net().parameters(), lr=0.1), zero_stage=3, **bad), "zero_stage")
-    checks.ok("stage 3 refuses torch.compile'd code, PowerSGD and Adasum with the reason",
-              RANK)
+            torch.optim.SGD(net.parameters(), lr=0.1), zero_stage=3, model=net, **bad),
+            "zero_stage")
+    checks.expect(ValueError, lambda: mpiddp.DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.1), zero_stage=3), "model=model")
+    checks.expect(ValueError, lambda: mpiddp.DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.1), zero_stage=2, model=net), "zero_stage=3 only")
+    checks.expect(ValueError, lambda: mpiddp.DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.1), zero_stage=3, model=Net()), "not the model")
+    checks.ok("stage 3 refuses torch.compile'd code, PowerSGD, Adasum and a missing or wrong "
+              "model with the reason", RANK)
 
 
-def check_checkpoint_across_rank_counts(mode, directory):
-    """``save DIR`` (one rank count) then ``restore DIR`` (another): the restored model is
-    bitwise the file's, the optimizer state too (the next step is stage 0's from the file),
-    and the replicas stay identical."""
+def check_start_and_threads():
+    """Construction gives every rank the first rank's parameters (whatever each built); a
+    forward, backward and step on another thread (guarded at its first forward) train as
+    stage 0 does on the main thread."""
+    import threading
+    model, opt = pair(3, seed=20 + RANK)
+    mine = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    everyone = mpiddp.allgather_object(mine)
+    assert all(torch.equal(a, b) for other in everyone for a, b in zip(other, mine)), "start"
+    torch.manual_seed(20)
+    assert all(torch.equal(a, b) for a, b in
+               zip([p for p in Net().parameters() if p.requires_grad], mine)), "rank 0's"
+    mpiddp.broadcast_parameters(model.state_dict(), root_rank=0)    # (the frozen layer)
+    reference, ref_opt = pair(0, seed=20)
+    failures = []
+
+    def train_here():
+        try:
+            for step in range(2):
+                step_once(model, opt, step)
+        except BaseException as exc:        # (reported on the main thread)
+            failures.append(exc)
+    thread = threading.Thread(target=train_here)
+    thread.start()
+    thread.join()
+    assert not failures, failures
+    for step in range(2):
+        step_once(reference, ref_opt, step)
+    compare = (lambda a, b: torch.equal(a, b)) if SIZE == 2 else \
+        (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    assert all(compare(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+    checks.ok("stage 3 starts from the first rank's parameters; training on another thread "
+              "is stage 0's", RANK, bitwise=SIZE == 2)
+
+
+def check_state_across_rank_counts(mode, directory):
+    """``save DIR`` (one rank count) then ``restore DIR`` (another), in each of the three
+    forms: mpiddp.Checkpoint (the file is stage 0's), every rank's sharded_state_dict(), and
+    an elastic.State snapshot. Each restore gives the saved model bitwise and the optimizer
+    state (the next step is stage 0's from the file), the replicas identical."""
     import os
     path = os.path.join(directory, "checkpoint.pt")
     model, opt = pair(3)
     checkpoint = mpiddp.Checkpoint(path, model=model, optimizer=opt)
+    snapshots = os.path.join(directory, "snapshots")
     if mode == "save":
         for step in range(3):
             step_once(model, opt, step)
         checkpoint.save(epoch=2)
-        checks.ok(f"stage 3 saved at {SIZE} ranks", RANK)
+        torch.save(opt.sharded_state_dict(), os.path.join(directory, f"sharded-{RANK}.pt"))
+        state = mpiddp.elastic.State(model, opt, directory=snapshots, writer=RANK == 0)
+        state.step = 3
+        state.commit()
+        state.wait()
+        checks.ok(f"stage 3 saved at {SIZE} ranks (Checkpoint, sharded, elastic)", RANK)
         return
     assert checkpoint.restore() and checkpoint.epoch == 2 and checkpoint.ranks != SIZE
     saved = torch.load(path, weights_only=False)
-    now = model.state_dict()
-    assert all(torch.equal(now[k], saved["model"][k]) for k in saved["model"]), "restored"
-    # Stage 0 from the same file takes the same next step.
     plain, plain_opt = pair(0, seed=7)
     plain.load_state_dict(saved["model"])
     plain_opt.load_state_dict(saved["optimizer"])
-    step_once(model, opt, 3)
     step_once(plain, plain_opt, 3)
-    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-               for a, b in zip(plain.parameters(), model.parameters())), "the next step"
-    mine = [p.detach().clone() for p in model.parameters()]
-    everyone = mpiddp.allgather_object(mine)
-    assert all(all(torch.equal(a, b) for a, b in zip(other, mine)) for other in everyone)
-    checks.ok(f"stage 3 restored at {SIZE} ranks what {checkpoint.ranks} saved: the file's "
-              "model bitwise, the next step stage 0's", RANK)
+    files = sorted(f for f in os.listdir(directory) if f.startswith("sharded-"))
+    sharded_model, sharded_opt = pair(3, seed=8)
+    sharded_opt.load_sharded_state_dict(
+        [torch.load(os.path.join(directory, f), weights_only=False) for f in files])
+    elastic_model, elastic_opt = pair(3, seed=9)
+    state = mpiddp.elastic.State(elastic_model, elastic_opt, directory=snapshots)
+    assert state.restore() and state.step == 3
+    for label, restored, restored_opt in (("Checkpoint", model, opt),
+                                          ("sharded", sharded_model, sharded_opt),
+                                          ("elastic", elastic_model, elastic_opt)):
+        now = restored.state_dict()
+        assert all(torch.equal(now[k], saved["model"][k]) for k in saved["model"]), label
+        step_once(restored, restored_opt, 3)
+        assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                   for a, b in zip(plain.parameters(), restored.parameters())), label
+        mine = [p.detach().clone() for p in restored.parameters()]
+        everyone = mpiddp.allgather_object(mine)
+        assert all(all(torch.equal(a, b) for a, b in zip(other, mine)) for other in everyone)
+    checks.ok(f"stage 3 restored at {SIZE} ranks what {checkpoint.ranks} saved (Checkpoint, "
+              "sharded, elastic): the model bitwise, the next step stage 0's", RANK)
 
 
 if len(sys.argv) > 2:                   # save DIR / restore DIR
-    check_checkpoint_across_rank_counts(sys.argv[1], sys.argv[2])
+    check_state_across_rank_counts(sys.argv[1], sys.argv[2])
 else:
+    check_start_and_threads()
     check_against_stage_0()
     check_refusals()
     check_checkpoint()

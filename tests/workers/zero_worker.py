@@ -372,8 +372,8 @@ def check_errors():
     model = net()
     make = lambda **kw: mpiddp.DistributedOptimizer(   # noqa: E731
         torch.optim.Adam(model.parameters()), named_parameters=model.named_parameters(), **kw)
-    checks.expect(ValueError, lambda: make(zero_stage=3), "zero_stage must be 0, 1 or 2")
-    checks.expect(ValueError, lambda: make(zero_stage=True), "zero_stage must be 0, 1 or 2")
+    checks.expect(ValueError, lambda: make(zero_stage=4), "zero_stage must be 0, 1, 2 or 3")
+    checks.expect(ValueError, lambda: make(zero_stage=True), "zero_stage must be 0, 1, 2 or 3")
     checks.expect(ValueError, lambda: make(zero_stage=1, op=mpiddp.Adasum), "Adasum")
     checks.expect(ValueError, lambda: mpiddp.DistributedOptimizer(
         torch.optim.LBFGS(model.parameters()), zero_stage=1), "LBFGS")

@@ -123,7 +123,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          bucket_cap_mb: float | None = None,
                          process_set: ProcessSet | None = None,
                          overlap_forward: bool | str | None = None,
-                         zero_stage: int = 0) -> torch.optim.Optimizer:
+                         zero_stage: int = 0,
+                         model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged across all ranks.
 
     Args:
@@ -168,7 +169,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             are all-gathered. 2: also releases each full-size gradient once it is packed
             for its reduction. The result's param groups hold this rank's shards. Only
             elementwise optimizers (``mpiddp.elementwise_optimizer``); not with Adasum,
-            LBFGS or custom compressors. See docs/sharding.md.
+            LBFGS or custom compressors. 3: the parameters are sharded too: each rank keeps
+            its chunk of every trainable parameter, and the full parameters are gathered
+            just before their use (forward, backward) and released after it; needs
+            ``model``. See docs/sharding.md.
+        model: with ``zero_stage=3`` (and only then), the model whose parameters the
+            optimizer holds. Construction broadcasts its trainable parameters from the
+            first rank of ``process_set``; ``model.state_dict()`` then gives the full
+            parameters and ``model.load_state_dict`` takes them. ``named_parameters``
+            defaults to ``model.named_parameters()``.
 
     Construction is collective: every rank must build its DistributedOptimizers in the same
     order, for the same parameters. Different models on different ranks raise
@@ -192,7 +201,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             ``gradient_predivide_factor`` is not positive, or not 1.0 with Sum;
             ``bucket_cap_mb`` is negative; ``named_parameters`` repeats a name for different
             parameters or misses parameters of ``optimizer``; ``overlap_forward`` with
-            ``torch.optim.LBFGS`` (it steps with a closure).
+            ``torch.optim.LBFGS`` (it steps with a closure); ``zero_stage=3`` without
+            ``model`` (or ``model`` without it), or with parameters that are not the
+            model's.
         TensorMismatchError: the ranks' trainable parameters (names, shapes, dtypes) or
             settings (``backward_passes_per_step``, ``op``, ``compression`` and
             ``Compression.powersgd``'s settings, ``gradient_predivide_factor``) differ;
@@ -221,9 +232,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError(f"gradient_predivide_factor must be positive, not {factor}")
     if factor != 1.0 and op != ReduceOp.AVERAGE:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
-    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2) and not (
-            zero_stage == 3 and param_gathers.PREVIEW):
-        raise ValueError(f"zero_stage must be 0, 1 or 2, not {zero_stage!r}")
+    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage!r}")
+    param_gathers.check_model(zero_stage, model, optimizer)
+    if model is not None and named_parameters is None:
+        named_parameters = list(model.named_parameters())
     if zero_stage and op == ReduceOp.ADASUM:
         raise ValueError("DistributedOptimizer(op=Adasum) cannot shard (zero_stage): Adasum "
                          "combines each rank's whole parameter deltas. Use zero_stage=0.")
@@ -306,6 +319,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if sharded:
         shard_param_groups(wrapped)
         install_clip_guard()
+        if zero_stage == 3:
+            param_gathers.attach_model(wrapped, model)
         if overlap_forward:
             sync.gathers.enable_overlap()
         return wrapped

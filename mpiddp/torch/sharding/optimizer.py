@@ -1,4 +1,4 @@
-"""The optimizer side of ``DistributedOptimizer(zero_stage=1|2)`` (docs/sharding.md).
+"""The optimizer side of ``DistributedOptimizer(zero_stage=1|2|3)`` (docs/sharding.md).
 
 The wrapped optimizer's param groups hold this rank's shards (``layout.py``, ``sync.py``), so its ``state``
 holds only their state and its own ``step`` steps only them; ``ShardedOptimizer`` adds the
@@ -22,6 +22,7 @@ from ..functions import allgather_object
 from ..optimizer.methods import (STEP_WHILE_IN_FLIGHT, _check_consolidate_to,
                                  _check_same_everywhere, _clear_grads, _DistributedOptimizer)
 from ..subset_step import step_subset
+from .param_gathers import load_sharded_model, model_of, whole_model_state
 from .state import _as_param_state, _copy_piece, _groups, _indices, _load_full, \
     _set_hyperparameters
 
@@ -338,7 +339,7 @@ class ShardedOptimizer(_DistributedOptimizer):
         _check_consolidate_to(to, size)
         sync.gathers.complete()
         if sync.zero_stage == 3:        # the full parameters too, for model.state_dict()
-            sync.gathers.consolidated = sync.gathers.full_values(to)
+            sync.gathers.consolidate(to)
         index_of, params = _indices(sync)
         gathering = to is None or to == rank
         state: dict = {}
@@ -420,25 +421,35 @@ class ShardedOptimizer(_DistributedOptimizer):
 
     def sharded_state_dict(self) -> dict:
         """This rank's part of the state: O(total / ranks), nothing gathered. Save one per
-        rank; ``load_sharded_state_dict`` takes them all back, at any rank count.
+        rank; ``load_sharded_state_dict`` takes them all back, at any rank count. At stage 3
+        it holds this rank's chunks of the parameters and the model's buffers too: the
+        files of every rank are then the whole training state.
 
         Returns:
             ``{"zero_sharded": {world_size, rank, pieces}, "state": ..., "param_groups":
-            ...}``: this rank's state by parameter index, with the element ranges it covers.
+            ...}``: this rank's state by parameter index, with the element ranges it covers
+            (stage 3: also ``"parameters"``, this rank's elements of each, and ``"whole"``,
+            the model's buffers and unsharded (frozen) parameters).
         """
         sync = self._mpiddp
         sync.gathers.complete()
         index_of, _ = _indices(sync)
-        pieces, state = [], {}
+        pieces, state, values = [], {}, {}
         for piece in sync.layout.pieces():
             index = index_of[piece.param]
             pieces.append((index, piece.start, piece.stop, tuple(piece.param.shape)))
             if self.state.get(piece.shard):
                 state[index] = dict(self.state[piece.shard])
-        return {"zero_sharded": {"world_size": runtime.set_size(sync.process_set),
-                                 "rank": runtime.set_rank(sync.process_set),
-                                 "pieces": pieces},
-                "state": state, "param_groups": _groups(self, sync)}
+            values[index] = piece.shard.detach().clone()
+        sharded = {"zero_sharded": {"world_size": runtime.set_size(sync.process_set),
+                                    "rank": runtime.set_rank(sync.process_set),
+                                    "pieces": pieces},
+                   "state": state, "param_groups": _groups(self, sync)}
+        model = model_of(self)
+        if model is not None:
+            sharded["parameters"] = values
+            sharded["whole"] = whole_model_state(sync.gathers, model)
+        return sharded
 
     def load_sharded_state_dict(self, sharded: list[dict]) -> None:
         """Load the ``sharded_state_dict()`` of every rank of the run that saved them (a
@@ -462,13 +473,16 @@ class ShardedOptimizer(_DistributedOptimizer):
         index_of, _ = _indices(sync)
         _set_hyperparameters(self, sharded[0]["param_groups"])
         self.state.clear()
+        model = model_of(self)
+        with_parameters = model is not None and all("parameters" in s for s in sharded)
         for piece in sync.layout.pieces():
             index = index_of[piece.param]
             values: dict = {}
-            covered = 0
+            elements: dict = {}      # (stage 3) this piece's parameter elements
+            covered = state_covered = 0
             for part in sharded:
                 found = [p for p in part["zero_sharded"]["pieces"] if p[0] == index]
-                if not found or index not in part["state"]:
+                if not found or (index not in part["state"] and not with_parameters):
                     continue
                 _, start, stop, shape = found[0]
                 if tuple(shape) != tuple(piece.param.shape):
@@ -479,13 +493,24 @@ class ShardedOptimizer(_DistributedOptimizer):
                 if lo >= hi:
                     continue
                 covered += hi - lo
-                _copy_piece(values, part["state"][index], start, stop, lo, hi, piece.start,
-                            piece.stop - piece.start)
+                if index in part["state"]:
+                    state_covered += hi - lo
+                    _copy_piece(values, part["state"][index], start, stop, lo, hi,
+                                piece.start, piece.stop - piece.start)
+                if with_parameters:
+                    _copy_piece(elements, {"value": part["parameters"][index]}, start, stop,
+                                lo, hi, piece.start, piece.stop - piece.start)
+            if values and state_covered != piece.stop - piece.start or \
+                    elements and covered != piece.stop - piece.start:
+                raise ValueError(f"load_sharded_state_dict: the parts do not cover "
+                                 f"parameter {index} elements {piece.start}-{piece.stop}")
             if values:
-                if covered != piece.stop - piece.start:
-                    raise ValueError(f"load_sharded_state_dict: the parts do not cover "
-                                     f"parameter {index} elements {piece.start}-{piece.stop}")
                 self.state[piece.shard] = _as_param_state(values, piece.shard)
+            if elements:
+                with torch.no_grad():
+                    piece.shard.copy_(elements["value"])
+        if with_parameters:
+            load_sharded_model(sync.gathers, model, sharded[0]["whole"])
         sync.consolidated = None
 
 

@@ -36,10 +36,6 @@ from ... import runtime
 from ..requests import ring_allgather_entry, submit_together
 from .layout import Bucket
 
-# Stage 3 is a preview: DistributedOptimizer accepts zero_stage=3 only while this is True
-# (the tests set it); users get it once its state forms and checkpointing are built.
-PREVIEW = False
-
 # Buckets kept gathered by the forward's uses (the one in use and the one before it: the
 # last ones are what backward needs first).
 GATHERED_IN_FORWARD = 2
@@ -59,6 +55,12 @@ _METADATA = {
 
 # loss.backward() and torch.autograd.backward: run by the guard (ParamGuard._backward).
 _BACKWARD = {torch.Tensor.backward, torch.autograd.backward}
+
+
+# The stage-3 optimizers alive, and the threads with the saved-tensor hooks (pushed once a
+# thread, never popped: inert when no optimizer is alive).
+_LIVE: "weakref.WeakSet[ParamGathers]" = weakref.WeakSet()
+_HOOKED_THREADS: set = set()
 
 
 class _Saved:
@@ -89,14 +91,24 @@ class ParamGathers:
         self.sequence: list[int] = []         # bucket indices in the first forward's order
         self.recording = True                 # ... until the first backward
         # consolidate_state_dict's copies of the full parameters on its ``to`` rank, for
-        # model.state_dict() there, until the next step
+        # model.state_dict() there, until the next step; and that rank (None: every rank)
         self.consolidated: Optional[dict] = None
+        self.consolidated_to: Optional[int] = -1      # (-1: not consolidated)
+        self.model = lambda: None                    # (weak) the model given to the optimizer
 
     # ---- laying out -------------------------------------------------------------------
     def adopt(self, buckets: list) -> None:
         """``buckets`` were just laid out: they own their memory from now on, released
         until first used."""
         sync = self._sync()
+        # Every rank starts from the first rank's values (each keeps a chunk of them: a
+        # broadcast_parameters(model.state_dict()) after construction reaches copies only).
+        from ..functions import broadcast_parameters
+        first = (sync.process_set or runtime.global_process_set).ranks[0]
+        broadcast_parameters([(f"{bucket.index}.{i}", param) for bucket in buckets
+                              for i, param in enumerate(bucket.params)], root_rank=first,
+                             prefix=f"{sync.prefix}.stage3_start",
+                             process_set=sync.process_set)
         sync.layout.own_storage(buckets)
         for bucket in buckets:
             for param in bucket.params:
@@ -106,15 +118,18 @@ class ParamGathers:
 
     def guard_this_thread(self) -> None:
         """The guard and the saved-tensor hooks, on this thread (each thread has its own
-        mode stack and hooks). Only the builder's thread gets them so far: a forward on
-        another thread is not guarded yet (docs/dev/zero3.md, "Left")."""
+        mode stack and hooks): the builder's thread, then every thread that runs the
+        model's forward (its root module's forward pre-hook) before that forward."""
         ident = threading.get_ident()
+        _LIVE.add(self)
         if ident not in self.guards:
             guard = self.guards[ident] = ParamGuard(self)
             guard.__enter__()      # stays on this thread's mode stack, inert once we are gone
-            ref = weakref.ref(self)
-            torch.autograd.graph.saved_tensors_hooks(
-                lambda tensor: _pack(ref, tensor), _unpack).__enter__()
+        if ident not in _HOOKED_THREADS:
+            # One pair a thread for every stage-3 optimizer: the innermost hooks alone see a
+            # saved tensor.
+            _HOOKED_THREADS.add(ident)
+            torch.autograd.graph.saved_tensors_hooks(_pack, _unpack).__enter__()
 
     # ---- gathering and releasing --------------------------------------------------------
     def bucket_of(self, tensor: torch.Tensor) -> Optional[Bucket]:
@@ -231,6 +246,15 @@ class ParamGathers:
                     bucket.release()
         return values if keep else None
 
+    def consolidate(self, to: Optional[int]) -> None:
+        """Collective (``consolidate_state_dict(to)``): keep copies of the full parameters
+        on rank ``to`` (every rank: None) for ``model.state_dict()``, until the next step."""
+        self.consolidated = self.full_values(to)
+        self.consolidated_to = to
+
+    def forget_consolidated(self) -> None:
+        self.consolidated, self.consolidated_to = None, -1
+
     # ---- the Gathers protocol of ShardedSync / ShardedOptimizer ---------------------------
     def priority(self, bucket: Bucket) -> int:
         return 0
@@ -239,7 +263,7 @@ class ParamGathers:
         """Early schedule: ``bucket`` was just stepped (its gradients were all final, so
         backward needs it no more): its full parameters are stale."""
         self.release(bucket)
-        self.consolidated = None
+        self.forget_consolidated()
 
     def bucket_complete(self, bucket: Bucket) -> None:
         """Every gradient of ``bucket`` is final: this backward needs it no more."""
@@ -249,7 +273,7 @@ class ParamGathers:
         """After ``step()``: the stepped buckets' full parameters are stale."""
         for bucket in buckets:
             self.release(bucket)
-        self.consolidated = None
+        self.forget_consolidated()
 
     def complete(self, until: Optional[Bucket] = None) -> None:
         """Step what the early schedule left (the gathers themselves happen on use)."""
@@ -364,12 +388,11 @@ def _buckets_in(gathers: ParamGathers, values) -> list:
     return found
 
 
-def _pack(ref, tensor: torch.Tensor):
-    gathers = ref()
-    if gathers is not None:
+def _pack(tensor: torch.Tensor):
+    for gathers in list(_LIVE):
         bucket = gathers.bucket_of(tensor)
         if bucket is not None:
-            return _Saved(tensor, bucket, ref)
+            return _Saved(tensor, bucket, weakref.ref(gathers))
     return tensor
 
 
@@ -384,32 +407,58 @@ def _unpack(saved):
 
 
 # ---- the model's state dict (docs/dev/zero3.md "Model and optimizer state") -----------------
+def check_model(zero_stage: int, model, optimizer) -> None:
+    """``DistributedOptimizer``'s ``model`` argument: needed at stage 3 (holding every
+    parameter of the optimizer), refused elsewhere. Before any collective."""
+    if zero_stage == 3 and model is None:
+        raise ValueError("DistributedOptimizer(zero_stage=3) needs the model: pass model=model "
+                         "(its parameters are sharded, and model.state_dict() gathers them)")
+    if model is not None and zero_stage != 3:
+        raise ValueError(f"DistributedOptimizer(model=...) is for zero_stage=3 only, not "
+                         f"zero_stage={zero_stage}; leave model out")
+    if model is None:
+        return
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    own = {id(p) for p in model.parameters()}
+    strays = [(g, i, list(p.shape)) for g, group in enumerate(optimizer.param_groups)
+              for i, p in enumerate(group["params"]) if id(p) not in own]
+    if strays:
+        where = ", ".join(f"group {g} #{i} {shape}" for g, i, shape in strays[:3])
+        raise ValueError(f"DistributedOptimizer(zero_stage=3, model=...): {len(strays)} "
+                         f"parameter(s) of the optimizer are not the model's ({where})")
+
+
 def attach_model(optimizer, model: torch.nn.Module) -> None:
     """Stage 3: ``model.state_dict()`` gives the full parameters (the copies
     ``optimizer.consolidate_state_dict(to)`` made on rank ``to``, until the next step;
     otherwise gathered there and then, a collective on every rank), and
     ``model.load_state_dict(full)`` takes them (every sharded parameter's key present; the
-    whole model is materialised while it loads). Only the root module's calls do this."""
+    whole model is materialised while it loads). Only the root module's calls do this. A
+    thread that runs the model's forward gets the guard first."""
     gathers = optimizer._mpiddp.gathers
-    if not isinstance(gathers, ParamGathers):
-        raise ValueError("attach_model is for DistributedOptimizer(zero_stage=3)")
-    own = {id(p) for p in model.parameters()}
-    strays = [optimizer._mpiddp.names[p] for p in optimizer._mpiddp.params if id(p) not in own]
-    if strays:
-        raise ValueError(f"the optimizer's parameters {strays[:3]} are not the model's")
     ref = weakref.ref(gathers)
     gathers.model = weakref.ref(model)
+    model.register_forward_pre_hook(functools.partial(_guard_thread, ref))
     model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: _quiet(ref, True))
     model.register_state_dict_post_hook(functools.partial(_full_state, ref))
     model.register_load_state_dict_pre_hook(functools.partial(_before_load, ref))
     model.register_load_state_dict_post_hook(functools.partial(_after_load, ref))
 
 
-def model_attached(optimizer, model) -> bool:
-    """Whether ``attach_model(optimizer, model)`` was called."""
-    gathers = optimizer.__dict__["_mpiddp"].gathers
-    attached = getattr(gathers, "model", None)
-    return attached is not None and attached() is model
+def model_of(optimizer) -> Optional[torch.nn.Module]:
+    """The model a ``DistributedOptimizer(zero_stage=3)`` was given (else None)."""
+    sync = optimizer.__dict__.get("_mpiddp")
+    gathers = getattr(sync, "gathers", None)
+    return gathers.model() if isinstance(gathers, ParamGathers) else None
+
+
+def _guard_thread(ref, module, args) -> None:
+    if torch.compiler.is_compiling():       # (refused by the guard at the first run)
+        return
+    gathers = ref()
+    if gathers is not None and threading.get_ident() not in gathers.guards:
+        gathers.guard_this_thread()
 
 
 def _quiet(ref, quiet: bool) -> None:
@@ -429,6 +478,14 @@ def _full_state(ref, module, state_dict, prefix, local_metadata) -> None:
     if gathers is None:
         return
     _quiet(ref, False)
+    to = gathers.consolidated_to
+    if gathers.consolidated is None and to is not None and to >= 0:
+        rank = runtime.set_rank(gathers._sync().process_set)
+        raise RuntimeError(
+            f"model.state_dict() on rank {rank} with DistributedOptimizer(zero_stage=3): the "
+            f"full parameters were consolidated onto rank {to} only (consolidate_state_dict"
+            f"(to={to})); call it there, or consolidate with to=None, or after the next step "
+            "(then it gathers on every rank)")
     values = gathers.consolidated if gathers.consolidated is not None \
         else gathers.full_values()
     for key, param in _sharded_keys(gathers, module, prefix):
@@ -463,4 +520,35 @@ def _after_load(ref, module, incompatible_keys) -> None:
         for bucket in sync.layout.buckets:
             bucket.chunk.copy_(bucket.flat[bucket.lo:bucket.hi])
             gathers.release(bucket)
-    gathers.consolidated = None
+    gathers.forget_consolidated()
+
+
+def _kept_whole(gathers: ParamGathers, model: torch.nn.Module) -> dict:
+    """What stage 3 keeps whole on every rank: the model's buffers and the parameters not
+    sharded (frozen ones), by name."""
+    whole = {name: param for name, param in model.named_parameters()
+             if id(param) not in gathers.params}
+    whole.update(model.named_buffers())
+    return whole
+
+
+def whole_model_state(gathers: ParamGathers, model: torch.nn.Module) -> dict:
+    """Copies of ``_kept_whole`` (for ``sharded_state_dict``)."""
+    return {name: tensor.detach().clone()
+            for name, tensor in _kept_whole(gathers, model).items()}
+
+
+def load_sharded_model(gathers: ParamGathers, model: torch.nn.Module, whole: dict) -> None:
+    """``load_sharded_state_dict`` at stage 3 wrote this rank's chunks: the full parameters
+    gathered before are stale. What is kept whole comes from the save's first part."""
+    with torch.no_grad(), gathers.lock, gathers.internal():
+        for bucket in gathers._sync().layout.buckets:
+            gathers.release(bucket)
+        own = _kept_whole(gathers, model)
+        missing = sorted(set(own) - set(whole))
+        if missing:
+            raise ValueError(f"load_sharded_state_dict: the save lacks {missing[:3]}: a state "
+                             "of another model")
+        for name, tensor in own.items():
+            tensor.copy_(whole[name])
+    gathers.forget_consolidated()
