@@ -15,7 +15,8 @@ if [ "$WORKERS" = 0 ]; then
 fi
 # pytest exits 5 when a part selects no test (arguments that pick tests of one part only).
 shared=0; alone=0
-MPIDDP_TESTS_ALONE=skip python -m pytest -q -n "$WORKERS" "$@" || shared=$?
+# (--durations: the slowest tests, to keep the suite within its time as it grows)
+MPIDDP_TESTS_ALONE=skip python -m pytest -q -n "$WORKERS" --durations=15 "$@" || shared=$?
 echo "[test.sh] the tests that run alone:"
 MPIDDP_TESTS_ALONE=only python -m pytest -q "$@" || alone=$?
 for rc in "$shared" "$alone"; do

@@ -101,16 +101,18 @@ class ParamGathers:
         """``buckets`` were just laid out: they own their memory from now on, released
         until first used."""
         sync = self._sync()
-        # Every rank starts from the first rank's values (each keeps a chunk of them: a
-        # broadcast_parameters(model.state_dict()) after construction reaches copies only).
         from ..functions import broadcast_parameters
         first = (sync.process_set or runtime.global_process_set).ranks[0]
-        broadcast_parameters([(f"{bucket.index}.{i}", param) for bucket in buckets
-                              for i, param in enumerate(bucket.params)], root_rank=first,
-                             prefix=f"{sync.prefix}.stage3_start",
-                             process_set=sync.process_set)
-        sync.layout.own_storage(buckets)
         for bucket in buckets:
+            # Every rank starts from the first rank's values (each keeps a chunk of them: a
+            # broadcast_parameters(model.state_dict()) after construction reaches copies
+            # only). A bucket at a time: the whole model at once would take the engine's
+            # fusion buffers on top of the model, the peak of a stage-3 run.
+            broadcast_parameters([(f"{bucket.index}.{i}", param)
+                                  for i, param in enumerate(bucket.params)], root_rank=first,
+                                 prefix=f"{sync.prefix}.stage3_start",
+                                 process_set=sync.process_set)
+            sync.layout.own_storage([bucket])
             for param in bucket.params:
                 self.params[id(param)] = (param, bucket)
             bucket.release()
