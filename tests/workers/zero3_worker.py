@@ -24,7 +24,7 @@ RANK, SIZE = mpiddp.rank(), mpiddp.size()
 
 
 def train(stage, kind, cap, steps=4, checkpointed=None, passes=1, scaler_inf_at=None,
-          clip=None, schedule=False):
+          clip=None, schedule=False, unfreeze_at=None):
     torch.manual_seed(5)
     model = Net()
     model.checkpointed = checkpointed       # (an instance attribute: the class's stays None)
@@ -39,6 +39,8 @@ def train(stage, kind, cap, steps=4, checkpointed=None, passes=1, scaler_inf_at=
         if scaler_inf_at is not None else None
     snaps, evals = [], []
     for step in range(steps):
+        if step == unfreeze_at:
+            model.frozen.requires_grad_(True)
         opt.zero_grad()
         for part in range(passes):
             tokens, labels = batch(passes * step + part, RANK)
@@ -116,13 +118,15 @@ def check_activation_checkpointing():
 def check_with_the_rest():
     """Accumulation (two passes a step), GradScaler skipping everywhere on one rank's inf,
     optimizer.clip_grad_norm_ from the shards (to float reassociation: the norm's sum), an LR
-    scheduler changing the rate every step: stage 0's parameters (bitwise at 2 ranks)."""
+    scheduler changing the rate every step, the frozen layer unfrozen at step 2: stage 0's
+    parameters (bitwise at 2 ranks)."""
     compare = (lambda a, b: torch.equal(a, b)) if SIZE == 2 else \
         (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
     for label, kwargs in (("two passes", dict(passes=2)),
                           ("GradScaler", dict(scaler_inf_at=2)),
                           ("clip", dict(clip=0.05)),
-                          ("scheduler", dict(schedule=True))):
+                          ("scheduler", dict(schedule=True)),
+                          ("unfrozen", dict(unfreeze_at=2))):
         reference, _, _ = train(0, "adam", 0.0005, **kwargs)
         got, _, _ = train(3, "adam", 0.0005, **kwargs)
         # (The global norm sums the shards' squares in another order than torch's.)
@@ -131,7 +135,7 @@ def check_with_the_rest():
         for step, (r, g) in enumerate(zip(reference, got)):
             assert all(same(a, b) for a, b in zip(r, g)), (label, step)
     checks.ok("stage 3 with backward_passes_per_step=2, GradScaler (one rank's inf), "
-              "clip_grad_norm_, an LR scheduler: equal to zero_stage=0", RANK,
+              "clip_grad_norm_, an LR scheduler, unfreezing: equal to zero_stage=0", RANK,
               bitwise=SIZE == 2)
 
 
