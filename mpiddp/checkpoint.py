@@ -33,7 +33,7 @@ from .torch.elastic import write_durably
 from .torch.functions import _broadcast_hyperparameters, allgather_object, broadcast_object, \
     broadcast_optimizer_state, broadcast_parameters
 from .torch.handles import synchronize
-from .torch.sharding.param_gathers import model_of
+from .torch.sharding.param_gathers import kept_whole, model_of
 from .torch.sharding.registry import zero_stage_of
 from .torch.sharding.state import broadcast_whole_state
 
@@ -205,7 +205,7 @@ class Checkpoint:
             {key: state[key] for key in ("epoch", "step", "ranks", "extra", "rng")}
         position = broadcast_object(position, root_rank=0, name="mpiddp.checkpoint.position")
         if sharded == 3:
-            _restore_full_model(self.model, state["model"] if state else None,
+            _restore_full_model(self.model, self.optimizer, state["model"] if state else None,
                                 position is not None)
         else:
             broadcast_parameters(self.model.state_dict(), root_rank=0)
@@ -323,13 +323,15 @@ class Checkpoint:
         self.epoch, self.step, self.ranks = epoch, 0, size()
 
 
-def _restore_full_model(model: torch.nn.Module, saved: dict | None, found: bool) -> None:
+def _restore_full_model(model: torch.nn.Module, optimizer, saved: dict | None,
+                        found: bool) -> None:
     """Stage 3: rank 0's file's model state reaches every rank whole (a tensor per
     entry, broadcast), and each rank's ``load_state_dict`` keeps its chunks of the parameters
-    (``DistributedOptimizer(..., model=model)``). Without a file only the buffers come from rank 0: the parameters,
-    gathered from every rank's chunk, are already the same everywhere."""
+    (``DistributedOptimizer(..., model=model)``). Without a file only what is kept whole
+    (buffers) comes from rank 0: the sharded parameters, gathered from every rank's chunk,
+    are already the same everywhere."""
     if not found:
-        broadcast_parameters(dict(model.named_buffers()), root_rank=0,
+        broadcast_parameters(kept_whole(optimizer, model), root_rank=0,
                              prefix="mpiddp.checkpoint.buffers")
         return
     shapes = broadcast_object({key: (tuple(value.shape), value.dtype)

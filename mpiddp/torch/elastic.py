@@ -32,7 +32,7 @@ import torch
 from .. import runtime
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, \
     broadcast_parameters
-from .sharding.param_gathers import model_of
+from .sharding.param_gathers import kept_whole, model_of
 from .sharding.registry import zero_stage_of
 
 SNAPSHOT_PATTERN = re.compile(r"^snapshot-(\d+)-(.+)\.pt$")
@@ -292,8 +292,9 @@ class State:
     def sync(self) -> None:
         """Collective: make every rank's state rank 0's."""
         if zero_stage_of(self._optimizer) == 3:
-            # (The parameters are gathered from every rank's chunk: the same everywhere.)
-            broadcast_parameters(dict(self._model.named_buffers()), root_rank=0)
+            # (The sharded parameters are gathered from every rank's chunk: the same
+            # everywhere.)
+            broadcast_parameters(kept_whole(self._optimizer, self._model), root_rank=0)
         else:
             broadcast_parameters(self._model.state_dict(), root_rank=0)
         if self._optimizer is not None and not zero_stage_of(self._optimizer):

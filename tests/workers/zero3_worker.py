@@ -5,8 +5,8 @@ all-reduce's order). Checks (rank 0 prints 'OK <check>'): parameters after every
 those of stage 0 at 2 ranks (allclose from 3) for SGD (momentum, nesterov, weight decay),
 Adam and AdamW, with one bucket and with several (the early schedule), on a model with a
 tied weight, a frozen layer and a layer used every other step, with a ``torch.no_grad()``
-evaluation between steps; the full parameters' memory released after each step and at most
-``GATHERED_IN_FORWARD`` buckets gathered after a forward.
+evaluation between steps; the full parameters' memory released after each step and nothing
+gathered after an evaluation.
 """
 import sys
 
@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 import checks
 import mpiddp
-from mpiddp.torch.sharding import param_gathers
 from zero_model import OPTIMIZERS, Net, batch
 
 torch.set_num_threads(1)
@@ -68,12 +67,16 @@ def train(stage, kind, cap, steps=4, checkpointed=None, passes=1, scaler_inf_at=
             if not sync.timing.early:
                 assert not any(b.gathered for b in sync.layout.buckets), "gathered after step"
             assert all(p.grad is None for p in model.parameters())
+            if unfreeze_at is None or step < unfreeze_at:     # the frozen layer: sharded too
+                frozen = sync.gathers.frozen_layout.buckets
+                assert any(p is model.frozen.weight for b in frozen for p in b.params)
+                assert not any(b.gathered for b in frozen), "frozen gathered after backward"
         with torch.no_grad():
             evals.append(model(*batch(100 + step, 0)[:1], step).clone())
         if stage == 3:
-            gathered = sum(b.gathered for b in sync.layout.buckets)
-            assert gathered <= param_gathers.GATHERED_IN_FORWARD, gathered
-            released = [b for b in sync.layout.buckets if not b.gathered]
+            gathered = sum(b.gathered for b in sync.gathers.all_buckets())
+            assert gathered == 0, gathered        # (evaluation keeps nothing)
+            released = [b for b in sync.gathers.all_buckets() if not b.gathered]
             assert all(p.untyped_storage().nbytes() == 0 for b in released for p in b.params)
         snaps.append([p.detach().clone() for p in model.parameters()])
     info = (len(sync.layout.buckets), sync.timing.mode, sync.gathers.gathers_done) \
@@ -97,7 +100,7 @@ def check_against_stage_0():
                 assert compare(r, g), ("eval", kind, cap, step)
     checks.ok("stage 3 equal to zero_stage=0 after every step and in no_grad evaluation "
               "(SGD, Adam, AdamW; one bucket and several, the early schedule; tied, frozen "
-              "and sometimes-used layers); full parameters released", RANK,
+              "(sharded too) and sometimes-used layers); full parameters released", RANK,
               bitwise=SIZE == 2, buckets_mode_gathers=seen)
 
 
@@ -192,8 +195,22 @@ def check_state_dicts():
         step_once(fresh, opt, step)
     assert all(compare(a, b) for a, b in zip(model0.parameters(), fresh.parameters())), \
         "after load_state_dict"
+    # Loads that fail leave what they did not load as it was.
+    before = fresh.state_dict()
+    bad = dict(model0.state_dict(), **{"l1.weight": torch.zeros(2)})
+    checks.expect(RuntimeError, lambda: fresh.load_state_dict(bad), "l1.weight")
+    assert torch.equal(fresh.state_dict()["l1.weight"], before["l1.weight"]), "failed load"
+    parts = mpiddp.allgather_object(opt.sharded_state_dict())
+    for part in parts:
+        del part["frozen"]["frozen.weight"]
+    state_before = {k: dict(v) for k, v in opt.state.items()}
+    checks.expect(ValueError, lambda: opt.load_sharded_state_dict(parts), "frozen.weight")
+    assert opt.state.keys() == state_before.keys() and all(
+        all(torch.equal(opt.state[k][n], v) for n, v in values.items() if torch.is_tensor(v))
+        for k, values in state_before.items()), "failed sharded load"
     checks.ok("stage 3 model.state_dict() (consolidated on rank 0, or gathered everywhere) is "
-              "stage 0's; load_state_dict with the whole optimizer state goes on as stage 0",
+              "stage 0's; load_state_dict with the whole optimizer state goes on as stage 0; "
+              "failed loads change nothing they did not load",
               RANK, bitwise=SIZE == 2, consolidated_keys=len(whole["state"]) if RANK == 0
               else None)
 
@@ -264,38 +281,53 @@ def check_refusals():
 
 
 def check_start_and_threads():
-    """Construction gives every rank the first rank's parameters (whatever each built); a
-    forward, backward and step on another thread (guarded at its first forward) train as
-    stage 0 does on the main thread."""
+    """Construction (here inside ``with torch.device(...)``, another torch-function mode)
+    gives every rank the first rank's parameters, frozen ones too (whatever each built). Two
+    threads in turn (the second may get the first's thread id), the first starting with
+    the whole model under an activation checkpoint, train as stage 0 does on the main thread.
+    Once the optimizer is gone its model is refused by name, and no guard is left behind."""
     import threading
-    model, opt = pair(3, seed=20 + RANK)
-    mine = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    modes = torch._C._len_torch_function_stack()
+    with torch.device("cpu"):
+        model, opt = pair(3, seed=20 + RANK)
+    mine = [p.detach().clone() for p in model.parameters()]
     everyone = mpiddp.allgather_object(mine)
     assert all(torch.equal(a, b) for other in everyone for a, b in zip(other, mine)), "start"
     torch.manual_seed(20)
-    assert all(torch.equal(a, b) for a, b in
-               zip([p for p in Net().parameters() if p.requires_grad], mine)), "rank 0's"
-    mpiddp.broadcast_parameters(model.state_dict(), root_rank=0)    # (the frozen layer)
+    assert all(torch.equal(a, b) for a, b in zip(Net().parameters(), mine)), "rank 0's"
     reference, ref_opt = pair(0, seed=20)
     failures = []
 
-    def train_here():
+    def train_here(step, checkpointed):
         try:
-            for step in range(2):
-                step_once(model, opt, step)
+            opt.zero_grad()
+            tokens, labels = batch(step, RANK)
+            output = torch.utils.checkpoint.checkpoint(model, tokens, step, use_reentrant=False) \
+                if checkpointed else model(tokens, step)
+            F.cross_entropy(output, labels).backward()
+            opt.step()
         except BaseException as exc:        # (reported on the main thread)
             failures.append(exc)
-    thread = threading.Thread(target=train_here)
-    thread.start()
-    thread.join()
+    for step in range(3):
+        thread = threading.Thread(target=train_here, args=(step, step == 0))
+        thread.start()
+        thread.join()
     assert not failures, failures
-    for step in range(2):
+    for step in range(3):
         step_once(reference, ref_opt, step)
     compare = (lambda a, b: torch.equal(a, b)) if SIZE == 2 else \
         (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
     assert all(compare(a, b) for a, b in zip(reference.parameters(), model.parameters()))
-    checks.ok("stage 3 starts from the first rank's parameters; training on another thread "
-              "is stage 0's", RANK, bitwise=SIZE == 2)
+    del opt
+    checks.expect(ValueError, lambda: mpiddp.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model=model, zero_stage=3),
+        "no memory", "zero_stage=3")
+    for _ in range(3):
+        pair(3)
+    assert torch._C._len_torch_function_stack() <= max(modes, 1), "guards left behind"
+    checks.ok("stage 3 starts from the first rank's parameters; training on other threads "
+              "is stage 0's; a model whose optimizer is gone is refused", RANK,
+              bitwise=SIZE == 2)
 
 
 def check_state_across_rank_counts(mode, directory):

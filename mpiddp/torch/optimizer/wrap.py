@@ -274,6 +274,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                 raise ValueError(
                     f"parameter '{name}' already belongs to another live DistributedOptimizer "
                     f"({owner().prefix}); a gradient must be reduced by one optimizer only")
+    param_gathers.check_not_released(named)
     if bucket_cap_mb is None:
         # Sharded, every bucket is a reduce-scatter and an all-gather of its own (the
         # engine cannot fuse them): fewer, larger ones (docs/benchmarks.md, "Sharded

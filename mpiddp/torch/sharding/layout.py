@@ -48,6 +48,7 @@ class Bucket:
         self.flat: Optional[torch.Tensor] = None
         self.chunk: Optional[torch.Tensor] = None
         self.gathered = True          # the full parameters hold their values
+        self.frozen = False           # stage 3: frozen parameters, never reduced
         self.pieces: list[Piece] = []
         for param in params:
             start = max(self.lo, self.offsets[param]) - self.offsets[param]

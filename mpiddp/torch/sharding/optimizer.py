@@ -22,7 +22,8 @@ from ..functions import allgather_object
 from ..optimizer.methods import (STEP_WHILE_IN_FLIGHT, _check_consolidate_to,
                                  _check_same_everywhere, _clear_grads, _DistributedOptimizer)
 from ..subset_step import step_subset
-from .param_gathers import load_sharded_model, model_of, whole_model_state
+from .param_gathers import (check_sharded_model, frozen_pieces, load_sharded_model, model_of,
+                             whole_model_state)
 from .state import _as_param_state, _copy_piece, _groups, _indices, _load_full, \
     _set_hyperparameters
 
@@ -428,8 +429,9 @@ class ShardedOptimizer(_DistributedOptimizer):
         Returns:
             ``{"zero_sharded": {world_size, rank, pieces}, "state": ..., "param_groups":
             ...}``: this rank's state by parameter index, with the element ranges it covers
-            (stage 3: also ``"parameters"``, this rank's elements of each, and ``"whole"``,
-            the model's buffers and unsharded (frozen) parameters).
+            (stage 3: also ``"parameters"``, this rank's elements of each, ``"frozen"``,
+            this rank's elements of the frozen parameters by name, and ``"whole"``, the
+            model's buffers and what else is not sharded).
         """
         sync = self._mpiddp
         sync.gathers.complete()
@@ -449,6 +451,7 @@ class ShardedOptimizer(_DistributedOptimizer):
         if model is not None:
             sharded["parameters"] = values
             sharded["whole"] = whole_model_state(sync.gathers, model)
+            sharded["frozen"] = frozen_pieces(sync.gathers, model)
         return sharded
 
     def load_sharded_state_dict(self, sharded: list[dict]) -> None:
@@ -471,10 +474,12 @@ class ShardedOptimizer(_DistributedOptimizer):
             raise ValueError(f"load_sharded_state_dict needs every rank's part of one save: got "
                              f"ranks {ranks} of world sizes {sorted(worlds)}")
         index_of, _ = _indices(sync)
-        _set_hyperparameters(self, sharded[0]["param_groups"])
-        self.state.clear()
         model = model_of(self)
         with_parameters = model is not None and all("parameters" in s for s in sharded)
+        if with_parameters:             # (before anything changes)
+            check_sharded_model(sync.gathers, model, sharded)
+        _set_hyperparameters(self, sharded[0]["param_groups"])
+        self.state.clear()
         for piece in sync.layout.pieces():
             index = index_of[piece.param]
             values: dict = {}
@@ -510,7 +515,7 @@ class ShardedOptimizer(_DistributedOptimizer):
                 with torch.no_grad():
                     piece.shard.copy_(elements["value"])
         if with_parameters:
-            load_sharded_model(sync.gathers, model, sharded[0]["whole"])
+            load_sharded_model(sync.gathers, model, sharded)
         sync.consolidated = None
 
 

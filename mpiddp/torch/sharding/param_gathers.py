@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 
 from ... import runtime
 from ..requests import ring_allgather_entry, submit_together
-from .layout import Bucket
+from .layout import Bucket, ShardLayout
 
 # Buckets kept gathered by the forward's uses (the one in use and the one before it: the
 # last ones are what backward needs first).
@@ -57,10 +57,11 @@ _METADATA = {
 _BACKWARD = {torch.Tensor.backward, torch.autograd.backward}
 
 
-# The stage-3 optimizers alive, and the threads with the saved-tensor hooks (pushed once a
-# thread, never popped: inert when no optimizer is alive).
+# The stage-3 optimizers alive; on each thread that trains one, one guard and one pair of
+# saved-tensor hooks serve them all (pushed once, at the bottom of the thread's stacks, never
+# popped: inert while no stage-3 optimizer lives).
 _LIVE: "weakref.WeakSet[ParamGathers]" = weakref.WeakSet()
-_HOOKED_THREADS: set = set()
+_THREAD = threading.local()
 
 
 class _Saved:
@@ -84,12 +85,19 @@ class ParamGathers:
         self.busy = False
         self.params: dict[int, tuple] = {}    # id(parameter) -> (parameter, its bucket)
         self.gathered: "collections.OrderedDict[int, Bucket]" = collections.OrderedDict()
-        self.guards: dict[int, ParamGuard] = {}
         self.lock = threading.RLock()
         self.gathers_done = 0                 # (tests and benchmarks: gathers so far)
         self.arriving: dict = {}              # id(bucket) -> handle of its gather in flight
-        self.sequence: list[int] = []         # bucket indices in the first forward's order
+        self.sequence: list[Bucket] = []      # buckets in the first forward's order
         self.recording = True                 # ... until the first backward
+        # Frozen parameters' buckets (shard_frozen), and those gathered by this backward with
+        # the autograd node that did it (released once a later node runs, or at its end).
+        self.frozen_layout: Optional[ShardLayout] = None
+        self.backward_frozen: dict = {}       # id(bucket) -> (bucket, node)
+        self.end_queued = False
+        # A prefetch nothing used (an evaluation's, a branch not taken) may still be on the
+        # wire when the optimizer goes: its bucket's memory must outlive it.
+        weakref.finalize(self, _wait_for_gathers, self.arriving, self.params)
         # consolidate_state_dict's copies of the full parameters on its ``to`` rank, for
         # model.state_dict() there, until the next step; and that rank (None: every rank)
         self.consolidated: Optional[dict] = None
@@ -97,12 +105,29 @@ class ParamGathers:
         self.model = lambda: None                    # (weak) the model given to the optimizer
 
     # ---- laying out -------------------------------------------------------------------
-    def adopt(self, buckets: list) -> None:
-        """``buckets`` were just laid out: they own their memory from now on, released
-        until first used."""
+    def adopt(self, buckets: list, layout: Optional[ShardLayout] = None) -> None:
+        """``buckets`` were just laid out (in ``layout``, default the optimizer's): they own
+        their memory from now on, released until first used. A parameter that was in a
+        frozen bucket (unfrozen now) is gathered first and moves to its new bucket."""
         sync = self._sync()
+        layout = layout or sync.layout
         from ..functions import broadcast_parameters
         first = (sync.process_set or runtime.global_process_set).ranks[0]
+        moving = []
+        for param in (p for bucket in buckets for p in bucket.params):
+            if id(param) in self.params and all(b is not self.params[id(param)][1]
+                                                for b in moving):
+                moving.append(self.params[id(param)][1])
+        with self.lock, self.internal(), torch.no_grad():
+            for bucket in moving:
+                if id(bucket) in self.arriving or not bucket.gathered:
+                    self._gather(bucket)
+            # Their own memory again, out of the frozen bucket's (which the broadcast below,
+            # writing through NumPy, would make unresizable for good).
+            for param in (p for bucket in buckets for p in bucket.params):
+                if id(param) in self.params:
+                    param.data = param.detach().clone()
+        kind = "frozen" if layout is self.frozen_layout else "start"
         for bucket in buckets:
             # Every rank starts from the first rank's values (each keeps a chunk of them: a
             # broadcast_parameters(model.state_dict()) after construction reaches copies
@@ -110,28 +135,55 @@ class ParamGathers:
             # fusion buffers on top of the model, the peak of a stage-3 run.
             broadcast_parameters([(f"{bucket.index}.{i}", param)
                                   for i, param in enumerate(bucket.params)], root_rank=first,
-                                 prefix=f"{sync.prefix}.stage3_start",
+                                 prefix=f"{sync.prefix}.stage3_{kind}",
                                  process_set=sync.process_set)
-            sync.layout.own_storage([bucket])
+            layout.own_storage([bucket])
             for param in bucket.params:
                 self.params[id(param)] = (param, bucket)
             bucket.release()
+        for bucket in moving:
+            self.release(bucket)
         self.guard_this_thread()
+
+    def shard_frozen(self, model: torch.nn.Module) -> None:
+        """Collective: the model's frozen floating-point parameters (contiguous, not the
+        optimizer's trainable ones) go into buckets of their own, gathered on use as the
+        others and never reduced."""
+        sync = self._sync()
+        frozen, seen = [], set()
+        for param in model.parameters():
+            if id(param) in seen or id(param) in self.params or param.requires_grad or \
+                    not param.is_floating_point() or not param.is_contiguous():
+                continue
+            seen.add(id(param))
+            frozen.append(param)
+        if not frozen:
+            return
+        self.frozen_layout = ShardLayout(runtime.set_rank(sync.process_set),
+                                         runtime.set_size(sync.process_set),
+                                         sync.bucket_cap, lambda param: param.dtype)
+        self.frozen_layout.add(frozen)
+        for bucket in self.frozen_layout.buckets:
+            bucket.frozen = True
+        self.adopt(self.frozen_layout.buckets, self.frozen_layout)
+
+    def all_buckets(self) -> list:
+        """The optimizer's buckets, then the frozen ones."""
+        sync = self._sync()
+        return sync.layout.buckets + (self.frozen_layout.buckets if self.frozen_layout else [])
+
+    def owns(self, param, bucket: Bucket) -> bool:
+        """Whether ``param``'s values live in ``bucket`` (an unfrozen parameter has left its
+        frozen bucket)."""
+        found = self.params.get(id(param))
+        return found is not None and found[1] is bucket
 
     def guard_this_thread(self) -> None:
         """The guard and the saved-tensor hooks, on this thread (each thread has its own
         mode stack and hooks): the builder's thread, then every thread that runs the
         model's forward (its root module's forward pre-hook) before that forward."""
-        ident = threading.get_ident()
         _LIVE.add(self)
-        if ident not in self.guards:
-            guard = self.guards[ident] = ParamGuard(self)
-            guard.__enter__()      # stays on this thread's mode stack, inert once we are gone
-        if ident not in _HOOKED_THREADS:
-            # One pair a thread for every stage-3 optimizer: the innermost hooks alone see a
-            # saved tensor.
-            _HOOKED_THREADS.add(ident)
-            torch.autograd.graph.saved_tensors_hooks(_pack, _unpack).__enter__()
+        guard_thread()
 
     # ---- gathering and releasing --------------------------------------------------------
     def bucket_of(self, tensor: torch.Tensor) -> Optional[Bucket]:
@@ -157,10 +209,12 @@ class ParamGathers:
                     self._gather(bucket)
                 self.gathered[id(bucket)] = bucket
                 self.gathered.move_to_end(id(bucket))
-                if self.recording and not in_backward and bucket.index not in self.sequence:
-                    self.sequence.append(bucket.index)
+                if self.recording and not in_backward and \
+                        all(b is not bucket for b in self.sequence):
+                    self.sequence.append(bucket)
             if in_backward:
                 self.recording = False
+                self._frozen_in_backward(buckets)
             self._prefetch(buckets[-1], backwards=in_backward)
             if keep:
                 for key in list(self.gathered):
@@ -169,20 +223,48 @@ class ParamGathers:
                     if key not in wanted and key not in self.arriving:
                         self.release(self.gathered[key])
 
+    def _frozen_in_backward(self, buckets: list) -> None:
+        """In backward: release the frozen buckets an earlier autograd node gathered (that
+        node has run: nothing holds their memory), note the ones this node uses, and release
+        the rest at the end of the backward."""
+        node = torch._C._current_autograd_node()
+        wanted = {id(b) for b in buckets}
+        for key, (bucket, by) in list(self.backward_frozen.items()):
+            if by is not node and key not in wanted and key not in self.arriving:
+                self.release(bucket)
+                del self.backward_frozen[key]
+        for bucket in buckets:
+            if bucket.frozen:
+                self.backward_frozen[id(bucket)] = (bucket, node)
+        if not self.end_queued:
+            self.end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self.end_queued = False
+        self.backward_frozen.clear()
+        with self.lock, self.internal():
+            for bucket in list(self.gathered.values()):
+                if bucket.frozen:
+                    self.release(bucket)
+
     def _prefetch(self, bucket: Bucket, backwards: bool) -> None:
         """Start gathering the bucket the first forward used after ``bucket`` (in backward:
         before it), unless it is gathered, arriving or not yet stepped."""
-        if bucket.index not in self.sequence:
+        at = next((i for i, b in enumerate(self.sequence) if b is bucket), None)
+        if at is None:
             return
-        at = self.sequence.index(bucket.index) + (-1 if backwards else 1)
+        at += -1 if backwards else 1
         if not 0 <= at < len(self.sequence):
             return
         sync = self._sync()
-        following = sync.layout.buckets[self.sequence[at]]
+        following = self.sequence[at]
+        if following.gathered or id(following) in self.arriving:
+            return
         # (Not one whose gradients are complete this step: its chunk is about to be stepped.)
-        if following.gathered or id(following) in self.arriving or \
-                following.index in sync.complete or following.index in sync.filling or \
-                any(r.bucket is following for r in sync.in_flight):
+        if not following.frozen and (
+                following.index in sync.complete or following.index in sync.filling
+                or any(r.bucket is following for r in sync.in_flight)):
             return
         self._start(following)
         self.gathered[id(following)] = following
@@ -190,7 +272,8 @@ class ParamGathers:
     def _start(self, bucket: Bucket) -> None:
         sync = self._sync()
         output = bucket.materialise()
-        entry = ring_allgather_entry(bucket.chunk, output, f"{sync.prefix}.gather{bucket.index}",
+        kind = "frozen" if bucket.frozen else "gather"
+        entry = ring_allgather_entry(bucket.chunk, output, f"{sync.prefix}.{kind}{bucket.index}",
                                      resizable=True)
         (handle,) = submit_together([entry], sync.process_set)
         self.arriving[id(bucket)] = handle
@@ -229,13 +312,14 @@ class ParamGathers:
     # ---- the model's full form (attach_model) ----------------------------------------------
     def full_values(self, to: Optional[int] = None) -> Optional[dict]:
         """Collective: gather every bucket in turn; on rank ``to`` of the optimizer's process
-        set (every rank: None) return copies of the full parameters (id -> tensor)."""
+        set (every rank: None) return copies of the full parameters (id -> tensor) in host
+        memory (the model does not fit the device: the reason for stage 3)."""
         sync = self._sync()
         keep = to is None or to == runtime.set_rank(sync.process_set)
         self.complete()
         values = {}
         with self.lock, self.internal():
-            for bucket in sync.layout.buckets:
+            for bucket in self.all_buckets():
                 if id(bucket) in self.arriving:
                     self._wait(bucket)
                 was_gathered = bucket.gathered
@@ -243,7 +327,8 @@ class ParamGathers:
                     self._gather(bucket)
                 if keep:
                     for param in bucket.params:
-                        values[id(param)] = param.detach().clone()
+                        if self.owns(param, bucket):     # (on the host: see the docstring)
+                            values[id(param)] = param.detach().to("cpu", copy=True)
                 if not was_gathered:
                     bucket.release()
         return values if keep else None
@@ -303,35 +388,49 @@ class ParamGathers:
         it does, nothing to enable."""
 
 
+def _wait_for_gathers(arriving: dict, params: dict) -> None:
+    """(A dead ``ParamGathers``' finalizer: ``params`` keeps the buckets alive until here.)"""
+    for handle in list(arriving.values()):
+        try:
+            handle.wait()
+        except Exception:        # (the engine stopped: it writes nothing more)
+            pass
+    arriving.clear()
+
+
 class ParamGuard(TorchFunctionMode):
     """Gathers a released bucket before a torch call uses one of its parameters (module
     docstring)."""
 
-    def __init__(self, gathers: ParamGathers):
+    def __init__(self):
         super().__init__()
-        self.gathers = weakref.ref(gathers)
         self.refuse_compiled_code = _refusal()     # (made here: not while Dynamo traces)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        gathers = self.gathers()
-        if gathers is None:
-            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        live = list(_LIVE)
+        if not live:
+            return func(*args, **kwargs)
         if torch.compiler.is_compiling():       # Dynamo traces this method: refuse at run time
             self.refuse_compiled_code()
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
         if func in _BACKWARD:
-            return self._backward(func, args, kwargs or {})
-        if not gathers.busy and func not in _METADATA:
-            buckets = _buckets_in(gathers, args)
-            if kwargs:
-                buckets += _buckets_in(gathers, kwargs.values())
-            if buckets:
-                # Inside backward (a custom Function's backward, an activation checkpoint's
-                # recomputation) nothing is released: tensors autograd holds there may view
-                # any gathered bucket; those buckets go when their gradients are final.
-                in_backward = torch._C._current_autograd_node() is not None
-                gathers.use(buckets, keep=0 if in_backward else GATHERED_IN_FORWARD)
-        return func(*args, **(kwargs or {}))
+            return self._backward(func, args, kwargs)
+        if func not in _METADATA:
+            for gathers in live:
+                if gathers.busy:
+                    continue
+                buckets = _buckets_in(gathers, args)
+                if kwargs:
+                    buckets += _buckets_in(gathers, kwargs.values())
+                if buckets:
+                    # Inside backward (a custom Function's backward, an activation
+                    # checkpoint's recomputation) nothing is released: tensors autograd
+                    # holds there may view any gathered bucket; those buckets go when their
+                    # gradients are final.
+                    in_backward = torch._C._current_autograd_node() is not None
+                    gathers.use(buckets, keep=0 if in_backward else GATHERED_IN_FORWARD)
+        return func(*args, **kwargs)
 
     def _backward(self, func, args, kwargs):
         """``loss.backward()`` / ``torch.autograd.backward`` with this guard on during the
@@ -362,6 +461,27 @@ class ParamGuard(TorchFunctionMode):
                                  create_graph if retain_graph is None else retain_graph,
                                  create_graph, inputs, allow_unreachable=True,
                                  accumulate_grad=True)
+
+
+def guard_thread() -> None:
+    """Push the guard and the saved-tensor hooks on this thread, once, *below* whatever
+    modes and hooks are open (``with torch.device(...)``, an activation checkpoint's hooks):
+    those pop themselves on exit, and would pop ours instead if ours were on top."""
+    if getattr(_THREAD, "guarded", False):
+        return
+    _THREAD.guarded = True
+    above = [torch._C._pop_torch_function_stack()
+             for _ in range(torch._C._len_torch_function_stack())]
+    torch._C._push_on_torch_function_stack(ParamGuard())
+    for mode in reversed(above):
+        torch._C._push_on_torch_function_stack(mode)
+    hooks = []
+    while torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        hooks.append(torch._C._autograd._top_saved_tensors_default_hooks(False))
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    torch._C._autograd._push_saved_tensors_default_hooks(_pack, _unpack)
+    for pack, unpack in reversed(hooks):
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 @functools.cache
@@ -402,13 +522,31 @@ def _unpack(saved):
     if isinstance(saved, _Saved):
         bucket = saved.bucket
         owner = saved.owner()
-        if owner is not None and (not bucket.gathered or id(bucket) in owner.arriving):
-            owner.use([bucket], keep=0)      # (arriving: a prefetch, still on the wire)
+        if owner is not None:
+            if not bucket.gathered or id(bucket) in owner.arriving:
+                owner.use([bucket], keep=0)      # (arriving: a prefetch, still on the wire)
+            elif bucket.frozen:
+                with owner.lock:
+                    owner._frozen_in_backward([bucket])
         return saved.tensor
     return saved
 
 
 # ---- the model's state dict (docs/dev/zero3.md "Model and optimizer state") -----------------
+def check_not_released(named: list) -> None:
+    """A parameter whose memory a stage-3 optimizer released, and which that optimizer no
+    longer gathers (it is gone), cannot be read: refuse it by name."""
+    released = [name for name, param in named if param.layout == torch.strided and
+                param.untyped_storage().nbytes() <
+                (param.storage_offset() + param.numel()) * param.element_size()]
+    if released:
+        raise ValueError(
+            f"DistributedOptimizer: parameters {released[:3]} have no memory: a "
+            "DistributedOptimizer(zero_stage=3) that sharded them is gone. Keep that optimizer "
+            "while the model is used; to start again, load its model.state_dict() (taken "
+            "while it lived) into a new model")
+
+
 def check_model(zero_stage: int, model, optimizer) -> None:
     """``DistributedOptimizer``'s ``model`` argument: needed at stage 3 (holding every
     parameter of the optimizer), refused elsewhere. Before any collective."""
@@ -441,11 +579,22 @@ def attach_model(optimizer, model: torch.nn.Module) -> None:
     gathers = optimizer._mpiddp.gathers
     ref = weakref.ref(gathers)
     gathers.model = weakref.ref(model)
-    model.register_forward_pre_hook(functools.partial(_guard_thread, ref))
-    model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: _quiet(ref, True))
-    model.register_state_dict_post_hook(functools.partial(_full_state, ref))
-    model.register_load_state_dict_pre_hook(functools.partial(_before_load, ref))
-    model.register_load_state_dict_post_hook(functools.partial(_after_load, ref))
+    gathers.shard_frozen(model)
+    handles = [
+        model.register_forward_pre_hook(functools.partial(_guard_thread, ref)),
+        model.register_forward_hook(functools.partial(_after_forward, ref)),
+        model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: _quiet(ref, True)),
+        model.register_state_dict_post_hook(functools.partial(_full_state, ref)),
+        model.register_load_state_dict_pre_hook(functools.partial(_before_load, ref)),
+        model.register_load_state_dict_post_hook(functools.partial(_after_load, ref))]
+    # (Gone with the optimizer. The parameters' memory is its shards: a model kept without
+    # it is unusable, which DistributedOptimizer refuses to wrap again.)
+    weakref.finalize(gathers, _remove_hooks, handles)
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def model_of(optimizer) -> Optional[torch.nn.Module]:
@@ -456,11 +605,18 @@ def model_of(optimizer) -> Optional[torch.nn.Module]:
 
 
 def _guard_thread(ref, module, args) -> None:
-    if torch.compiler.is_compiling():       # (refused by the guard at the first run)
-        return
+    if not getattr(_THREAD, "guarded", False) and not torch.compiler.is_compiling():
+        guard_thread()          # (compiled code: refused by the guard at its first run)
+
+
+def _after_forward(ref, module, args, output) -> None:
+    """A forward without autograd (evaluation) keeps nothing gathered."""
     gathers = ref()
-    if gathers is not None and threading.get_ident() not in gathers.guards:
-        gathers.guard_this_thread()
+    if gathers is not None and not torch.is_grad_enabled() and \
+            not torch.compiler.is_compiling():
+        with gathers.lock, gathers.internal():
+            for bucket in list(gathers.gathered.values()):
+                gathers.release(bucket)
 
 
 def _quiet(ref, quiet: bool) -> None:
@@ -504,11 +660,12 @@ def _before_load(ref, module, state_dict, prefix, local_metadata, strict, missin
     if absent:
         raise ValueError(f"zero_stage=3 loads every sharded parameter: {absent[:3]} missing "
                          "from the state dict")
-    sync = gathers._sync()
-    for bucket in sync.layout.buckets:
-        if id(bucket) in gathers.arriving:
-            gathers._wait(bucket)
-        bucket.materialise()        # load_state_dict writes every parameter whole
+    with gathers.lock, gathers.internal():
+        for bucket in gathers.all_buckets():
+            # (Gathered, not just given memory: an entry load_state_dict skips, or a load
+            # that fails, leaves the current values.)
+            if id(bucket) in gathers.arriving or not bucket.gathered:
+                gathers._gather(bucket)
     _quiet(ref, True)
 
 
@@ -517,9 +674,8 @@ def _after_load(ref, module, incompatible_keys) -> None:
     if gathers is None:
         return
     _quiet(ref, False)
-    sync = gathers._sync()
     with torch.no_grad():
-        for bucket in sync.layout.buckets:
+        for bucket in gathers.all_buckets():
             bucket.chunk.copy_(bucket.flat[bucket.lo:bucket.hi])
             gathers.release(bucket)
     gathers.forget_consolidated()
@@ -534,23 +690,78 @@ def _kept_whole(gathers: ParamGathers, model: torch.nn.Module) -> dict:
     return whole
 
 
+def kept_whole(optimizer, model: torch.nn.Module) -> dict:
+    """What a ``DistributedOptimizer(zero_stage=3)`` leaves whole in ``model`` (buffers,
+    parameters not sharded), by name: what a broadcast from one rank still reaches."""
+    return _kept_whole(optimizer.__dict__["_mpiddp"].gathers, model)
+
+
 def whole_model_state(gathers: ParamGathers, model: torch.nn.Module) -> dict:
     """Copies of ``_kept_whole`` (for ``sharded_state_dict``)."""
     return {name: tensor.detach().clone()
             for name, tensor in _kept_whole(gathers, model).items()}
 
 
-def load_sharded_model(gathers: ParamGathers, model: torch.nn.Module, whole: dict) -> None:
-    """``load_sharded_state_dict`` at stage 3 wrote this rank's chunks: the full parameters
-    gathered before are stale. What is kept whole comes from the save's first part."""
+def frozen_pieces(gathers: ParamGathers, model: torch.nn.Module) -> dict:
+    """This rank's pieces of the sharded frozen parameters, by name: (start, stop, copy)."""
+    if gathers.frozen_layout is None:
+        return {}
+    names = {id(param): name for name, param in model.named_parameters()}
+    return {names[id(piece.param)]: (piece.start, piece.stop, piece.shard.detach().clone())
+            for bucket in gathers.frozen_layout.buckets for piece in bucket.pieces
+            if gathers.owns(piece.param, bucket)}
+
+
+def check_sharded_model(gathers: ParamGathers, model: torch.nn.Module, parts: list) -> None:
+    """The parts hold what ``load_sharded_model`` takes (ValueError naming what is missing)."""
+    whole = parts[0]["whole"]
+    own = _kept_whole(gathers, model)
+    missing = sorted(set(own) - set(whole))
+    wrong = sorted(name for name in set(own) & set(whole)
+                   if tuple(whole[name].shape) != tuple(own[name].shape))
+    if gathers.frozen_layout is not None:
+        names = {id(param): name for name, param in model.named_parameters()}
+        missing += sorted({names[id(piece.param)] for bucket in gathers.frozen_layout.buckets
+                           for piece in bucket.pieces if gathers.owns(piece.param, bucket)
+                           and not any(names[id(piece.param)] in part.get("frozen", {})
+                                       for part in parts)})
+    if missing or wrong:
+        raise ValueError(f"load_sharded_state_dict: the save lacks {missing[:3]} or has other "
+                         f"shapes for {wrong[:3]}: a state of another model")
+
+
+def load_sharded_model(gathers: ParamGathers, model: torch.nn.Module, parts: list) -> None:
+    """``load_sharded_state_dict`` at stage 3 wrote this rank's chunks of the trainable
+    parameters: the full parameters gathered before are stale. The frozen ones' pieces come
+    from every part, what is kept whole from the first."""
+    whole = parts[0]["whole"]
     with torch.no_grad(), gathers.lock, gathers.internal():
-        for bucket in gathers._sync().layout.buckets:
+        for bucket in gathers.all_buckets():
             gathers.release(bucket)
-        own = _kept_whole(gathers, model)
-        missing = sorted(set(own) - set(whole))
-        if missing:
-            raise ValueError(f"load_sharded_state_dict: the save lacks {missing[:3]}: a state "
-                             "of another model")
-        for name, tensor in own.items():
+        for name, tensor in _kept_whole(gathers, model).items():
             tensor.copy_(whole[name])
+        if gathers.frozen_layout is not None:
+            names = {id(param): name for name, param in model.named_parameters()}
+            for bucket in gathers.frozen_layout.buckets:
+                for piece in bucket.pieces:
+                    if gathers.owns(piece.param, bucket):
+                        _load_piece(piece, names[id(piece.param)], parts)
     gathers.forget_consolidated()
+
+
+def _load_piece(piece, name: str, parts: list) -> None:
+    """Copy elements ``piece.start:piece.stop`` of frozen parameter ``name`` from the parts
+    that hold them (any rank count saved them)."""
+    covered = 0
+    for part in parts:
+        found = part.get("frozen", {}).get(name)
+        if found is None:
+            continue
+        start, stop, values = found
+        lo, hi = max(start, piece.start), min(stop, piece.stop)
+        if lo < hi:
+            piece.shard[lo - piece.start:hi - piece.start].copy_(values[lo - start:hi - start])
+            covered += hi - lo
+    if covered != piece.stop - piece.start:
+        raise ValueError(f"load_sharded_state_dict: the parts do not cover the frozen "
+                         f"parameter '{name}' elements {piece.start}-{piece.stop}")
