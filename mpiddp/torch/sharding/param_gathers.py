@@ -215,6 +215,10 @@ class ParamGathers:
             if in_backward:
                 self.recording = False
                 self._frozen_in_backward(buckets)
+            else:
+                # (A forward: the last backward is over, even one that raised before its end
+                # callback ran.)
+                self.end_queued = False
             self._prefetch(buckets[-1], backwards=in_backward)
             if keep:
                 for key in list(self.gathered):
@@ -228,6 +232,8 @@ class ParamGathers:
         node has run: nothing holds their memory), note the ones this node uses, and release
         the rest at the end of the backward."""
         node = torch._C._current_autograd_node()
+        if node is None:        # (a saved tensor read outside backward: grad_fn._saved_...)
+            return
         wanted = {id(b) for b in buckets}
         for key, (bucket, by) in list(self.backward_frozen.items()):
             if by is not node and key not in wanted and key not in self.arriving:
