@@ -131,24 +131,29 @@ def grad_bytes(params) -> int:
     return sum(tensor_bytes(p.grad) for p in params if p.grad is not None)
 
 
-def formula_bytes(stage: int, params: int, ranks: int) -> dict:
-    """The ZeRO paper's model-state bytes per rank for float32 Adam at ``stage``."""
+def formula_bytes(stage: int, params: int, ranks: int, trainable: int | None = None) -> dict:
+    """The ZeRO paper's model-state bytes per rank for float32 Adam at ``stage``
+    (``trainable`` of the ``params`` have gradients and Adam state; default all)."""
+    trainable = params if trainable is None else trainable
     weights = 4 * params / (ranks if stage >= 3 else 1)
-    grads = 4 * params / (ranks if stage >= 2 else 1)
-    optimizer = 8 * params / (ranks if stage >= 1 else 1)
+    grads = 4 * trainable / (ranks if stage >= 2 else 1)
+    optimizer = 8 * trainable / (ranks if stage >= 1 else 1)
     return {"params": weights, "grads": grads, "optimizer": optimizer,
             "total": weights + grads + optimizer}
 
 
 # ---- model and data -------------------------------------------------------------------------
-def build_model(layers: int, width: int):
-    """``layers`` x (``nn.Linear(width, width)``, tanh), the same on every rank (seed 0)."""
+def build_model(layers: int, width: int, frozen: int = 0):
+    """``layers`` x (``nn.Linear(width, width)``, tanh), the same on every rank (seed 0);
+    the first ``frozen`` layers frozen (``requires_grad=False``)."""
     import torch
     from torch import nn
     torch.manual_seed(0)
     modules = []
-    for _ in range(layers):
-        modules += [nn.Linear(width, width), nn.Tanh()]
+    for index in range(layers):
+        layer = nn.Linear(width, width)
+        layer.requires_grad_(index >= frozen)
+        modules += [layer, nn.Tanh()]
     return nn.Sequential(*modules)
 
 
@@ -174,7 +179,7 @@ class Setup:
 def prepare(config: str, comm, args):
     """Start the communication library and build the model: ``(model, wrap)``; ``wrap()``
     builds what is measured (optimizer, DDP, ``fully_shard``) and returns a ``Setup``."""
-    model = build_model(args.layers, args.width)
+    model = build_model(args.layers, args.width, args.frozen_layers)
     if config.startswith("mpiddp"):
         import mpiddp
         mpiddp.init()
@@ -339,6 +344,7 @@ def mpiexec_command(config: str, outdir: Path, args) -> list:
             sys.executable, "-m", "mpi4py", os.path.abspath(__file__), "--worker", config,
             "--outdir", str(outdir), "--layers", str(args.layers), "--width", str(args.width),
             "--steps", str(args.steps), "--batch", str(args.batch),
+            "--frozen-layers", str(args.frozen_layers),
             "--bucket-cap-mb", str(args.bucket_cap_mb)]
 
 
@@ -409,7 +415,8 @@ def summarize(config: str, run: dict, args) -> dict:
         return row
     ranks = run["per_rank"]
     params = ranks[0]["params"]
-    formula = formula_bytes(stage, params, args.ranks)
+    formula = formula_bytes(stage, params, args.ranks,
+                            params * (args.layers - args.frozen_layers) // args.layers)
     above = max(r["peak_rss"] - r["baseline_rss"] for r in ranks)
     row.update(
         params=params,
@@ -426,6 +433,10 @@ def summarize(config: str, run: dict, args) -> dict:
         else max(r["peak_rss_steps"] for r in ranks),
         seconds=max(r["seconds"] for r in ranks))
     row["ratio"] = row["model_state_bytes"] / formula["total"]
+    # The same over the training steps alone: at stage 3 the model built whole before the
+    # wrapping (in the baseline) can be the run's peak, which hides the training's.
+    row["model_state_steps_bytes"] = None if row["peak_rss_steps"] is None else \
+        row["peak_rss_steps"] - row["baseline_rss"] + 4 * params
     row["optimizer_ratio"] = row["optimizer_state_bytes"] / formula["optimizer"]
     return row
 
@@ -446,14 +457,15 @@ def compare_params(config: str, outdir: Path) -> dict | None:
 def print_table(rows: list, args) -> None:
     """The results table (MiB per rank, the largest over the ranks)."""
     params = next((row["params"] for row in rows if "params" in row), 0)
-    print(f"\n{args.ranks} ranks, {args.layers} x Linear({args.width}, {args.width}) = "
+    frozen = f" (the first {args.frozen_layers} frozen)" if args.frozen_layers else ""
+    print(f"\n{args.ranks} ranks, {args.layers} x Linear({args.width}, {args.width}){frozen} = "
           f"{params / 1e6:.1f}M float32 parameters, Adam, batch "
           f"{args.batch}x{args.width}, {args.steps} steps; MiB per rank (largest over ranks)")
     print("model state = peak RSS - baseline RSS + parameter bytes (resident in the baseline); "
           "formula: 4 B params + 4 B grads + 8 B Adam state per parameter, sharded per stage")
     head = (f"{'configuration':<22}{'formula':>8}{'opt state':>10}{'(formula)':>10}"
             f"{'baseline':>9}{'peak':>8}{'peak-base':>10}{'model st.':>10}{'formula':>9}"
-            f"{'ratio':>7}{'grads held':>11}  final params vs zero0")
+            f"{'ratio':>7}{'in steps':>9}{'grads held':>11}  final params vs zero0")
     print(head)
     print("-" * len(head))
     for row in rows:
@@ -470,12 +482,16 @@ def print_table(rows: list, args) -> None:
             vs = "bitwise equal" if check["equal"] else f"max |diff| {check['max_abs_diff']:.2e}"
         if not row["ranks_agree"]:
             vs += "; RANKS DIFFER"
+        steps = "-" if row["model_state_steps_bytes"] is None else \
+            f"{row['model_state_steps_bytes'] / MiB:.1f}"
         print(f"{row['label']:<22}{'ZeRO-' + str(row['formula_stage']):>8}"
               f"{row['optimizer_state_bytes'] / MiB:>10.1f}{f['optimizer'] / MiB:>10.1f}"
               f"{row['baseline_rss'] / MiB:>9.0f}{row['peak_rss'] / MiB:>8.0f}"
               f"{row['above_baseline_bytes'] / MiB:>10.1f}{row['model_state_bytes'] / MiB:>10.1f}"
-              f"{f['total'] / MiB:>9.1f}{row['ratio']:>7.2f}"
+              f"{f['total'] / MiB:>9.1f}{row['ratio']:>7.2f}{steps:>9}"
               f"{row['full_grad_bytes_after_backward'] / MiB:>11.1f}  {vs}")
+    print("'in steps': the model state over the training steps alone (the peak reset after "
+          "the wrapping)")
     print("'grads held': param.grad bytes after the last backward, before its step (FSDP2: "
           "its local gradient shards; mpiddp stage 2 none: its averaged shards live on the "
           "optimizer's shard tensors)")
@@ -488,6 +504,10 @@ def parse_args(argv=None):
     p.add_argument("--width", type=int, default=2048, help="their width (default 2048)")
     p.add_argument("--steps", type=int, default=3, help="Adam steps (default 3)")
     p.add_argument("--batch", type=int, default=4, help="rows per rank (default 4)")
+    p.add_argument("--frozen-layers", type=int, default=0,
+                   help="freeze the first N layers (a frozen base under trainable ones; "
+                        "default 0); the formula counts gradients and Adam state for the "
+                        "trainable ones only")
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS),
                    default=list(CONFIGS), help="configurations to run (default: all)")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
@@ -530,6 +550,7 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps(
             {"ranks": args.ranks, "layers": args.layers, "width": args.width,
+             "frozen_layers": args.frozen_layers,
              "steps": args.steps, "batch": args.batch, "reference": REFERENCE,
              "results": rows}, indent=1))
     return 1 if any(row["error"] is not None and row["config"].startswith("mpiddp")
