@@ -170,12 +170,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             for its reduction. The result's param groups hold this rank's shards. Only
             elementwise optimizers (``mpiddp.elementwise_optimizer``); not with Adasum,
             LBFGS or custom compressors. 3: the parameters are sharded too: each rank keeps
-            its chunk of every trainable parameter, and the full parameters are gathered
-            just before their use (forward, backward) and released after it; needs
-            ``model``. See docs/sharding.md.
+            its chunk of every parameter (frozen ones too), and the full parameters are
+            gathered just before their use (forward, backward) and released after it;
+            needs ``model``. See docs/sharding.md.
         model: with ``zero_stage=3`` (and only then), the model whose parameters the
-            optimizer holds. Construction broadcasts its trainable parameters from the
-            first rank of ``process_set``; ``model.state_dict()`` then gives the full
+            optimizer holds. Construction broadcasts the parameters it shards from
+            the first rank of ``process_set``; ``model.state_dict()`` then gives the full
             parameters and ``model.load_state_dict`` takes them. ``named_parameters``
             defaults to ``model.named_parameters()``.
 
