@@ -180,8 +180,8 @@ class Checkpoint:
         A sharded optimizer (``zero_stage`` 1 to 3) gets the whole optimizer state from
         rank 0, a part at a time, and each rank keeps its shards: the file may come from any
         stage and any rank count. At stage 3 the file's model state reaches every rank
-        whole, and each keeps its chunks of the parameters. Without a file it takes rank 0's hyperparameters only
-        (its shards' state is each rank's own).
+        whole, and each keeps its chunks of the parameters. Without a file it takes rank
+        0's hyperparameters only (its shards' state is each rank's own).
 
         Returns:
             Whether a checkpoint was loaded (then ``epoch``, ``step``, ``ranks`` and

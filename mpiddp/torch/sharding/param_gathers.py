@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from ... import runtime
 from ..requests import ring_allgather_entry, submit_together
 from .layout import Bucket, ShardLayout
+from .state import _copy_piece
 
 # Buckets kept gathered by the forward's uses (the one in use and the one before it: the
 # last ones are what backward needs first).
@@ -587,7 +588,7 @@ def attach_model(optimizer, model: torch.nn.Module) -> None:
     gathers.model = weakref.ref(model)
     gathers.shard_frozen(model)
     handles = [
-        model.register_forward_pre_hook(functools.partial(_guard_thread, ref)),
+        model.register_forward_pre_hook(_guard_thread),
         model.register_forward_hook(functools.partial(_after_forward, ref)),
         model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: _quiet(ref, True)),
         model.register_state_dict_post_hook(functools.partial(_full_state, ref)),
@@ -610,7 +611,7 @@ def model_of(optimizer) -> Optional[torch.nn.Module]:
     return gathers.model() if isinstance(gathers, ParamGathers) else None
 
 
-def _guard_thread(ref, module, args) -> None:
+def _guard_thread(module, args) -> None:
     if not getattr(_THREAD, "guarded", False) and not torch.compiler.is_compiling():
         guard_thread()          # (compiled code: refused by the guard at its first run)
 
@@ -708,14 +709,20 @@ def whole_model_state(gathers: ParamGathers, model: torch.nn.Module) -> dict:
             for name, tensor in _kept_whole(gathers, model).items()}
 
 
+def _frozen_pieces_here(gathers: ParamGathers, model: torch.nn.Module) -> list:
+    """(name, piece) for this rank's pieces of the frozen parameters still in their frozen
+    buckets."""
+    if gathers.frozen_layout is None:
+        return []
+    names = {id(param): name for name, param in model.named_parameters()}
+    return [(names[id(piece.param)], piece) for bucket in gathers.frozen_layout.buckets
+            for piece in bucket.pieces if gathers.owns(piece.param, bucket)]
+
+
 def frozen_pieces(gathers: ParamGathers, model: torch.nn.Module) -> dict:
     """This rank's pieces of the sharded frozen parameters, by name: (start, stop, copy)."""
-    if gathers.frozen_layout is None:
-        return {}
-    names = {id(param): name for name, param in model.named_parameters()}
-    return {names[id(piece.param)]: (piece.start, piece.stop, piece.shard.detach().clone())
-            for bucket in gathers.frozen_layout.buckets for piece in bucket.pieces
-            if gathers.owns(piece.param, bucket)}
+    return {name: (piece.start, piece.stop, piece.shard.detach().clone())
+            for name, piece in _frozen_pieces_here(gathers, model)}
 
 
 def check_sharded_model(gathers: ParamGathers, model: torch.nn.Module, parts: list) -> None:
@@ -725,12 +732,8 @@ def check_sharded_model(gathers: ParamGathers, model: torch.nn.Module, parts: li
     missing = sorted(set(own) - set(whole))
     wrong = sorted(name for name in set(own) & set(whole)
                    if tuple(whole[name].shape) != tuple(own[name].shape))
-    if gathers.frozen_layout is not None:
-        names = {id(param): name for name, param in model.named_parameters()}
-        missing += sorted({names[id(piece.param)] for bucket in gathers.frozen_layout.buckets
-                           for piece in bucket.pieces if gathers.owns(piece.param, bucket)
-                           and not any(names[id(piece.param)] in part.get("frozen", {})
-                                       for part in parts)})
+    missing += sorted({name for name, _ in _frozen_pieces_here(gathers, model)
+                       if not any(name in part.get("frozen", {}) for part in parts)})
     if missing or wrong:
         raise ValueError(f"load_sharded_state_dict: the save lacks {missing[:3]} or has other "
                          f"shapes for {wrong[:3]}: a state of another model")
@@ -746,19 +749,15 @@ def load_sharded_model(gathers: ParamGathers, model: torch.nn.Module, parts: lis
             gathers.release(bucket)
         for name, tensor in _kept_whole(gathers, model).items():
             tensor.copy_(whole[name])
-        if gathers.frozen_layout is not None:
-            names = {id(param): name for name, param in model.named_parameters()}
-            for bucket in gathers.frozen_layout.buckets:
-                for piece in bucket.pieces:
-                    if gathers.owns(piece.param, bucket):
-                        _load_piece(piece, names[id(piece.param)], parts)
+        for name, piece in _frozen_pieces_here(gathers, model):
+            _load_piece(piece, name, parts)
     gathers.forget_consolidated()
 
 
 def _load_piece(piece, name: str, parts: list) -> None:
     """Copy elements ``piece.start:piece.stop`` of frozen parameter ``name`` from the parts
     that hold them (any rank count saved them)."""
-    covered = 0
+    covered, elements = 0, {}
     for part in parts:
         found = part.get("frozen", {}).get(name)
         if found is None:
@@ -766,8 +765,10 @@ def _load_piece(piece, name: str, parts: list) -> None:
         start, stop, values = found
         lo, hi = max(start, piece.start), min(stop, piece.stop)
         if lo < hi:
-            piece.shard[lo - piece.start:hi - piece.start].copy_(values[lo - start:hi - start])
+            _copy_piece(elements, {"value": values}, start, stop, lo, hi, piece.start,
+                        piece.stop - piece.start)
             covered += hi - lo
     if covered != piece.stop - piece.start:
         raise ValueError(f"load_sharded_state_dict: the parts do not cover the frozen "
                          f"parameter '{name}' elements {piece.start}-{piece.stop}")
+    piece.shard.copy_(elements["value"])
