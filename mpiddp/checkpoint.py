@@ -18,6 +18,7 @@ from __future__ import annotations
 __all__ = ["Checkpoint", "ResumableSampler", "PreemptionWatch", "Preempted", "EXIT_PREEMPTED",
            "save_durably"]
 
+import contextlib
 import itertools
 import os
 import signal
@@ -26,19 +27,21 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch.utils.data import DistributedSampler
 
+from .errors import EngineShutdownError
 from .reduce_ops import Max
 from .runtime import rank, size
 from .torch.async_ops import allreduce_async
 from .torch.elastic import write_durably
 from .torch.functions import _broadcast_hyperparameters, allgather_object, broadcast_object, \
-    broadcast_optimizer_state, broadcast_parameters
+    broadcast_optimizer_state, broadcast_parameters, every_rank_calls
 from .torch.handles import synchronize
+from .torch.sharding.optimizer import consolidated
 from .torch.sharding.param_gathers import kept_whole, model_of
 from .torch.sharding.registry import zero_stage_of
 from .torch.sharding.state import broadcast_whole_state
 
 # sysexits.h EX_TEMPFAIL, "temporary failure, try again": the status of a preempted run, on
-# which the job scripts requeue the job (scripts/slurm.sbatch).
+# which the job scripts requeue the job (scripts/cluster/slurm.sbatch).
 EXIT_PREEMPTED = 75
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -286,7 +289,8 @@ class Checkpoint:
             try:
                 yield step, batch
             except GeneratorExit:           # the loop was left early: collect the flag
-                self.preemption.stop_agreed()
+                with contextlib.suppress(EngineShutdownError):  # (left by that error)
+                    self.preemption.stop_agreed()
                 raise
             signum = self.preemption.stop_agreed()
             if signum:
@@ -308,18 +312,21 @@ class Checkpoint:
 
         Raises:
             OSError: rank 0 cannot write the file.
+            EngineShutdownError: some ranks did not call it (on every rank, naming them).
         """
+        every_rank_calls("mpiddp.Checkpoint.save")      # called on some ranks only: an error
         self.extra.update(extra)
         rng = allgather_object(_rng_state(), name="mpiddp.checkpoint.rng") if step else None
-        if zero_stage_of(self.optimizer):
-            # Sharded: every rank's shards are gathered (bucket by bucket) into the whole
-            # state on rank 0, so the file is the same at every stage and rank count.
-            self.optimizer.consolidate_state_dict(to=0)
-        if rank() == 0:
-            save_durably(self.path, {
-                "epoch": epoch, "step": step, "ranks": size(), "extra": self.extra,
-                "rng": rng, "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict()})
+        # Sharded: every rank's shards are gathered (bucket by bucket) into the whole state on
+        # rank 0, so the file is the same at every stage and rank count; afterwards the
+        # optimizer and model are as they were.
+        with consolidated(self.optimizer, to=0) if zero_stage_of(self.optimizer) \
+                else contextlib.nullcontext():
+            if rank() == 0:
+                save_durably(self.path, {
+                    "epoch": epoch, "step": step, "ranks": size(), "extra": self.extra,
+                    "rng": rng, "model": self.model.state_dict(),
+                    "optimizer": self.optimizer.state_dict()})
         self.epoch, self.step, self.ranks = epoch, 0, size()
 
 

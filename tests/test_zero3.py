@@ -20,3 +20,12 @@ def test_stage_3_state_forms_restore_at_another_rank_count(tmp_path):
     assert_ok(saved, expect_lines=1)
     restored = run_mpi("zero3_worker.py", 3, "restore", tmp_path, timeout=120, env=RING)
     assert_ok(restored, expect_lines=1)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_stage_3_model_owns_its_shards(ranks):
+    """Issue 63: the model outlives its optimizer, a new optimizer takes it over, what cannot
+    work is refused, saves leave state_dict() alone, and shutdown() with the model alive ends
+    normally (no rank crashes)."""
+    result = run_mpi("zero3_ownership_worker.py", ranks, timeout=180, env=RING)
+    assert_ok(result, expect_lines=4 + ranks)

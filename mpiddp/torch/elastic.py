@@ -17,6 +17,7 @@ script then goes on from its last commit.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
 import io
@@ -32,6 +33,7 @@ import torch
 from .. import runtime
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, \
     broadcast_parameters
+from .sharding.optimizer import consolidated
 from .sharding.param_gathers import kept_whole, model_of
 from .sharding.registry import zero_stage_of
 
@@ -218,11 +220,13 @@ class State:
         full parameters too), so that a restore at any rank count re-shards it."""
         self._raise_write_error()
         self.commits += 1
-        if zero_stage_of(self._optimizer):
-            self._optimizer.consolidate_state_dict(to=None)
-        if not self.writer:
-            return
-        snapshot = (self.commits, _to_host(self.state_dict()))
+        # (Consolidated for the snapshot only: afterwards the optimizer and model are as they
+        # were.)
+        with consolidated(self._optimizer, to=None) if zero_stage_of(self._optimizer) \
+                else contextlib.nullcontext():
+            if not self.writer:
+                return
+            snapshot = (self.commits, _to_host(self.state_dict()))
         if self._thread is None:
             os.makedirs(self.directory, exist_ok=True)
             self._thread = threading.Thread(target=self._write_loop, daemon=True,

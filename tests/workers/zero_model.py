@@ -3,6 +3,9 @@ zero3_worker.py): odd and prime sizes; a frozen layer; one used on even steps on
 output layer's weight tied to the embedding; optionally an activation-checkpointed block."""
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+
+import mpiddp
 
 VOCAB, WIDTH, HIDDEN, BATCH = 11, 13, 17, 6
 
@@ -48,3 +51,21 @@ OPTIMIZERS = {
     "adam": lambda p: torch.optim.Adam(p, lr=0.01),
     "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
 }
+
+
+def pair(stage, kind="adam", seed=5, cap=0.0005):
+    """A model and its DistributedOptimizer (several buckets at the default ``cap``)."""
+    torch.manual_seed(seed)
+    model = Net()
+    opt = mpiddp.DistributedOptimizer(
+        OPTIMIZERS[kind](model.parameters()), named_parameters=model.named_parameters(),
+        zero_stage=stage, bucket_cap_mb=cap, model=model if stage == 3 else None)
+    return model, opt
+
+
+def step_once(model, opt, step):
+    """One training step on this rank's batch of ``step``."""
+    opt.zero_grad()
+    tokens, labels = batch(step, mpiddp.rank())
+    F.cross_entropy(model(tokens, step), labels).backward()
+    opt.step()

@@ -274,6 +274,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                 raise ValueError(
                     f"parameter '{name}' already belongs to another live DistributedOptimizer "
                     f"({owner().prefix}); a gradient must be reduced by one optimizer only")
+    # A stage-3 model whose optimizer is gone gives its parameters back (collective).
+    param_gathers.give_back([param for _, param in named]
+                            + (list(model.parameters()) if model is not None else []))
     param_gathers.check_not_released(named)
     if bucket_cap_mb is None:
         # Sharded, every bucket is a reduce-scatter and an all-gather of its own (the

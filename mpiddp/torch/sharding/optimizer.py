@@ -8,6 +8,7 @@ loaded from that format on every rank (any rank count), and sharded (each rank i
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from typing import Any, Callable, Optional
@@ -536,3 +537,21 @@ def _unscale(optimizer, scale: torch.Tensor) -> None:
     for device, grads in by_device.items():
         torch._amp_foreach_non_finite_check_and_unscale_(
             grads, torch.zeros(1, device=device), inverse.to(device))
+
+
+@contextlib.contextmanager
+def consolidated(optimizer, to: Optional[int]):
+    """Collective: ``optimizer.consolidate_state_dict(to)`` for the block (a save reading the
+    whole state), then the optimizer, and a stage-3 model, as they were: a library save does
+    not change what ``state_dict()`` and ``model.state_dict()`` do afterwards."""
+    sync = optimizer._mpiddp
+    gathers = sync.gathers
+    before = sync.consolidated, getattr(gathers, "consolidated", None), \
+        getattr(gathers, "consolidated_to", None)
+    optimizer.consolidate_state_dict(to=to)
+    try:
+        yield
+    finally:
+        sync.consolidated = before[0]
+        if sync.zero_stage == 3:
+            gathers.consolidated, gathers.consolidated_to = before[1:]

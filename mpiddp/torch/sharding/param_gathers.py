@@ -57,6 +57,13 @@ _METADATA = {
 # loss.backward() and torch.autograd.backward: run by the guard (ParamGuard._backward).
 _BACKWARD = {torch.Tensor.backward, torch.autograd.backward}
 
+# ``param.data = other``: the parameter would leave its bucket's memory (ParamGuard refuses).
+_SET_DATA = torch.Tensor.data.__set__
+
+# On a sharded parameter: the ParamGathers that holds its values (strongly: the chunks live as
+# long as any parameter of theirs, whether or not the optimizer does).
+GATHERS_ATTR = "_mpiddp_gathers"
+
 
 # The stage-3 optimizers alive; on each thread that trains one, one guard and one pair of
 # saved-tensor hooks serve them all (pushed once, at the bottom of the thread's stacks, never
@@ -66,8 +73,8 @@ _THREAD = threading.local()
 
 
 class _Saved:
-    """A parameter (or a view of one) autograd saved for backward, with its bucket and
-    (weakly) the ``ParamGathers`` that gathers it."""
+    """A parameter (or a view of one) autograd saved for backward, with its bucket and the
+    ``ParamGathers`` that gathers it (kept alive by the graph)."""
 
     __slots__ = ("tensor", "bucket", "owner")
 
@@ -81,10 +88,19 @@ class ParamGathers:
     gathers on use (module docstring)."""
 
     def __init__(self, sync):
+        # The optimizer's sync, weakly: the model owns this object (each sharded parameter
+        # holds it, GATHERS_ATTR), so it gathers and releases for the model after the
+        # optimizer is gone; what it needs of the optimizer is copied here.
         self._sync = weakref.ref(sync)
+        self.layout: ShardLayout = sync.layout
+        self.process_set, self.prefix = sync.process_set, sync.prefix
+        self.bucket_cap = sync.bucket_cap
+        self.detached = False                 # unshard() gave the parameters back
+        self.model_hooks: list = []
         self.deferred = False                 # (forward overlap is implied: see below)
         self.busy = False
         self.params: dict[int, tuple] = {}    # id(parameter) -> (parameter, its bucket)
+        self.storages: dict[int, Bucket] = {}  # a bucket's flat storage (_cdata) -> bucket
         self.gathered: "collections.OrderedDict[int, Bucket]" = collections.OrderedDict()
         self.lock = threading.RLock()
         self.gathers_done = 0                 # (tests and benchmarks: gathers so far)
@@ -110,10 +126,9 @@ class ParamGathers:
         """``buckets`` were just laid out (in ``layout``, default the optimizer's): they own
         their memory from now on, released until first used. A parameter that was in a
         frozen bucket (unfrozen now) is gathered first and moves to its new bucket."""
-        sync = self._sync()
-        layout = layout or sync.layout
+        layout = layout or self.layout
         from ..functions import broadcast_parameters
-        first = (sync.process_set or runtime.global_process_set).ranks[0]
+        first = (self.process_set or runtime.global_process_set).ranks[0]
         moving = []
         for param in (p for bucket in buckets for p in bucket.params):
             if id(param) in self.params and all(b is not self.params[id(param)][1]
@@ -136,11 +151,16 @@ class ParamGathers:
             # fusion buffers on top of the model, the peak of a stage-3 run.
             broadcast_parameters([(f"{bucket.index}.{i}", param)
                                   for i, param in enumerate(bucket.params)], root_rank=first,
-                                 prefix=f"{sync.prefix}.stage3_{kind}",
-                                 process_set=sync.process_set)
-            layout.own_storage([bucket])
+                                 prefix=f"{self.prefix}.stage3_{kind}",
+                                 process_set=self.process_set)
+            with self.internal():       # (a moving parameter's ``.data =`` is ours)
+                layout.own_storage([bucket])
+            self.storages[bucket.flat.untyped_storage()._cdata] = bucket
             for param in bucket.params:
                 self.params[id(param)] = (param, bucket)
+                # The parameter keeps what holds its values (the chunks): the model, or a
+                # parameter alone, outlives the optimizer safely.
+                setattr(param, GATHERS_ATTR, self)
             bucket.release()
         for bucket in moving:
             self.release(bucket)
@@ -150,7 +170,6 @@ class ParamGathers:
         """Collective: the model's frozen floating-point parameters (contiguous, not the
         optimizer's trainable ones) go into buckets of their own, gathered on use as the
         others and never reduced."""
-        sync = self._sync()
         frozen, seen = [], set()
         for param in model.parameters():
             if id(param) in seen or id(param) in self.params or param.requires_grad or \
@@ -160,9 +179,9 @@ class ParamGathers:
             frozen.append(param)
         if not frozen:
             return
-        self.frozen_layout = ShardLayout(runtime.set_rank(sync.process_set),
-                                         runtime.set_size(sync.process_set),
-                                         sync.bucket_cap, lambda param: param.dtype)
+        self.frozen_layout = ShardLayout(runtime.set_rank(self.process_set),
+                                         runtime.set_size(self.process_set),
+                                         self.bucket_cap, lambda param: param.dtype)
         self.frozen_layout.add(frozen)
         for bucket in self.frozen_layout.buckets:
             bucket.frozen = True
@@ -170,8 +189,7 @@ class ParamGathers:
 
     def all_buckets(self) -> list:
         """The optimizer's buckets, then the frozen ones."""
-        sync = self._sync()
-        return sync.layout.buckets + (self.frozen_layout.buckets if self.frozen_layout else [])
+        return self.layout.buckets + (self.frozen_layout.buckets if self.frozen_layout else [])
 
     def owns(self, param, bucket: Bucket) -> bool:
         """Whether ``param``'s values live in ``bucket`` (an unfrozen parameter has left its
@@ -188,10 +206,15 @@ class ParamGathers:
 
     # ---- gathering and releasing --------------------------------------------------------
     def bucket_of(self, tensor: torch.Tensor) -> Optional[Bucket]:
+        """The bucket whose memory ``tensor`` is (a parameter) or shares (a view, ``.data``,
+        ``.detach()``: by its storage), else None."""
         found = self.params.get(id(tensor))
-        if found is None and tensor._base is not None:
-            found = self.params.get(id(tensor._base))
-        return found[1] if found is not None else None
+        if found is not None:
+            return found[1]
+        try:
+            return self.storages.get(tensor.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError, AttributeError):   # (sparse, not a tensor)
+            return None
 
     def use(self, buckets: list, keep: int = GATHERED_IN_FORWARD) -> None:
         """``buckets`` are about to be used: gather those released (stepping first the ones
@@ -202,7 +225,8 @@ class ParamGathers:
         in_backward = torch._C._current_autograd_node() is not None
         with self.lock, self.internal():
             wanted = {id(b) for b in buckets}
-            unstepped = [r.bucket for r in sync.in_flight if id(r.bucket) in wanted]
+            unstepped = [r.bucket for r in sync.in_flight if id(r.bucket) in wanted] \
+                if sync is not None else []       # (None: the optimizer is gone)
             if unstepped:
                 sync.advance(until=unstepped[-1], wait=True)
             for bucket in buckets:
@@ -269,7 +293,7 @@ class ParamGathers:
         if following.gathered or id(following) in self.arriving:
             return
         # (Not one whose gradients are complete this step: its chunk is about to be stepped.)
-        if not following.frozen and (
+        if not following.frozen and sync is not None and (
                 following.index in sync.complete or following.index in sync.filling
                 or any(r.bucket is following for r in sync.in_flight)):
             return
@@ -277,12 +301,16 @@ class ParamGathers:
         self.gathered[id(following)] = following
 
     def _start(self, bucket: Bucket) -> None:
-        sync = self._sync()
+        self._check_can_gather(bucket)
         output = bucket.materialise()
         kind = "frozen" if bucket.frozen else "gather"
-        entry = ring_allgather_entry(bucket.chunk, output, f"{sync.prefix}.{kind}{bucket.index}",
-                                     resizable=True)
-        (handle,) = submit_together([entry], sync.process_set)
+        try:
+            entry = ring_allgather_entry(bucket.chunk, output,
+                                         f"{self.prefix}.{kind}{bucket.index}", resizable=True)
+            (handle,) = submit_together([entry], self.process_set)
+        except BaseException:
+            bucket.release()        # (not left "gathered" with undefined values)
+            raise
         self.arriving[id(bucket)] = handle
         self.gathers_done += 1
 
@@ -298,6 +326,56 @@ class ParamGathers:
         if id(bucket) not in self.arriving:
             self._start(bucket)
         self._wait(bucket)
+
+    def _check_can_gather(self, bucket: Bucket) -> None:
+        """A gather needs the engine, and parameters still viewing the bucket's memory."""
+        if not runtime.is_initialized():
+            raise RuntimeError(
+                f"parameters {self.names(bucket.params)} of a DistributedOptimizer(zero_stage=3) "
+                "model cannot be gathered: mpiddp.shutdown() was called while the model lived, "
+                "and each rank holds only its shard of them. Use the model (forward, "
+                "model.state_dict(), mpiddp.Checkpoint) before shutdown()")
+        flat = bucket.flat.untyped_storage()._cdata
+        moved = [param for param in bucket.params if self.owns(param, bucket)
+                 and param.untyped_storage()._cdata != flat]
+        if moved:
+            self.refuse_new_memory(moved)
+
+    def refuse_new_memory(self, params: list) -> None:
+        raise RuntimeError(
+            f"parameters {self.names(params)} were given other memory (model.to(), .cuda(), "
+            ".half(), param.data = ...) while a DistributedOptimizer(zero_stage=3) shards "
+            "them: their values live in its buckets. Move or convert the model before building "
+            "the optimizer")
+
+    def names(self, params: list) -> list:
+        """The model's names of ``params`` (at most 3; shapes where the model is gone)."""
+        model = self.model()
+        found = {id(p): name for name, p in model.named_parameters()} if model is not None \
+            else {}
+        return [found.get(id(p), f"<{list(p.shape)}>") for p in params[:3]]
+
+    def unshard(self) -> None:
+        """Collective: every parameter this object shards gets its full values in memory of
+        its own, and this object lets go of the model (its hooks, the guard's attention):
+        a new ``DistributedOptimizer`` takes the parameters over. The whole model is in
+        memory once, as when it was built."""
+        with self.lock, self.internal(), torch.no_grad():
+            for bucket in self.all_buckets():
+                if id(bucket) in self.arriving or not bucket.gathered:
+                    self._gather(bucket)
+                for param in bucket.params:
+                    if self.owns(param, bucket):
+                        param.data = param.detach().clone()
+                        if getattr(param, GATHERS_ATTR, None) is self:
+                            delattr(param, GATHERS_ATTR)
+                self.release(bucket)
+        self.params.clear()
+        self.storages.clear()
+        self.detached = True
+        _LIVE.discard(self)
+        _remove_hooks(self.model_hooks)
+        self.forget_consolidated()
 
     def release(self, bucket: Bucket) -> None:
         """Free ``bucket``'s full parameters (a gather into them still arriving is waited
@@ -321,8 +399,7 @@ class ParamGathers:
         """Collective: gather every bucket in turn; on rank ``to`` of the optimizer's process
         set (every rank: None) return copies of the full parameters (id -> tensor) in host
         memory (the model does not fit the device: the reason for stage 3)."""
-        sync = self._sync()
-        keep = to is None or to == runtime.set_rank(sync.process_set)
+        keep = to is None or to == runtime.set_rank(self.process_set)
         self.complete()
         values = {}
         with self.lock, self.internal():
@@ -371,9 +448,10 @@ class ParamGathers:
 
     def complete(self, until: Optional[Bucket] = None) -> None:
         """Step what the early schedule left (the gathers themselves happen on use)."""
-        if until is None:
+        sync = self._sync()
+        if until is None and sync is not None:
             with self.lock, self.internal():
-                self._sync().advance(wait=True)
+                sync.advance(wait=True)
 
     def has_work(self) -> bool:
         return False
@@ -431,6 +509,10 @@ class ParamGuard(TorchFunctionMode):
                 if kwargs:
                     buckets += _buckets_in(gathers, kwargs.values())
                 if buckets:
+                    if func == _SET_DATA and \
+                            gathers.bucket_of(args[1]) is not gathers.bucket_of(args[0]):
+                        # (model.to() to where the parameter is sets it to itself)
+                        gathers.refuse_new_memory([args[0]])
                     # Inside backward (a custom Function's backward, an activation
                     # checkpoint's recomputation) nothing is released: tensors autograd
                     # holds there may view any gathered bucket; those buckets go when their
@@ -521,25 +603,42 @@ def _pack(tensor: torch.Tensor):
     for gathers in list(_LIVE):
         bucket = gathers.bucket_of(tensor)
         if bucket is not None:
-            return _Saved(tensor, bucket, weakref.ref(gathers))
+            return _Saved(tensor, bucket, gathers)
     return tensor
 
 
 def _unpack(saved):
     if isinstance(saved, _Saved):
-        bucket = saved.bucket
-        owner = saved.owner()
-        if owner is not None:
-            if not bucket.gathered or id(bucket) in owner.arriving:
-                owner.use([bucket], keep=0)      # (arriving: a prefetch, still on the wire)
-            elif bucket.frozen:
-                with owner.lock:
-                    owner._frozen_in_backward([bucket])
+        bucket, owner = saved.bucket, saved.owner
+        if owner.detached and not bucket.gathered:
+            raise RuntimeError(
+                "backward of a graph built before its stage-3 model was handed to a new "
+                "DistributedOptimizer: the parameters it saved are gone. Run backward before "
+                "building the new optimizer")
+        if not owner.detached and (not bucket.gathered or id(bucket) in owner.arriving):
+            owner.use([bucket], keep=0)      # (arriving: a prefetch, still on the wire)
+        elif not owner.detached and bucket.frozen:
+            with owner.lock:
+                owner._frozen_in_backward([bucket])
         return saved.tensor
     return saved
 
 
 # ---- the model's state dict (docs/dev/zero3.md "Model and optimizer state") -----------------
+def give_back(params) -> None:
+    """Collective, before a new ``DistributedOptimizer`` takes ``params``: a stage-3 model
+    whose optimizer is gone gives them (and its other parameters) memory of their own
+    (``ParamGathers.unshard``), so that the new optimizer starts from their values."""
+    owners = []
+    for param in params:
+        gathers = getattr(param, GATHERS_ATTR, None)
+        if gathers is not None and not gathers.detached and \
+                all(owner is not gathers for owner in owners):
+            owners.append(gathers)
+    for gathers in owners:
+        gathers.unshard()
+
+
 def check_not_released(named: list) -> None:
     """A parameter whose memory a stage-3 optimizer released, and which that optimizer no
     longer gathers (it is gone), cannot be read: refuse it by name."""
@@ -548,10 +647,8 @@ def check_not_released(named: list) -> None:
                 (param.storage_offset() + param.numel()) * param.element_size()]
     if released:
         raise ValueError(
-            f"DistributedOptimizer: parameters {released[:3]} have no memory: a "
-            "DistributedOptimizer(zero_stage=3) that sharded them is gone. Keep that optimizer "
-            "while the model is used; to start again, load its model.state_dict() (taken "
-            "while it lived) into a new model")
+            f"DistributedOptimizer: parameters {released[:3]} have no memory (their storage "
+            "was resized to 0 outside mpiddp)")
 
 
 def check_model(zero_stage: int, model, optimizer) -> None:
@@ -594,8 +691,9 @@ def attach_model(optimizer, model: torch.nn.Module) -> None:
         model.register_state_dict_post_hook(functools.partial(_full_state, ref)),
         model.register_load_state_dict_pre_hook(functools.partial(_before_load, ref)),
         model.register_load_state_dict_post_hook(functools.partial(_after_load, ref))]
-    # (Gone with the optimizer. The parameters' memory is its shards: a model kept without
-    # it is unusable, which DistributedOptimizer refuses to wrap again.)
+    # (The model's parameters keep ``gathers`` alive: it serves the model after the
+    # optimizer is gone, until a new DistributedOptimizer takes the model: unshard.)
+    gathers.model_hooks = handles
     weakref.finalize(gathers, _remove_hooks, handles)
 
 
@@ -645,7 +743,7 @@ def _full_state(ref, module, state_dict, prefix, local_metadata) -> None:
     _quiet(ref, False)
     to = gathers.consolidated_to
     if gathers.consolidated is None and to is not None and to >= 0:
-        rank = runtime.set_rank(gathers._sync().process_set)
+        rank = runtime.set_rank(gathers.process_set)
         raise RuntimeError(
             f"model.state_dict() on rank {rank} with DistributedOptimizer(zero_stage=3): the "
             f"full parameters were consolidated onto rank {to} only (consolidate_state_dict"
