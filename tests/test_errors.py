@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from mpi_launch import (ROOT, Job, assert_ok, mpi_command, process_gone, run_mpi,
+from mpi_launch import (ROOT, Job, assert_ok, mpi_command, process_gone, reported, run_mpi,
                         wait_for_files)
 
 
@@ -44,6 +44,32 @@ def test_stall_warns_then_shuts_down_with_reason():
 def test_shutdown_on_one_rank_fails_pending_requests_elsewhere():
     result = run_mpi("errors_worker.py", 3, "shutdown_with_pending", timeout=60)
     assert_ok(result, expect_lines=3)
+
+
+@pytest.mark.alone      # asserts that the error comes within 30 s of the call
+def test_checkpoint_save_on_rank_0_alone_ends_every_rank_naming_it():
+    # Under `if rank == 0:` (getting-started.md warns against it): at stage 0 it used to
+    # write the file silently, at stage 2 to stall for 600 s. Now, at every stage, one error
+    # on both ranks names the call and the rank that skipped it, within its 10 s deadline
+    # (2 s in the stage-3 case, MPIDDP_STALL_CHECK_TIME=2); at once where rank 1 shuts down.
+    result = run_mpi("checkpoint_misuse_worker.py", 2, timeout=240)
+    assert_ok(result)
+    skipped = "'mpiddp.Checkpoint.save' was called on rank 0 but not on rank 1, which went " \
+              "on to other collectives"
+    for case in ("stage 0, rank 1 trains", "stage 2, rank 1 trains",
+                 "stage 3, rank 1 trains", "stage 2, rank 1 shuts down"):
+        for rank in (0, 1):
+            [report] = reported(result, f"{rank} {case}")
+            if case.endswith("shuts down"):
+                assert report["error"] == "" if rank == 1 else \
+                    "rank 1: shutdown() was called; in flight on some ranks only: " \
+                    "'mpiddp.Checkpoint.save' submitted on rank 0 but not on rank 1" \
+                    in report["error"], report
+            else:
+                assert skipped in report["error"], report
+                assert "it is a collective call: every rank must make it" in report["error"]
+            assert report["seconds"] < 30, report
+    assert "Exception ignored" not in result.output, result.output
 
 
 def assert_job_aborted(case: str, *messages: str) -> None:

@@ -413,6 +413,51 @@ def test_stall_is_reported_and_shuts_every_rank_down():
         assert "rank 2 has not submitted: 'lonely'" in text
 
 
+def test_a_call_every_rank_must_make_made_on_one_rank_fails_everywhere_naming_it():
+    # Rank 0 alone makes the call (under `if rank == 0:`); the others go on to the next
+    # step's collective. Once the call has waited its deadline every rank stops, each
+    # handle failing with one error naming the call, who made it and who did not.
+    def work(rank, engine):
+        start = time.monotonic()
+        handle = engine.barrier("lib.save", deadline=0.2) if rank == 0 else \
+            engine.submit_many([entry("grad.0")])[0]
+        with pytest.raises(EngineShutdownError) as info:
+            handle.wait(timeout=10)
+        return str(info.value), time.monotonic() - start
+    results, _ = run_cluster(3, work)
+    for text, elapsed in results:
+        assert ("'lib.save' was called on rank 0 but not on ranks 1, 2, which went on to "
+                "other collectives ('grad.0'); it is a collective call") in text, text
+        assert elapsed < 5, elapsed
+
+
+def test_a_call_every_rank_must_make_waits_for_a_rank_not_in_a_collective():
+    # A rank that is busy elsewhere (evaluating on its own, say) and has nothing in flight
+    # is not past the call: the stall rules apply, and the call completes when it comes.
+    def work(rank, engine):
+        if rank == 1:
+            time.sleep(0.6)
+        engine.barrier("lib.save", deadline=0.1).wait(timeout=10)
+        return "done"
+    results, _ = run_cluster(2, work)
+    assert results == ["done", "done"]
+
+
+def test_a_shutdown_names_what_it_left_waiting():
+    cluster = FakeCluster(2)
+    handle = cluster.engines[0].barrier("lib.save", deadline=30.0)
+    deadline = time.monotonic() + 10
+    while "lib.save" not in cluster.engines[0].protocol.pending:    # taken up by a cycle
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    cluster.engines[1].shutdown("shutdown() was called")
+    with pytest.raises(EngineShutdownError) as info:
+        handle.wait(timeout=10)
+    assert ("rank 1: shutdown() was called; in flight on some ranks only: 'lib.save' "
+            "submitted on rank 0 but not on rank 1") in str(info.value), info.value
+    cluster.shutdown()
+
+
 @pytest.mark.parametrize("who", [0, 2])
 def test_shutdown_from_any_rank_fails_pending_handles_everywhere(who):
     cluster = FakeCluster(3)

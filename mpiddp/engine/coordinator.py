@@ -139,11 +139,13 @@ class Engine:
                 self.timeline.record(entry.request.name, "submit", entry.submitted)
         return [entry.handle for entry in entries]
 
-    def barrier(self, name: str, action: Callable[[], None] | None = None) -> Handle:
+    def barrier(self, name: str, action: Callable[[], None] | None = None,
+                deadline: float = 0.0) -> Handle:
         """Submit a barrier; ``action`` runs on the coordinator at the barrier's place in the
-        agreed order, i.e. at the same point on every rank (engine reconfiguration)."""
-        entry = Entry(Request(name, BARRIER, "uint8", ()), None, None, Handle(name),
-                      action=action)
+        agreed order, i.e. at the same point on every rank (engine reconfiguration).
+        ``deadline`` > 0: a library call every rank must make (``Request.deadline``)."""
+        entry = Entry(Request(name, BARRIER, "uint8", (), deadline=deadline), None, None,
+                      Handle(name), action=action)
         return self.submit_many([entry])[0]
 
     def gradient_cycle_bytes(self, gradient_bytes: int) -> int:

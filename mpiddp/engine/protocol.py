@@ -36,7 +36,8 @@ from ..config import Settings
 from .cache_capacity import CACHE_CAPACITY_LIMIT, CapacityWatch
 from .negotiation import RequestTable, ResponseCache, cacheable
 from .request import ALLREDUCE, Entry
-from .stall import describe_stalls, find_stalls
+from .stall import describe_skipped, describe_stalls, describe_unmatched, find_skipped, \
+    find_stalls
 
 log = logging.getLogger("mpiddp")
 
@@ -45,6 +46,9 @@ NEW_NAMES, SHUTDOWN, STALL_CHECK, JOIN_CHANGED, RETUNE = 1, 2, 4, 8, 16
 # Bits of the AND-flags word.
 JOINED = 1
 _MASK64 = (1 << 64) - 1
+# Seconds between the stall checks while a call every rank must make (Request.deadline) has
+# waited past its deadline (the ranks that lack it may not be waiting elsewhere yet).
+DEADLINE_RECHECK = 1.0
 
 
 class CycleBits(NamedTuple):
@@ -70,7 +74,9 @@ class SlowMessage:
     requests: list              # Requests for names rank 0 has not seen from this rank
     shutdown: Optional[str]     # this rank's shutdown reason
     joined: bool
-    pending: Optional[dict]     # name -> age (s), only when a stall check is due
+    pending: Optional[dict]     # name -> age (s), only when a stall check is due (or a
+                                # shutdown: the reason then names what was in flight)
+    deadlines: Optional[dict] = None    # name -> Request.deadline of those pending names
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,7 @@ class CycleProtocol:
         if settings.stall_shutdown_time:
             self._stall_period = min(self._stall_period, settings.stall_shutdown_time)
         self._last_stall_check = time.perf_counter()
+        self._deadlined: dict[str, Entry] = {}  # pending calls with a Request.deadline
         self._announce = None           # rank 0: autotune's settings for the next plan
 
     def _size_message(self, capacity: int) -> None:
@@ -161,6 +168,8 @@ class CycleProtocol:
     def add(self, entries) -> None:
         for entry in entries:
             self.pending[entry.request.name] = entry
+            if entry.request.deadline:
+                self._deadlined[entry.request.name] = entry
 
     def join(self) -> None:
         """This rank has joined (from the next message on)."""
@@ -214,6 +223,8 @@ class CycleProtocol:
         period = self._stall_period
         if now - oldest >= period and now - self._last_stall_check >= period:
             or_flags |= STALL_CHECK
+        elif self._deadlined and self._deadline_check_due(now):
+            or_flags |= STALL_CHECK
         self._my_pending_bits = pending
         self._all_pending_cached = all_cached
         slots, mask = self.slots, self._slot_mask
@@ -221,6 +232,21 @@ class CycleProtocol:
                    | (ready << 128) | ((~pending & mask) << (128 + slots))
                    | ((~invalid & mask) << (128 + 2 * slots)))
         return message.to_bytes(self.message_bytes, "little")
+
+    def _deadline_check_due(self, now: float) -> bool:
+        """Some pending call every rank must make has waited past its deadline (at most
+        the stall check time), and the last stall check is older than that deadline or
+        ``DEADLINE_RECHECK``; forgets the calls no longer pending."""
+        due = False
+        for name, entry in list(self._deadlined.items()):
+            if self.pending.get(name) is not entry:
+                del self._deadlined[name]
+                continue
+            deadline = min(entry.request.deadline, self.settings.stall_check_time)
+            if now - entry.submitted >= deadline and \
+                    now - self._last_stall_check >= min(deadline, DEADLINE_RECHECK):
+                due = True
+        return due
 
     # ---- 3. decode ------------------------------------------------------------------------
     def decode(self, reduced: bytes) -> CycleBits:
@@ -261,10 +287,13 @@ class CycleProtocol:
         if stall_check:
             self._last_stall_check = now
         self._join_changed = False
+        report = stall_check or bool(bits.any_flags & SHUTDOWN)
+        deadlines = {n: e.request.deadline for n, e in self._deadlined.items()
+                     if self.pending.get(n) is e} if report else None
         return SlowMessage(
             requests=requests, shutdown=shutdown_reason, joined=self.joined,
             pending=({n: now - e.submitted for n, e in self.pending.items()}
-                     if stall_check else None))
+                     if report else None), deadlines=deadlines or None)
 
     def make_plan(self, messages: list) -> Plan:
         """Rank 0: fold in the new requests, decide what is complete and in what order."""
@@ -287,6 +316,16 @@ class CycleProtocol:
         stall_text = None
         if any(message.pending is not None for message in messages):
             pending = {rank: message.pending or {} for rank, message in enumerate(messages)}
+            if shutdown:            # asked for by some rank: say what it left waiting
+                unmatched = find_stalls(pending, joined, self.size, 0.0)
+                if unmatched:
+                    shutdown.append(describe_unmatched(unmatched))
+            deadlines = {name: deadline for message in messages
+                         for name, deadline in (message.deadlines or {}).items()}
+            skipped = find_skipped(pending, deadlines, joined, self.size,
+                                   self.settings.stall_check_time) if deadlines else []
+            if skipped:
+                shutdown.append(describe_skipped(skipped, pending))
             stalls = find_stalls(pending, joined, self.size, self.settings.stall_check_time)
             shutdown_after = self.settings.stall_shutdown_time
             if shutdown_after:

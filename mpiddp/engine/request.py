@@ -63,6 +63,11 @@ class Request(NamedTuple):
     # whole output's, the same on every rank (so the agreement can be cached), which ends in
     # chunk order (False: MPI_Allgatherv, in rank order).
     ring_order: bool = False
+    # > 0: a library call every rank must make (``Checkpoint.save``: a barrier named after
+    # it). Once it has waited this long (at most ``MPIDDP_STALL_CHECK_TIME``) for ranks that
+    # wait in other collectives instead, the ranks stop with an error naming the call and
+    # the ranks that skipped it (stall.find_skipped), not after the stall rules' minutes.
+    deadline: float = 0.0
 
     @property
     def device_type(self) -> str:

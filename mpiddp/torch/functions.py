@@ -24,6 +24,22 @@ from .sharding.registry import zero_stage_of
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
            "allgather_object"]
 
+# Seconds a library call every rank must make waits for ranks that went on to other
+# collectives without it before every rank stops with an error naming the call and those
+# ranks (at most MPIDDP_STALL_CHECK_TIME): Request.deadline.
+CALL_DEADLINE = 10.0
+
+
+def every_rank_calls(call: str) -> None:
+    """Begin the library call ``call`` (e.g. ``"mpiddp.Checkpoint.save"``) with a barrier of
+    that name, so that the call made on some ranks only fails fast and alike: once it has
+    waited ``CALL_DEADLINE`` s for ranks that wait in other collectives instead, every rank
+    stops with ``EngineShutdownError`` saying which ranks made it and which did not. (A rank
+    that shuts down instead ends the wait at once, with that said.)"""
+    engine, _ = runtime.engine_for(None, call)
+    engine.barrier(call, deadline=CALL_DEADLINE).wait()
+
+
 # ---- Python objects ----------------------------------------------------------------------
 def _dumps(obj) -> torch.Tensor:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
