@@ -8,7 +8,7 @@
 # editable install still points at the old tree. MPIDDP_VENV picks another location.
 # MPIDDP_NO_INSTALL=1 uses the environment at MPIDDP_VENV as it is and never installs (a
 # machine with no package index, e.g. a cluster's compute node or a GPU machine prepared with
-# scripts/gpu_check.sh's wheels): it only checks that the environment has what mpiddp needs,
+# scripts/gpu/gpu_check.sh's wheels): it only checks that the environment has what mpiddp needs,
 # and warns when its mpiddp is another checkout's.
 
 # The work runs in a subshell, so that its strict options stay there.

@@ -87,18 +87,18 @@ def soak_cycles(request) -> int:
 
 @pytest.fixture(scope="module")
 def cluster(request):
-    """Emulated nodes on 1 Gbit/s links (scripts/local_cluster.sh) for a system-test module,
+    """Emulated nodes on 1 Gbit/s links (scripts/cluster/local_cluster.sh) for a system-test module,
     three or the module's ``CLUSTER_NODES``, torn down after it; skipped with the reason
     where they cannot be built."""
     nodes = getattr(request.module, "CLUSTER_NODES", 3)
-    script = str(Path(__file__).parent.parent / "scripts" / "local_cluster.sh")
+    script = str(Path(__file__).parent.parent / "scripts" / "cluster" / "local_cluster.sh")
     if os.geteuid() != 0:
-        pytest.skip("needs root: scripts/local_cluster.sh builds network namespaces")
+        pytest.skip("needs root: scripts/cluster/local_cluster.sh builds network namespaces")
     subprocess.run(["bash", script, "down"], capture_output=True, timeout=60)
     up = subprocess.run(["bash", script, "up", str(nodes), "1gbit"], capture_output=True, text=True,
                         timeout=60)
     if up.returncode != 0:
-        pytest.skip("scripts/local_cluster.sh could not build the cluster:\n" + up.stderr)
+        pytest.skip("scripts/cluster/local_cluster.sh could not build the cluster:\n" + up.stderr)
     try:
         yield
     finally:
@@ -126,7 +126,7 @@ def _mapped_shm() -> set[str]:
 
 # Shared-memory segments a rank SIGKILLed leaves in /dev/shm: MPICH's (its node's segment,
 # mpich_shm_*), and Intel MPI's (one of 16 MiB, sparse, per rank, named after its pid:
-# "<pid>:0:0"; scripts/test_intelmpi.sh).
+# "<pid>:0:0"; scripts/dev/test_intelmpi.sh).
 LEAKED_SEGMENTS = ("/dev/shm/mpich_*", "/dev/shm/[0-9]*:[0-9]*:[0-9]*")
 
 

@@ -1,6 +1,7 @@
-"""Jobs on a Slurm that scripts/local_slurm.sh started: on this machine (tests/test_slurm.py)
-or across the emulated nodes of scripts/local_cluster.sh (tests/test_multinode.py), where
-Slurm's commands run inside a node (``where``: the command prefix that gets them there)."""
+"""Jobs on a Slurm that scripts/cluster/local_slurm.sh started: on this machine
+(tests/test_slurm.py) or across the emulated nodes of scripts/cluster/local_cluster.sh
+(tests/test_multinode.py), where Slurm's commands run inside a node (``where``: the command
+prefix that gets them there)."""
 from __future__ import annotations
 
 import os
@@ -17,12 +18,12 @@ import pytest
 from mpi_launch import ROOT
 
 
-LOCAL_SLURM = ROOT / "scripts" / "local_slurm.sh"
+LOCAL_SLURM = ROOT / "scripts" / "cluster" / "local_slurm.sh"
 
 
 @contextmanager
 def slurm_on_cluster_nodes(nodes: int, state_dir, **extra_env):
-    """Slurm on the first ``nodes`` nodes of the emulated cluster (scripts/local_slurm.sh:
+    """Slurm on the first ``nodes`` nodes of the emulated cluster (scripts/cluster/local_slurm.sh:
     slurmctld in node 0, a slurmd in each node under its own name and address); yields the
     environment for its commands (over the shaped links, as between real nodes), stops it at
     the end. Skips where Slurm is not installed and cannot be."""

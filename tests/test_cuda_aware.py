@@ -168,12 +168,12 @@ def test_the_offload_check_runs_only_before_an_intel_mpi_starts():
 
 
 def test_intel_mpi_with_offload_and_no_cuda_driver_stops_with_the_reason(tmp_path):
-    """Under Intel MPI (scripts/test_intelmpi.sh), I_MPI_OFFLOAD=1 with a CUDA driver library
+    """Under Intel MPI (scripts/dev/test_intelmpi.sh), I_MPI_OFFLOAD=1 with a CUDA driver library
     that cannot be loaded crashes MPI_Init with a segmentation fault; importing mpiddp first
     refuses with the reason instead, on every rank."""
     from mpi4py import MPI
     if "Intel(R) MPI" not in MPI.Get_library_version():
-        pytest.skip("needs Intel MPI (scripts/test_intelmpi.sh)")
+        pytest.skip("needs Intel MPI (scripts/dev/test_intelmpi.sh)")
     from mpi_launch import assert_ok, run_mpi
     script = tmp_path / "start.py"
     script.write_text("import mpiddp\nmpiddp.init()\nprint('OK started', flush=True)\n")

@@ -201,12 +201,12 @@ def test_launcher_does_not_rerun_a_failing_script(tmp_path):
 
 
 def test_a_host_intel_mpi_cannot_reach_is_named(tmp_path):
-    """Under Intel MPI (scripts/test_intelmpi.sh): a host where its mpiexec cannot start its
+    """Under Intel MPI (scripts/dev/test_intelmpi.sh): a host where its mpiexec cannot start its
     proxy is named, with the likely causes, and left out like a lost node."""
     from mpi_launch import mpiexec_path
     from mpiddp.run import mpiexec_family
     if mpiexec_family([mpiexec_path()]) != "intel":
-        pytest.skip("needs Intel MPI's mpiexec (scripts/test_intelmpi.sh)")
+        pytest.skip("needs Intel MPI's mpiexec (scripts/dev/test_intelmpi.sh)")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     result = Job([sys.executable, "-m", "mpiddp.run", "--hosts", "no-such-host.invalid:1",
                   "--", sys.executable, "-c", "print('STARTED')"], env).wait(60)

@@ -1,4 +1,4 @@
-"""Elastic training on the emulated cluster (scripts/local_cluster.sh): a node lost
+"""Elastic training on the emulated cluster (scripts/cluster/local_cluster.sh): a node lost
 mid-training (every rank SIGKILLed, or its link set down) and the job goes on on the survivors
 from the last snapshot, under ``python -m mpiddp.run``. Opt-in (MPIDDP_SYSTEM_TESTS=1, root);
 3 nodes x 1 rank, the digits example; every launch has a timeout, the cluster is torn down.
@@ -21,7 +21,7 @@ from mpiddp.torch.elastic import _newest_readable
 from slurm_jobs import slurm_on_cluster_nodes
 
 pytestmark = [pytest.mark.system]
-CLUSTER = ROOT / "scripts" / "local_cluster.sh"
+CLUSTER = ROOT / "scripts" / "cluster" / "local_cluster.sh"
 PREFIX = os.environ.get("LOCAL_CLUSTER_PREFIX", "mpiddp-n")
 VETH = os.environ.get("LOCAL_CLUSTER_VETH", "mpn")
 # Node loss to training again (a lost link is found after MPIDDP_PEER_CHECK_TIME plus the

@@ -1,9 +1,9 @@
 """The device check prepared on a CPU (docs/dev/gpu.md, "The device plan"): the CUDA workers
 of the sharded optimizer and Adasum, run here on host tensors and, where the fake CUDA layer
-(tests/workers/fake_cuda.py) can carry them, on fake device buffers; scripts/gpu_check.sh's
-syntax, part selection and summary; scripts/horovod_suite.py's NumPy 2 aliases.
+(tests/workers/fake_cuda.py) can carry them, on fake device buffers; scripts/gpu/gpu_check.sh's
+syntax, part selection and summary; scripts/horovod/horovod_suite.py's NumPy 2 aliases.
 
-What the fake layer cannot carry (docs/dev/gpu.md says why) runs only in scripts/gpu_check.sh
+What the fake layer cannot carry (docs/dev/gpu.md says why) runs only in scripts/gpu/gpu_check.sh
 on a GPU; the tests below that need one run the workers where a GPU is present.
 """
 from __future__ import annotations
@@ -24,11 +24,11 @@ sys.path.insert(0, str(WORKERS))
 import fake_cuda  # noqa: E402
 from fake_cuda import FakeGPU, OrderingError  # noqa: E402
 
-SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+SCRIPT = ROOT / "scripts" / "gpu" / "gpu_check.sh"
 
 
 needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="needs a CUDA GPU with torch.cuda and CuPy "
-                               "(scripts/gpu_check.sh runs it on one)")
+                               "(scripts/gpu/gpu_check.sh runs it on one)")
 
 
 # ---- the sharded optimizer --------------------------------------------------------------------
@@ -131,7 +131,7 @@ def test_fake_torch_view_is_work_of_the_current_stream(monkeypatch):
 
 # ---- Horovod's CUDA Adasum tests: NumPy 2's removed aliases -----------------------------------
 def test_horovod_suite_gives_ranks_numpy_2s_removed_aliases():
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "horovod"))
     import horovod_suite
 
     shim = horovod_suite.RANK_RUNNER.split("rank =")[0]
@@ -150,7 +150,7 @@ def test_horovod_suite_gives_ranks_numpy_2s_removed_aliases():
     assert sys_modules["numpy"] is numpy
 
 
-# ---- scripts/gpu_check.sh: syntax, parts, summary (nothing heavy runs) ------------------------
+# ---- scripts/gpu/gpu_check.sh: syntax, parts, summary (nothing heavy runs) --------------------
 def _script(env, *args, timeout=60):
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
                           timeout=timeout, cwd=str(ROOT), env={**os.environ, **env})
@@ -158,7 +158,7 @@ def _script(env, *args, timeout=60):
 
 def test_gpu_check_script_syntax_parts_and_summary(tmp_path):
     for script in ("gpu_check.sh", "gpu_check_prepare.sh"):
-        check = subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)],
+        check = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu" / script)],
                                capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
     empty = tmp_path / "no-wheels"
@@ -202,7 +202,7 @@ def test_gpu_check_reports_a_failed_part(tmp_path):
 def test_horovod_suite_shares_gpus_by_changing_only_the_device_index(tmp_path):
     """--share-gpus (two ranks on a one-GPU machine): Horovod's cuda:{local_rank} becomes
     cuda:{local_rank % visible GPUs}, nothing else in the copy changes."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "horovod"))
     import horovod_suite
 
     original = ("import torch\nimport horovod.torch as hvd\n"

@@ -1,5 +1,6 @@
-"""The parts of scripts/local_cluster.sh and scripts/local_slurm.sh that run without root and
-change nothing: their usage text, and the check that Slurm's ports are free before ``start``.
+"""The parts of scripts/cluster/local_cluster.sh and scripts/cluster/local_slurm.sh that run
+without root and change nothing: their usage text, and the check that Slurm's ports are free
+before ``start``.
 (What they build, namespaces and daemons, is tested by the system tests: tests/conftest.py.)"""
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CLUSTER = ROOT / "scripts" / "local_cluster.sh"
-LOCAL_SLURM = ROOT / "scripts" / "local_slurm.sh"
+CLUSTER = ROOT / "scripts" / "cluster" / "local_cluster.sh"
+LOCAL_SLURM = ROOT / "scripts" / "cluster" / "local_slurm.sh"
 
 
 def run(script: Path, *args: str, **env: str) -> subprocess.CompletedProcess:

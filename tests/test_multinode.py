@@ -1,9 +1,10 @@
 """Across nodes, on an emulated cluster: network namespaces joined by shaped veth links, MPI
-over TCP (scripts/local_cluster.sh, docs/multinode.md), and a real Slurm across two of its nodes
-(scripts/local_slurm.sh with LOCAL_SLURM_NODES). These tests change the machine (root,
-namespaces, a bridge, Slurm's daemons), so they run only with MPIDDP_SYSTEM_TESTS=1, and are
-skipped with the reason where the cluster cannot be built. Every launch has a timeout and is
-killed as a process group; the cluster is torn down at the end."""
+over TCP (scripts/cluster/local_cluster.sh, docs/multinode.md), and a real Slurm across two of
+its nodes (scripts/cluster/local_slurm.sh with LOCAL_SLURM_NODES). These tests change the
+machine (root, namespaces, a bridge, Slurm's daemons), so they run only with
+MPIDDP_SYSTEM_TESTS=1, and are skipped with the reason where the cluster cannot be built.
+Every launch has a timeout and is killed as a process group; the cluster is torn down at the
+end."""
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ from test_zero import CHECKS as ZERO_WORKER_CHECKS
 from slurm_jobs import job as slurm_job, slurm_on_cluster_nodes, srun, wait_for_job
 
 pytestmark = [pytest.mark.system]
-CLUSTER = ROOT / "scripts" / "local_cluster.sh"
+CLUSTER = ROOT / "scripts" / "cluster" / "local_cluster.sh"
 CLUSTER_NODES = 4            # the conftest fixture's size: 4x1 reaches halving-doubling
 
 
@@ -213,7 +214,7 @@ def test_killing_every_rank_of_a_node_ends_the_job(cluster, tmp_path):
 
 
 def test_a_node_losing_its_link_ends_the_job_naming_its_ranks(cluster, tmp_path):
-    link = "mpn1h"           # node 1's veth on the bridge (scripts/local_cluster.sh)
+    link = "mpn1h"           # node 1's veth on the bridge (scripts/cluster/local_cluster.sh)
     try:
         result, elapsed, step_before = run_fault(
             tmp_path, lambda: subprocess.run(["ip", "link", "set", link, "down"], check=True))
@@ -264,7 +265,7 @@ def test_srun_across_nodes(slurm_on_nodes):
 
 
 def test_sbatch_job_script_trains_across_nodes(slurm_on_nodes, tmp_path):
-    """The job script users submit (scripts/slurm.sbatch), on 2 nodes x 2 ranks."""
+    """The job script users submit (scripts/cluster/slurm.sbatch), on 2 nodes x 2 ranks."""
     env = dict(slurm_on_nodes)
     if sys.prefix != sys.base_prefix:
         env["MPIDDP_VENV"] = sys.prefix
@@ -273,7 +274,7 @@ def test_sbatch_job_script_trains_across_nodes(slurm_on_nodes, tmp_path):
         submit = subprocess.run(
             [*IN_NODE_0, "sbatch", "--parsable", f"--job-name={name}", "--nodes=2",
              "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10", "--no-requeue",
-             f"--output={out}", "scripts/slurm.sbatch", "--epochs", "8",
+             f"--output={out}", "scripts/cluster/slurm.sbatch", "--epochs", "8",
              "--min-accuracy", "0.95", "--no-progress",
              "--checkpoint", str(tmp_path / "digits.pt")],
             env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)

@@ -1,11 +1,11 @@
-"""scripts/powersgd_convergence.py at 2 ranks, a few steps: it trains every variant, prints its
-table, counts what PowerSGD sends, and writes the picture and the JSON."""
+"""scripts/bench/powersgd_convergence.py at 2 ranks, a few steps: it trains every variant,
+prints its table, counts what PowerSGD sends, and writes the picture and the JSON."""
 import json
 import re
 
 from mpi_launch import ROOT, assert_ok, run_mpi
 
-SCRIPT = ROOT / "scripts" / "powersgd_convergence.py"
+SCRIPT = ROOT / "scripts" / "bench" / "powersgd_convergence.py"
 # The digits MLP 64-256-256-10: its parameters, and what rank r sends (three matrices as
 # (n + m) r, the biases whole).
 FULL = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10

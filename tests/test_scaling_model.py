@@ -1,4 +1,4 @@
-"""The cost model of a training step (scripts/scaling_model.py, docs/scaling.md): the engine's
+"""The cost model of a training step (scripts/bench/scaling_model.py, docs/scaling.md): the engine's
 cycles as the model forms them, and what the shared cores of the emulated cluster add to a
 cycle and bound a step by, from the all-reduce benchmark's CPU per call."""
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from mpi_launch import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 import scaling_model as model  # noqa: E402
 import simulated_models as sim  # noqa: E402
 from mpiddp.collectives.cost_model import (RING_STEP_OVERHEAD_S, LinkCosts,  # noqa: E402
@@ -19,7 +19,7 @@ KIB, MIB = 1 << 10, 1 << 20
 
 
 def benchmark_rows(cpu_ms: dict) -> list:
-    """Rows as scripts/benchmark_allreduce.py writes them, from CPU ms per call by method
+    """Rows as scripts/bench/benchmark_allreduce.py writes them, from CPU ms per call by method
     at 4 KiB and 1 MiB."""
     return [{"bytes": nbytes, "method": method, "seconds": 1e-3,
              "cpu_s_per_gb": ms * 1e-3 / nbytes * 1e9}
@@ -111,7 +111,7 @@ def test_cycles_take_what_is_ready_as_the_engine_does():
 
 
 def training_result(mpiddp_cpu_ms: float = 60.0, single_cpu_ms: float = 10.0) -> dict:
-    """A training launch's JSON as scripts/synthetic_benchmark.py writes it: a 0.2 s step of
+    """A training launch's JSON as scripts/bench/synthetic_benchmark.py writes it: a 0.2 s step of
     ResNet-18's layers scaled by 0.05, mpiddp measured at 0.5 s."""
     return {"bucket_cap_mb": 0.2,
             "simulation": {"param_scale": 0.05, "step_s": 0.2, "optimizer_s": 0.0},

@@ -1,5 +1,5 @@
-"""Simulated accelerator models (scripts/simulated_models.py) and their use in
-scripts/synthetic_benchmark.py: the shape tables against the published parameter counts and
+"""Simulated accelerator models (scripts/bench/simulated_models.py) and their use in
+scripts/bench/synthetic_benchmark.py: the shape tables against the published parameter counts and
 FLOPs, the timing of a simulated step, its CPU use, and a 2-rank benchmark run."""
 import json
 import math
@@ -13,7 +13,7 @@ import torch
 
 from mpi_launch import ROOT, assert_ok, run_mpi
 
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 import simulated_models as sim  # noqa: E402
 import synthetic_benchmark as bench  # noqa: E402
 
@@ -213,7 +213,7 @@ def test_benchmark_two_ranks(tmp_path):
     # Forward overlap too where this mpiddp has it (the refusal is tested above).
     names = ["mpiddp", "ddp", "single"] + (["overlap"] if bench.supports_overlap_forward()
                                            else [])
-    result = run_mpi(str(ROOT / "scripts" / "synthetic_benchmark.py"), 2,
+    result = run_mpi(str(ROOT / "scripts" / "bench" / "synthetic_benchmark.py"), 2,
                      "--model", "sim-resnet18", "--param-scale", "0.05", "--step-time", "0.1",
                      "--iters", "2", "--steps", "2", "--warmup", "1", "--link-gbit", "1",
                      "--variants", ",".join(names), "--json", out, timeout=150)
@@ -238,7 +238,7 @@ def test_benchmark_straggler_and_native_variant(tmp_path):
     step), the job runs at the straggler's pace without a stall report, and the 'native'
     variant sends every reduction through MPI_Allreduce."""
     out = tmp_path / "result.json"
-    result = run_mpi(str(ROOT / "scripts" / "synthetic_benchmark.py"), 2,
+    result = run_mpi(str(ROOT / "scripts" / "bench" / "synthetic_benchmark.py"), 2,
                      "--model", "sim-resnet18", "--param-scale", "0.05", "--step-time", "0.1",
                      "--iters", "1", "--steps", "3", "--warmup", "1", "--straggler", "1.5",
                      "--variants", "mpiddp,native,single", "--json", out, timeout=150)
@@ -275,7 +275,7 @@ def test_benchmark_fsdp2_variant_two_ranks(tmp_path):
     simulated model (its layers a custom autograd Function taking the parameters as inputs)
     and a real one beside mpiddp, and is a denominator of the ratios."""
     out = tmp_path / "result.json"
-    result = run_mpi(str(ROOT / "scripts" / "synthetic_benchmark.py"), 2,
+    result = run_mpi(str(ROOT / "scripts" / "bench" / "synthetic_benchmark.py"), 2,
                      "--threads", "1", "--model", "sim-resnet18", "--param-scale", "0.02",
                      "--step-time", "0.05", "--iters", "1", "--steps", "1", "--warmup", "1",
                      "--variants", "mpiddp,fsdp2", "--json", out, timeout=60)
@@ -284,7 +284,7 @@ def test_benchmark_fsdp2_variant_two_ranks(tmp_path):
     assert set(data["variants"]) == {"mpiddp", "fsdp2"}
     assert data["variants"]["fsdp2"]["step_s"] > 0
     assert "mpiddp / fsdp2" in data["ratios"], result.output
-    result = run_mpi(str(ROOT / "scripts" / "synthetic_benchmark.py"), 2,
+    result = run_mpi(str(ROOT / "scripts" / "bench" / "synthetic_benchmark.py"), 2,
                      "--threads", "1", "--model", "mlp", "--width", "64", "--depth", "2",
                      "--batch-size", "4", "--iters", "1", "--steps", "1", "--warmup", "1",
                      "--variants", "fsdp2", timeout=60)
@@ -293,13 +293,14 @@ def test_benchmark_fsdp2_variant_two_ranks(tmp_path):
 
 
 def test_allreduce_benchmark_times_single_tensors_and_lists(tmp_path):
-    """scripts/benchmark_allreduce.py checks every method's sums before timing it (a wrong
+    """scripts/bench/benchmark_allreduce.py checks every method's sums before timing it (a wrong
     result ends the run), then reports the CPU per GB with its user-space share; --pieces adds
     lists of tensors handed over at once."""
     out = tmp_path / "allreduce.json"
-    result = run_mpi(str(ROOT / "scripts" / "benchmark_allreduce.py"), 2, "--min-size", "4K",
-                     "--max-size", "16K", "--seconds", "0.02", "--min-iters", "2",
-                     "--no-gloo", "--pieces", "4", "--json", out, timeout=150)
+    result = run_mpi(str(ROOT / "scripts" / "bench" / "benchmark_allreduce.py"), 2,
+                     "--min-size", "4K", "--max-size", "16K", "--seconds", "0.02",
+                     "--min-iters", "2", "--no-gloo", "--pieces", "4", "--json", out,
+                     timeout=150)
     assert_ok(result)
     assert "4 tensors of each size at once" in result.output, result.output
     data = json.loads(out.read_text())
@@ -317,10 +318,10 @@ def test_allreduce_benchmark_times_single_tensors_and_lists(tmp_path):
 
 
 def test_cache_benchmark_compares_a_grown_cache_with_a_fixed_one():
-    """scripts/benchmark_cache.py: with more parameters than the cache's 1,024 places, the
+    """scripts/bench/benchmark_cache.py: with more parameters than the cache's 1,024 places, the
     cache mpiddp sizes needs no slow cycle once grown, as one set large from the start; the
     fixed one needs some every step."""
-    result = run_mpi(str(ROOT / "scripts" / "benchmark_cache.py"), 2, "--params", "1100",
+    result = run_mpi(str(ROOT / "scripts" / "bench" / "benchmark_cache.py"), 2, "--params", "1100",
                      "--elements", "1", "--warmup", "4", "--steps", "2", "--rounds", "1",
                      timeout=150)
     assert_ok(result)
@@ -331,7 +332,7 @@ def test_cache_benchmark_compares_a_grown_cache_with_a_fixed_one():
     assert slow["grows (unset)"] == slow["set 4096"] == 0 < slow["fixed 1024"], result.output
     # Rank 0's work in a slow cycle, in one process: a row per rank count, more bytes with
     # more ranks.
-    work = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark_cache.py"),
+    work = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "benchmark_cache.py"),
                            "--rank0-work", "2,8", "--params", "20"], capture_output=True,
                           text=True, timeout=120, check=True).stdout
     gathered = [float(line.split("|")[3]) for line in work.splitlines()
@@ -340,7 +341,7 @@ def test_cache_benchmark_compares_a_grown_cache_with_a_fixed_one():
 
 
 def test_scaling_report_reads_allreduce_and_half_rate_runs(tmp_path, capsys):
-    """scripts/plot_scaling.py: the all-reduce tables at each node count and the comparison
+    """scripts/bench/plot_scaling.py: the all-reduce tables at each node count and the comparison
     with the same training runs at half the link rate, from result files as the scaling
     benchmark writes them."""
     import plot_scaling

@@ -1,6 +1,6 @@
 """The job script and the launch rules on a real Slurm.
 
-``scripts/local_slurm.sh`` runs munged, slurmctld and slurmd on this machine (installing
+``scripts/cluster/local_slurm.sh`` runs munged, slurmctld and slurmd on this machine (installing
 slurm-wlm and munge if needed, as root); these tests submit to it. They change the machine, so
 they run only with MPIDDP_SYSTEM_TESTS=1 (tests/conftest.py), and are skipped with the reason
 where Slurm cannot start (not root, no packages). Every job gets a unique name and a time
@@ -21,7 +21,7 @@ from mpi_launch import ROOT
 from slurm_jobs import job, srun, wait_for_job
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(900)]   # the first one may install Slurm
-LOCAL_SLURM = ROOT / "scripts" / "local_slurm.sh"
+LOCAL_SLURM = ROOT / "scripts" / "cluster" / "local_slurm.sh"
 SINGLETON_ERROR = "srun started 2 tasks but MPI sees 1 process per task: each would train alone"
 
 
@@ -30,7 +30,7 @@ def slurm_env():
     """The environment for Slurm commands; Slurm is started for the session (and stopped after
     it) unless it was already running."""
     if os.geteuid() != 0:
-        pytest.skip("needs root: scripts/local_slurm.sh installs Slurm and runs it as root")
+        pytest.skip("needs root: scripts/cluster/local_slurm.sh installs Slurm and runs it as root")
     status = subprocess.run(["bash", str(LOCAL_SLURM), "status"], capture_output=True, text=True,
                             timeout=60)
     started_here = status.returncode != 0
@@ -38,7 +38,8 @@ def slurm_env():
         status = subprocess.run(["bash", str(LOCAL_SLURM), "start"], capture_output=True,
                                 text=True, timeout=600)
         if status.returncode != 0:
-            pytest.skip("scripts/local_slurm.sh could not start Slurm:\n" + status.stderr[-3000:])
+            pytest.skip("scripts/cluster/local_slurm.sh could not start Slurm:\n"
+                        + status.stderr[-3000:])
     conf = re.search(r"export SLURM_CONF=(\S+)", status.stdout).group(1)
     env = dict(os.environ, SLURM_CONF=conf, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     try:
@@ -58,7 +59,7 @@ def test_sbatch_job_script_trains_on_two_ranks(slurm_env, tmp_path):
         submit = subprocess.run(
             ["sbatch", "--parsable", f"--job-name={name}", "--nodes=1", "--ntasks=2",
              "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10", "--no-requeue",
-             f"--output={out}", "scripts/slurm.sbatch",
+             f"--output={out}", "scripts/cluster/slurm.sbatch",
              "--epochs", "8", "--min-accuracy", "0.95", "--no-progress",
              "--checkpoint", str(tmp_path / "digits.pt")],
             env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
@@ -74,7 +75,7 @@ def test_sbatch_job_script_trains_on_two_ranks(slurm_env, tmp_path):
 
 
 def test_sbatch_job_script_runs_a_users_script(slurm_env, tmp_path):
-    """``sbatch scripts/slurm.sbatch my_train.py args``: the job runs that script instead of
+    """``sbatch scripts/cluster/slurm.sbatch my_train.py args``: the job runs that script instead of
     the example."""
     env = dict(slurm_env)
     if sys.prefix != sys.base_prefix:
@@ -84,7 +85,7 @@ def test_sbatch_job_script_runs_a_users_script(slurm_env, tmp_path):
         submit = subprocess.run(
             ["sbatch", "--parsable", f"--job-name={name}", "--nodes=1", "--ntasks=2",
              "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10", "--no-requeue",
-             f"--output={out}", "scripts/slurm.sbatch", "examples/readme_example.py"],
+             f"--output={out}", "scripts/cluster/slurm.sbatch", "examples/readme_example.py"],
             env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
         assert submit.returncode == 0, submit.stderr
         fields = wait_for_job(env, submit.stdout.strip().split(";")[0], timeout=300)
@@ -125,7 +126,7 @@ def test_warning_signal_checkpoints_requeues_and_resumes(slurm_env, tmp_path):
         submit = subprocess.run(
             ["sbatch", "--parsable", f"--job-name={name}", "--nodes=1", "--ntasks=2",
              "--ntasks-per-node=2", "--cpus-per-task=1", "--time=10", f"--output={out}",
-             "scripts/slurm.sbatch", "--epochs", "40", "--batch-size", "8",
+             "scripts/cluster/slurm.sbatch", "--epochs", "40", "--batch-size", "8",
              "--min-accuracy", "0.95", "--no-progress", "--checkpoint", str(checkpoint)],
             env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
         assert submit.returncode == 0, submit.stderr
@@ -159,7 +160,7 @@ def wait_for_requeued_job(env, job_id: str, timeout: float) -> dict:
 
 
 def submit_gpu_probe(env, tmp_path, *resources: str) -> tuple[dict, str, list]:
-    """scripts/slurm_gpu.sbatch with ``resources`` on the local Slurm's fake GPUs, running
+    """scripts/cluster/slurm_gpu.sbatch with ``resources`` on the local Slurm's fake GPUs, running
     tests/workers/slurm_gpu_probe.py as its training script: (job fields, output, probes)."""
     env = dict(env, PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "workers"), str(ROOT)]))
     if sys.prefix != sys.base_prefix:
@@ -169,7 +170,7 @@ def submit_gpu_probe(env, tmp_path, *resources: str) -> tuple[dict, str, list]:
         submit = subprocess.run(
             ["sbatch", "--parsable", f"--job-name={name}", "--nodes=1", *resources,
              "--cpus-per-task=1", "--time=10", "--no-requeue", f"--output={out}",
-             "scripts/slurm_gpu.sbatch", "tests/workers/slurm_gpu_probe.py"],
+             "scripts/cluster/slurm_gpu.sbatch", "tests/workers/slurm_gpu_probe.py"],
             env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
         assert submit.returncode == 0, submit.stderr
         fields = wait_for_job(env, submit.stdout.strip().split(";")[0], timeout=300)
@@ -211,13 +212,13 @@ INTEL_CODE = ("import os, mpiddp, torch; mpiddp.init(); total = mpiddp.allreduce
 
 
 def test_srun_starts_intel_mpi_ranks_through_slurms_pmi2(slurm_env):
-    """Intel MPI (scripts/test_intelmpi.sh) under ``srun --mpi=pmi2``: one job, through Slurm's
+    """Intel MPI (scripts/dev/test_intelmpi.sh) under ``srun --mpi=pmi2``: one job, through Slurm's
     PMI-2 library (``I_MPI_PMI_LIBRARY``, Debian's libpmi2-0, installed here if missing; the
     PyPI wheel also needs ``I_MPI_ROOT``, which mpiddp sets) and through Intel MPI's own PMI
     client (no library); without a PMI, the launch check stops every task."""
     from mpi4py import MPI
     if "Intel(R) MPI" not in MPI.Get_library_version():
-        pytest.skip("needs Intel MPI (scripts/test_intelmpi.sh)")
+        pytest.skip("needs Intel MPI (scripts/dev/test_intelmpi.sh)")
     found = subprocess.run(["bash", str(LOCAL_SLURM), "pmi2-library"], capture_output=True,
                            text=True, timeout=300)
     if found.returncode != 0:

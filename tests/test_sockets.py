@@ -179,9 +179,9 @@ def test_ring_and_halving_doubling_over_sockets_match_reference(nprocs):
 
 
 def test_exchange_patterns_benchmark_runs_on_two_ranks():
-    """scripts/exchange_patterns.py (the ring's and halving-doubling's exchange sequences over
+    """scripts/bench/exchange_patterns.py (the ring's and halving-doubling's exchange sequences over
     the sockets) over loopback: every pattern timed every repeat."""
-    script = str(ROOT / "scripts" / "exchange_patterns.py")
+    script = str(ROOT / "scripts" / "bench" / "exchange_patterns.py")
     result = run_mpi(script, 2, "--mib", "1", "--repeats", "2", "--ifname", "lo", timeout=120)
     assert_ok(result)
     for pattern in ("ring", "halving-doubling", "halving-doubling, a barrier per step"):

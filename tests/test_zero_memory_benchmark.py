@@ -1,4 +1,4 @@
-"""scripts/benchmark_zero_memory.py at 2 ranks on a small model: it runs every configuration
+"""scripts/bench/benchmark_zero_memory.py at 2 ranks on a small model: it runs every configuration
 (FSDP2 with and without resharding after forward among them), prints its table, writes its
 JSON, and ZeRO stage 1 holds half of stage 0's optimizer state per rank."""
 import json
@@ -9,7 +9,7 @@ import sys
 
 from mpi_launch import ROOT, descendants
 
-SCRIPT = ROOT / "scripts" / "benchmark_zero_memory.py"
+SCRIPT = ROOT / "scripts" / "bench" / "benchmark_zero_memory.py"
 TIMEOUT = 300
 PADDING = 4096          # per-shard scalars (Adam's 'step') and uneven chunk bounds
 

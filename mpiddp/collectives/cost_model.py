@@ -20,7 +20,7 @@ With ``G`` ranks on each of ``N`` nodes, the library's all-reduce (``node_aware_
 and the hierarchical one (``hierarchical_seconds``) send each byte across the network once per
 node, the node's ranks sharing its interface (``shared_link``), plus ``2 (G-1)/G n`` over the
 link inside the node; the engine does not use these (its choice needs only the thresholds),
-``scripts/scaling_model.py`` does.
+``scripts/bench/scaling_model.py`` does.
 
 The reduction's arithmetic is the same in both and left out. On these terms the MPI library's
 algorithm is never slower; ours earn their place by what the terms leave out: they wait for
@@ -91,7 +91,7 @@ class LinkCosts:
     """A link's alpha (s per message) and beta (s per byte), as measured or assumed, and
     the reduction's arithmetic per byte reduced (gamma: about 0.15 ns with NumPy on a host
     core, for float32 sums; on a GPU negligible next to the link). Gamma is the same for
-    every algorithm, so the choice ignores it; the step model (scripts/scaling_model.py)
+    every algorithm, so the choice ignores it; the step model (scripts/bench/scaling_model.py)
     needs it."""
 
     latency_s: float

@@ -3,7 +3,7 @@
 
     mpiexec -n 2 python tests/workers/adasum_cuda_worker.py cuda|cpu|fake
 
-* ``cuda`` (a GPU, torch.cuda and CuPy; scripts/gpu_check.sh): every floating dtype, alone
+* ``cuda`` (a GPU, torch.cuda and CuPy; scripts/gpu/gpu_check.sh): every floating dtype, alone
   and fused, orthogonal vectors add and parallel ones average, the same bits on every rank;
   then the delta optimizer (SGD with momentum) trained with ``GradScaler("cuda")`` against the
   one-process simulation of every rank on the same device, an inf on one rank skipping the step

@@ -1,4 +1,5 @@
-"""Topology and the hierarchical all-reduce on an emulated cluster (scripts/local_cluster.sh).
+"""Topology and the hierarchical all-reduce on an emulated cluster
+(scripts/cluster/local_cluster.sh).
 
 Usage: multinode_worker.py <nodes> <ranks per node>. Prints 'OK ...' on rank 0.
 """

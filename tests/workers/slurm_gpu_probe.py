@@ -1,4 +1,4 @@
-"""A rank of scripts/slurm_gpu.sbatch on the local Slurm's fake GPUs (tests/test_slurm.py).
+"""A rank of scripts/cluster/slurm_gpu.sbatch on the local Slurm's fake GPUs (tests/test_slurm.py).
 
 The GPUs Slurm gave the task (``CUDA_VISIBLE_DEVICES``) become fake CUDA devices
 (tests/workers/fake_cuda.py) whose identity is the physical GPU's number, so that mpiddp's own

@@ -4,7 +4,7 @@ memory against the ZeRO formula.
     MPIDDP_ALLREDUCE_ALGORITHM=ring mpiexec -n 2 python tests/workers/zero_cuda_worker.py cuda|cpu
 
 (ring: the sharded reduce-scatter sums in the ring all-reduce's order). ``cuda``: the model,
-its gradients and the optimizer's state on the rank's GPU (scripts/gpu_check.sh: 2 ranks on
+its gradients and the optimizer's state on the rank's GPU (scripts/gpu/gpu_check.sh: 2 ranks on
 one device); ``cpu``: the same checks on host tensors (CI).
 
 Checks (rank 0 prints 'OK <check> | {numbers}'):

@@ -2,12 +2,12 @@
 # The checks that need a CUDA GPU, in one run (docs/gpu.md, "Checking on a GPU machine"; the
 # device plan: docs/dev/gpu.md):
 #
-#   bash scripts/gpu_check.sh [OUTPUT_DIR]        # default gpu-check/
+#   bash scripts/gpu/gpu_check.sh [OUTPUT_DIR]    # default gpu-check/
 #
 # Uses the machine's own python3 with its CUDA torch and CuPy. MPI: the python3's mpi4py and
 # mpiexec as found, unless WHEELS (default .whl/) holds mpi4py and mpich wheels: then they go
 # into a virtual environment that sees the system's packages (a GPU machine with no package
-# index can be handed the wheels this way: scripts/gpu_check_prepare.sh makes them). Parts,
+# index can be handed the wheels this way: scripts/gpu/gpu_check_prepare.sh makes them). Parts,
 # in this order, each under a time limit, with its output in OUTPUT_DIR/PART.txt:
 #   machine    the GPU, driver, torch, CuPy, MPI library and whether it is CUDA-aware;
 #   zero       tests/workers/zero_cuda_worker.py cuda on 2 ranks: zero_stage 1 and 2 (with and
@@ -16,14 +16,15 @@
 #              float64 reference, the delta optimizer with GradScaler), then
 #              benchmark_allreduce.py --adasum --device cuda (Adasum's busbw against Average);
 #   horovod    Horovod's CUDA Adasum tests (test_orthogonal, test_parallel) through
-#              scripts/horovod_suite.py, from HOROVOD (default .horovod/, see the prepare script);
+#              scripts/horovod/horovod_suite.py, from HOROVOD (default .horovod/, see the
+#              prepare script);
 #   intelmpi   Intel MPI (an impi_rt wheel in WHEELS) with I_MPI_OFFLOAD=1 I_MPI_OFFLOAD_MODE=cuda:
 #              what its query functions and mpiddp's probe answer, the per-collective GPU tests at
 #              1 and 2 ranks (staged and direct), and the device all-reduce benchmark
 #              (CUDA-aware mpiddp, staged, MPI_Allreduce on device buffers) up to 256 MiB;
 #   tests      every GPU test (tests/test_gpu*.py, tests/test_cuda_aware.py; skips listed);
-#   allreduce  scripts/benchmark_allreduce.py --device cuda on 2 ranks;
-#   training   scripts/synthetic_benchmark.py --device cuda on 2 ranks: ResNet-18 on 224x224
+#   allreduce  scripts/bench/benchmark_allreduce.py --device cuda on 2 ranks;
+#   training   scripts/bench/synthetic_benchmark.py --device cuda on 2 ranks: ResNet-18 on 224x224
 #              images and the six-layer MLP, mpiddp (standard path, forward overlap) against
 #              DDP and one process.
 # PARTS (default: all of them) picks among them ("none": only the summary); TESTS gives the
@@ -38,7 +39,7 @@
 # not run and why, its seconds, and its numbers. Exit status: 0 when no part failed or timed
 # out (the benchmarks count as passed when they ran to the end).
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUTDIR="$(mkdir -p "${1:-gpu-check}" && cd "${1:-gpu-check}" && pwd)"
 WHEELS="${WHEELS:-$ROOT/.whl}"
 HOROVOD="${HOROVOD:-$ROOT/.horovod}"
@@ -107,17 +108,17 @@ part_zero() {
 
 part_adasum() {
   mpiexec -n 2 python3 -m mpi4py tests/workers/adasum_cuda_worker.py cuda || return 1
-  mpiexec -n 2 python3 scripts/benchmark_allreduce.py --device cuda --adasum --no-gloo \
+  mpiexec -n 2 python3 scripts/bench/benchmark_allreduce.py --device cuda --adasum --no-gloo \
     --max-size 64M --seconds 0.1 --json "$OUTDIR/adasum_cuda.json"
 }
 
 part_horovod() {
   if [ ! -f "$HOROVOD/test/parallel/test_adasum_pytorch.py" ]; then
     echo "[gpu_check] not run: no $HOROVOD/test/parallel/test_adasum_pytorch.py (make it" \
-      "with scripts/gpu_check_prepare.sh HOROVOD_CHECKOUT, or set HOROVOD)"
+      "with scripts/gpu/gpu_check_prepare.sh HOROVOD_CHECKOUT, or set HOROVOD)"
     return 3
   fi
-  python3 scripts/horovod_suite.py --horovod "$HOROVOD" --file test_adasum_pytorch.py \
+  python3 scripts/horovod/horovod_suite.py --horovod "$HOROVOD" --file test_adasum_pytorch.py \
     -k "test_orthogonal or test_parallel" --ranks 2 --share-gpus --timeout 120 \
     --json "$OUTDIR/horovod.json" || return 1
   python3 - "$OUTDIR/horovod.json" <<'EOF'
@@ -131,7 +132,7 @@ EOF
 part_intelmpi() {
   if ! ls "$WHEELS"/impi_rt-*.whl "$WHEELS"/mpi4py-*.whl >/dev/null 2>&1; then
     echo "[gpu_check] not run: no impi_rt and mpi4py wheels in $WHEELS" \
-      "(scripts/gpu_check_prepare.sh makes them)"
+      "(scripts/gpu/gpu_check_prepare.sh makes them)"
     return 3
   fi
   local venv="${TMPDIR:-/tmp}/mpiddp-impi-venv" site system_site
@@ -174,7 +175,7 @@ mpiddp.shutdown()" || return 1
   local t=tests/test_gpu.py::test_every_collective_on_cuda_matches_reference
   python3 -m pytest -q -rs -p no:cacheprovider "$t[0-1]" "$t[0-2]" "$t[auto-1]" "$t[auto-2]" \
     || return 1
-  mpiexec -n 2 python3 scripts/benchmark_allreduce.py --device cuda --no-gloo \
+  mpiexec -n 2 python3 scripts/bench/benchmark_allreduce.py --device cuda --no-gloo \
     --max-size 256M --seconds 0.1 --json "$OUTDIR/allreduce_intelmpi.json"
 }
 
@@ -186,7 +187,7 @@ part_tests() {
 }
 
 part_allreduce() {
-  mpiexec -n 2 python3 scripts/benchmark_allreduce.py --device cuda --no-gloo \
+  mpiexec -n 2 python3 scripts/bench/benchmark_allreduce.py --device cuda --no-gloo \
     --max-size 64M --seconds 0.2 --json "$OUTDIR/allreduce_cuda.json"
 }
 
@@ -194,7 +195,7 @@ part_training() {
   local model size_args rc=0
   for model in cnn mlp; do
     size_args=(); [ "$model" = cnn ] && size_args=(--image-size 224 --batch-size 64)
-    timeout -k 10 "$BENCH_LIMIT_S" mpiexec -n 2 python3 scripts/synthetic_benchmark.py \
+    timeout -k 10 "$BENCH_LIMIT_S" mpiexec -n 2 python3 scripts/bench/synthetic_benchmark.py \
       --model "$model" "${size_args[@]}" --device cuda --variants "$TRAIN_VARIANTS" || rc=1
   done
   return $rc

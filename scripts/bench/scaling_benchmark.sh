@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Scaling curves on the emulated cluster (docs/benchmarks.md, "Scaling to 16 nodes"), as root:
 #
-#   sudo scripts/scaling_benchmark.sh [OUTPUT_DIR]
+#   sudo scripts/bench/scaling_benchmark.sh [OUTPUT_DIR]
 #
 # For each setting of SETTINGS (default "light heavy"), brings up 16 emulated nodes
-# (scripts/local_cluster.sh) and, for each node count of NODES (default "2 4 8 16", one rank
+# (scripts/cluster/local_cluster.sh) and, for each node count of NODES (default "2 4 8 16", one rank
 # per node) and regime of REGIMES (default "compute balanced wire": the one-process step 2x,
 # 1x, 0.5x the wire time of the gradients at that N), runs the simulated accelerator model
 # MODEL (default sim-resnet50) with VARIANTS (default: the standard path, forward overlap,
 # every reduction through MPI_Allreduce, DDP-gloo and one process) side by side in one launch,
 # and writes each launch's JSON and output to OUTPUT_DIR (default scaling-results/).
-# PARTS (default "training allreduce") also runs scripts/benchmark_allreduce.py (4 KiB-64 MiB:
+# PARTS (default "training allreduce") also runs scripts/bench/benchmark_allreduce.py (4 KiB-64 MiB:
 # mpiddp's algorithms, MPI_Allreduce and gloo) at each node count, on the links of the
 # settings in ALLREDUCE_SETTINGS (default heavy: 1 Gbit/s), into allreduce-<setting>-<N>x1.*.
 # RANKS_PER_NODE (default 1) runs that many ranks on each node (NxG launches and files; the
@@ -29,11 +29,11 @@
 # the scale), so that a bucket holds the same layers as in the real model: unscaled, DDP's
 # one 25 MB bucket would hold the whole shrunken model and overlap nothing.
 #
-# Compute is a GIL-free wait (scripts/simulated_models.py), so on this machine's 2 cores only
-# communication uses the CPU. Then `python scripts/plot_scaling.py OUTPUT_DIR` prints the
+# Compute is a GIL-free wait (scripts/bench/simulated_models.py), so on this machine's 2 cores only
+# communication uses the CPU. Then `python scripts/bench/plot_scaling.py OUTPUT_DIR` prints the
 # tables and draws docs/img/scaling_efficiency.png.
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${1:-scaling-results}"
 SETTINGS="${SETTINGS:-light heavy}"
 NODES="${NODES:-2 4 8 16}"
@@ -46,8 +46,8 @@ LINK_SCALE="${LINK_SCALE:-1}"
 RANKS_PER_NODE="${RANKS_PER_NODE:-1}"
 STEPS="${STEPS:-8}"
 ITERS="${ITERS:-2}"
-CLUSTER="$ROOT/scripts/local_cluster.sh"
-# shellcheck source=ensure_env.sh
+CLUSTER="$ROOT/scripts/cluster/local_cluster.sh"
+# shellcheck source=../ensure_env.sh
 source "$ROOT/scripts/ensure_env.sh"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 CORES="$(getconf _NPROCESSORS_ONLN)"   # not nproc: it obeys OMP_NUM_THREADS
@@ -87,7 +87,7 @@ for setting in $SETTINGS; do
       name="$OUT/allreduce-$setting-$shape"
       echo "### all-reduce, $setting ($rate links), $shape ($(date -u +%T))"
       launch "$name" "$shape" -- "${yield[@]}" \
-        python "$ROOT/scripts/benchmark_allreduce.py" --min-size 4K --max-size 64M \
+        python "$ROOT/scripts/bench/benchmark_allreduce.py" --min-size 4K --max-size 64M \
         --seconds 0.5 --json "$name.json"
     fi
     [[ "$train" == *training* ]] || continue
@@ -95,7 +95,7 @@ for setting in $SETTINGS; do
       name="$OUT/$setting-$MODEL-$regime-$shape"
       echo "### $setting, $MODEL, $regime, $shape ($(date -u +%T))"
       launch "$name" "$shape" -- "${yield[@]}" \
-        python "$ROOT/scripts/synthetic_benchmark.py" --threads 1 --model "$MODEL" \
+        python "$ROOT/scripts/bench/synthetic_benchmark.py" --threads 1 --model "$MODEL" \
         --param-scale "$scale" --regime "$regime" --link-gbit "$gbit" \
         --variants "$VARIANTS" --iters "$ITERS" --steps "$STEPS" --warmup 2 \
         --bucket-cap-mb "$(python3 -c "print(4 * $scale)")" \

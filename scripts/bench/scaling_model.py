@@ -1,11 +1,11 @@
 """The cost model of a data-parallel training step (docs/scaling.md): checked against the
 emulated cluster's measurements, then extrapolated to hundreds of nodes.
 
-    python scripts/scaling_model.py validate scaling-results/    # model against measured
-    python scripts/scaling_model.py validate-nodes results/      # several ranks per node
-    python scripts/scaling_model.py extrapolate                  # 64-512 nodes, 10-100 Gbit/s
-    python scripts/scaling_model.py horovod                      # Horovod's paper's setup
-    python scripts/scaling_model.py predict --step-s 0.2 --gbit 100 --gpus-per-node 8  # yours
+    python scripts/bench/scaling_model.py validate scaling-results/  # model against measured
+    python scripts/bench/scaling_model.py validate-nodes results/    # several ranks per node
+    python scripts/bench/scaling_model.py extrapolate                # 64-512 nodes, 10-100 Gbit/s
+    python scripts/bench/scaling_model.py horovod                    # Horovod's paper's setup
+    python scripts/bench/scaling_model.py predict --step-s 0.2 --gbit 100 --gpus-per-node 8  # yours
 
 The all-reduce of each fused buffer costs what ``mpiddp.collectives.cost_model`` says for the
 algorithm the engine picks (the MPI library's below an N- and link-dependent threshold,
@@ -21,7 +21,7 @@ Efficiency is the one-process step over that.
 
 Where the ranks share a machine's cores (the emulated cluster: 16 ranks on 2 cores), the
 ranks run each cycle in lockstep, and those of one core one after another: ``validate`` reads
-what one all-reduce costs a rank in CPU from ``scripts/benchmark_allreduce.py``'s run at the
+what one all-reduce costs a rank in CPU from ``scripts/bench/benchmark_allreduce.py``'s run at the
 same N and links (``allreduce-<setting>-<N>x1.json`` beside the training results) and adds to
 each cycle the CPU the other ranks of a core spend on it (ranks / cores - 1 times a rank's),
 and bounds each step by the cores' work for its cycles and for the one-process step's own CPU
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import simulated_models as sim  # noqa: E402
 from mpiddp.collectives.algorithms import AlgorithmChoice  # noqa: E402
 from mpiddp.collectives.cost_model import (ENGINE_CYCLE_S,  # noqa: E402
@@ -65,7 +65,7 @@ from mpiddp.collectives.topology import Topology  # noqa: E402
 
 NEGOTIATION_BYTES = 3 * 128 + 16     # a cached cycle's bit vectors and flags (docs/dev/engine.md)
 CYCLE_PROBE_BYTES = 4 << 20          # torch/gradients/cycle_budget.py's large all-reduce
-# scripts/benchmark_allreduce.py's rows for the algorithm the engine picks (recursive
+# scripts/bench/benchmark_allreduce.py's rows for the algorithm the engine picks (recursive
 # doubling has no row of its own: ``auto`` takes it for the sizes where the engine would).
 BENCHMARK_ROWS = {"ring": "mpiddp ring", "halving_doubling": "mpiddp halving-doubling",
                   "native": "MPI_Allreduce", "recursive_doubling": "mpiddp auto",
@@ -376,7 +376,7 @@ RESULT = re.compile(r"(?P<setting>light|heavy)-(?P<model>sim-[a-z0-9]+)-(?P<regi
 # emulated cluster, about as fitted from 1x2 runs of 4 KiB-64 MiB on 2026-11-27 (2.1-2.7
 # GB/s; docs/dev/scaling-model.md, "Several GPUs per node").
 EMULATED_NODE_LINK = LinkCosts(20e-6, 1 / 2.5e9, HOST_REDUCE_SECONDS_PER_BYTE)
-SETTINGS = {"light": 0.2, "heavy": 1.0}          # link Gbit/s of scripts/scaling_benchmark.sh
+SETTINGS = {"light": 0.2, "heavy": 1.0}          # link Gbit/s of scripts/bench/scaling_benchmark.sh
 
 
 def allreduce_rows(directory: str, setting: str, nodes: int,
@@ -497,7 +497,7 @@ ALLREDUCE_RESULT = re.compile(r"allreduce-(?P<setting>light|heavy)-(?P<nodes>\d+
 
 def allreduce_model_s(method: str, nbytes: int, nodes: int, link: LinkCosts,
                       step_overhead_s: float, over_sockets: bool = True) -> float:
-    """One all-reduce as ``scripts/benchmark_allreduce.py`` times it: through the engine (a
+    """One all-reduce as ``scripts/bench/benchmark_allreduce.py`` times it: through the engine (a
     cycle of its own per call: the negotiation; the engine's own work for one tensor and the
     hand-offs between threads left out) by one algorithm, or ``MPI_Allreduce`` called
     directly."""
@@ -807,7 +807,8 @@ def horovod(intra_gb_per_s: float, latency_us: float) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    v = sub.add_parser("validate", help="the model against scripts/scaling_benchmark.sh's JSON")
+    v = sub.add_parser("validate",
+                       help="the model against scripts/bench/scaling_benchmark.sh's JSON")
     v.add_argument("directory")
     v.add_argument("--latency-us", type=float, default=None,
                    help="the emulated links' latency (default: from the all-reduce benchmark "

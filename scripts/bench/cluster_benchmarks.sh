@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The multi-node benchmarks of docs/benchmarks.md ("Compression across nodes"; earlier rounds: docs/dev/benchmark-record.md, "Across nodes") in one command, as root:
 #
-#   sudo scripts/cluster_benchmarks.sh [RATE] [OUTPUT]     # RATE: tc rate, default 1gbit
+#   sudo scripts/bench/cluster_benchmarks.sh [RATE] [OUTPUT]  # RATE: tc rate, default 1gbit
 #
-# Brings up an emulated cluster of 4 nodes (scripts/local_cluster.sh) with links shaped to
+# Brings up an emulated cluster of 4 nodes (scripts/cluster/local_cluster.sh) with links shaped to
 # RATE, runs on it the all-reduce benchmark at 2x1, 4x1 and 2x2 (mpiddp against native
 # MPI_Allreduce) and the training benchmark at 2x1 (mpiddp against DDP over gloo on the same
 # links; ResNet-18 and the MLP in fp32 and with fp16 compression on both, the MLP with bf16
@@ -22,17 +22,17 @@
 # MPI_GENV="NAME=VALUE ..." passes settings to every rank of every launch, e.g.
 # MPI_GENV="UCX_RNDV_THRESH=inf" for UCX's eager protocol over TCP (docs/dev/engine.md, "Transfers across nodes").
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 RATE="${1:-1gbit}"
 OUTPUT="${2:-cluster-benchmarks.txt}"
 PARTS="${PARTS:-allreduce training}"
-CLUSTER="$ROOT/scripts/local_cluster.sh"
+CLUSTER="$ROOT/scripts/cluster/local_cluster.sh"
 case "$RATE" in
   *gbit) GBIT="${RATE%gbit}" ;;
   *mbit) GBIT="$(python3 -c "print(${RATE%mbit} / 1000)")" ;;
   *) echo "RATE must be like 1gbit or 500mbit" >&2; exit 2 ;;
 esac
-# shellcheck source=ensure_env.sh
+# shellcheck source=../ensure_env.sh
 source "$ROOT/scripts/ensure_env.sh"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 CORES="$(getconf _NPROCESSORS_ONLN)"   # not nproc: it obeys OMP_NUM_THREADS
@@ -53,12 +53,12 @@ on_cluster() {        # on_cluster NxP command...: heavy yield where ranks outnu
   echo "# mpiddp across nodes: $(date -u +%F), links $RATE, $CORES cores, $(git -C "$ROOT" rev-parse --short HEAD)${MPI_GENV:+, $MPI_GENV}"
   if [[ "$PARTS" == *allreduce* ]]; then
     for layout in 2x1 4x1 2x2; do
-      on_cluster "$layout" python "$ROOT/scripts/benchmark_allreduce.py" --no-gloo \
+      on_cluster "$layout" python "$ROOT/scripts/bench/benchmark_allreduce.py" --no-gloo \
         --min-size 4K --max-size 64M --seconds 1 --min-iters 3
     done
   fi
   if [[ "$PARTS" == *training* ]]; then
-    train=(python "$ROOT/scripts/synthetic_benchmark.py" --threads 1 --link-gbit "$GBIT")
+    train=(python "$ROOT/scripts/bench/synthetic_benchmark.py" --threads 1 --link-gbit "$GBIT")
     on_cluster 2x1 "${train[@]}" --model cnn
     on_cluster 2x1 "${train[@]}" --model mlp
     on_cluster 2x1 "${train[@]}" --model mlp --compression fp16
@@ -74,7 +74,7 @@ sys.exit("overlap_forward" not in inspect.signature(mpiddp.DistributedOptimizer)
       echo "(this mpiddp has no forward overlap: the overlap variant is left out)"
       variants=mpiddp,ddp,single
     fi
-    sim=(python "$ROOT/scripts/synthetic_benchmark.py" --threads 1 --link-gbit "$GBIT"
+    sim=(python "$ROOT/scripts/bench/synthetic_benchmark.py" --threads 1 --link-gbit "$GBIT"
          --param-scale "${SIM_SCALE:-0.25}" --warmup 1 --steps 3 --iters 3
          --variants "$variants")
     for model in ${SIM_MODELS:-sim-resnet50 sim-bert}; do

@@ -11,9 +11,9 @@ one comes before them all). Prints, per
 variant, the median step time, the ratio to the first variant and the slow cycles
 (negotiations through rank 0) per timed step.
 
-    mpiexec -n 2 python scripts/benchmark_cache.py
-    scripts/local_cluster.sh run 8x1 -- -genv MPIR_CVAR_ENABLE_HEAVY_YIELD 1 \\
-        python scripts/benchmark_cache.py
+    mpiexec -n 2 python scripts/bench/benchmark_cache.py
+    scripts/cluster/local_cluster.sh run 8x1 -- -genv MPIR_CVAR_ENABLE_HEAVY_YIELD 1 \\
+        python scripts/bench/benchmark_cache.py
 
 ``--rank0-work 64,512`` (one process, no MPI) times instead what a slow cycle costs rank 0 for
 ``--params`` new names from that many ranks: unpickling every rank's requests, checking them

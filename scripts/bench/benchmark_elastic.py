@@ -2,7 +2,7 @@
 commit every N steps against the same steps without commits, in alternating rounds of one run
 (docs/dev/elastic.md; the issue's target: at most 2% at a commit every 50 steps).
 
-    mpiexec -n 2 python scripts/benchmark_elastic.py --commit-every 50 --rounds 6
+    mpiexec -n 2 python scripts/bench/benchmark_elastic.py --commit-every 50 --rounds 6
 
 A round trains ``--steps`` steps of scripts/train.py's network on the digits data; it is timed
 whole, so the commits' host copies on the training thread and the background writer's
@@ -22,7 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))     # scripts/train.py
 import mpiddp  # noqa: E402
 from mpiddp.elastic import ElasticSampler, State  # noqa: E402
 from train import Net, load_digits_split, threads_per_rank  # noqa: E402

@@ -2,12 +2,16 @@
 # A one-machine Slurm cluster (munged + slurmctld + slurmd) for trying and testing the job
 # scripts; docs/slurm.md tells how to use it. Needs root.
 #
-#   bash scripts/local_slurm.sh start     # install slurm-wlm and munge if missing, configure, start
+#   bash scripts/cluster/local_slurm.sh start     # install slurm-wlm and munge if missing,
+#                                                 # configure, start
 #   export SLURM_CONF=/tmp/mpiddp-slurm/slurm.conf    # (start prints it) for sbatch, srun, squeue
-#   bash scripts/local_slurm.sh status    # daemons, node and queue
-#   bash scripts/local_slurm.sh stop      # cancel jobs, stop the daemons, remove the scratch dir
-#   bash scripts/local_slurm.sh pmi2-library   # install libpmi2-0 if missing, print its path
-#   bash scripts/local_slurm.sh check-ports    # are the daemons' ports free? (start checks it too)
+#   bash scripts/cluster/local_slurm.sh status    # daemons, node and queue
+#   bash scripts/cluster/local_slurm.sh stop      # cancel jobs, stop the daemons, remove the
+#                                                 # scratch dir
+#   bash scripts/cluster/local_slurm.sh pmi2-library   # install libpmi2-0 if missing, print
+#                                                      # its path
+#   bash scripts/cluster/local_slurm.sh check-ports    # are the daemons' ports free? (start
+#                                                      # checks it too)
 #
 # Everything it writes lives in one scratch directory, LOCAL_SLURM_DIR (default
 # /tmp/mpiddp-slurm): configuration, munge key and socket, state, spool, logs and pid files.
@@ -19,10 +23,10 @@
 # device files in the scratch directory, so that GPU job scripts (--gpus-per-node) schedule
 # and get CUDA_VISIBLE_DEVICES as on a GPU node; there is no CUDA device behind them.
 #
-# LOCAL_SLURM_NODES=K at start: a K-node cluster on the nodes of scripts/local_cluster.sh
+# LOCAL_SLURM_NODES=K at start: a K-node cluster on the nodes of scripts/cluster/local_cluster.sh
 # (which must be up with K nodes or more): slurmctld in node 0, one slurmd in each node under
 # its own name and address, so that jobs span nodes over the emulated network. Slurm's
-# commands must then run in a node: scripts/local_cluster.sh exec 0 -- sbatch ...
+# commands must then run in a node: scripts/cluster/local_cluster.sh exec 0 -- sbatch ...
 # Nothing under /etc is written and no system service is started, so `stop` leaves the machine
 # as it was, except for the packages `start` installed (it says so).
 #
@@ -49,7 +53,7 @@ as root (SlurmUser=root). Run: sudo bash $0 $1"
 }
 
 # Run a command where the cluster's daemons and clients live: on this machine, or (emulated
-# nodes) in node I of scripts/local_cluster.sh, under that node's name and address.
+# nodes) in node I of scripts/cluster/local_cluster.sh, under that node's name and address.
 in_node() {  # in_node I COMMAND...
   local index="$1"; shift
   if [ "$NODES" = 0 ]; then "$@"; else bash "$CLUSTER" exec "$index" -- "$@"; fi
@@ -222,7 +226,7 @@ write_config() {
   # Seconds since the epoch, below Slurm's MaxJobId (67043328): a new range at every start.
   first_job_id=$(( $(date +%s) % 60000000 + 1000 ))
   cat > "$CONF" <<EOF
-# Written by scripts/local_slurm.sh: a cluster for testing; removed by its 'stop'.
+# Written by scripts/cluster/local_slurm.sh: a cluster for testing; removed by its 'stop'.
 ClusterName=mpiddp-local
 SlurmctldHost=$controller
 # LOCAL_SLURM_PORT (default: Slurm's own 6817 and 6818).
@@ -318,7 +322,8 @@ start() {
   if [ "$NODES" != 0 ]; then
     [[ "$NODES" =~ ^[1-9][0-9]*$ ]] || die "LOCAL_SLURM_NODES must be a number"
     bash "$CLUSTER" exec $((NODES - 1)) -- true ||
-      die "LOCAL_SLURM_NODES=$NODES needs scripts/local_cluster.sh up with $NODES nodes or more"
+      die "LOCAL_SLURM_NODES=$NODES needs scripts/cluster/local_cluster.sh up with $NODES" \
+        "nodes or more"
   fi
   check_ports             # before anything is installed or started
   install_packages

@@ -4,8 +4,8 @@
 ZeRO-2 style, and with ``True``, ZeRO-3 style: the parameters sharded too), all over gloo, for
 one float32 model trained with ``torch.optim.Adam``.
 
-    python scripts/benchmark_zero_memory.py --ranks 2 --json zero_memory.json
-    python scripts/benchmark_zero_memory.py --ranks 4 --layers 2 --width 256 --steps 2
+    python scripts/bench/benchmark_zero_memory.py --ranks 2 --json zero_memory.json
+    python scripts/bench/benchmark_zero_memory.py --ranks 4 --layers 2 --width 256 --steps 2
 
 The script is the driver (run it without ``mpiexec``): each configuration is its own
 ``timeout ... mpiexec -n RANKS python -m mpi4py`` launch of this file in worker mode, so its
@@ -350,7 +350,7 @@ def mpiexec_command(config: str, outdir: Path, args) -> list:
 
 def worker_env(config: str, args) -> dict:
     """The workers' environment (see the module docstring)."""
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     if args.mmap_threshold > 0:

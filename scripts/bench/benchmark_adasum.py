@@ -2,7 +2,7 @@
 against Adasum (the learning rate of one rank), for SGD with momentum and for Adam, at several
 rank counts; and a learning-curve picture.
 
-    python scripts/benchmark_adasum.py --ranks 1 2 4 8 -o docs/img/adasum_convergence.png
+    python scripts/bench/benchmark_adasum.py --ranks 1 2 4 8 -o docs/img/adasum_convergence.png
 
 ``--sgd-lr`` and ``--adam-lr`` set one rank's learning rates (defaults: those that suit one
 rank); larger ones make the problem harder for averaging, whose learning rate grows with the

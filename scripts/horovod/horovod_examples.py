@@ -1,14 +1,17 @@
 """Run Horovod's PyTorch example scripts, unchanged, against mpiddp.
 
-    python scripts/horovod_examples.py --horovod /path/to/horovod [--ranks 2] [--timeout 600]
-    python scripts/horovod_examples.py --horovod /path/to/horovod --cluster 2x2   # across nodes
+    python scripts/horovod/horovod_examples.py --horovod /path/to/horovod [--ranks 2] \\
+        [--timeout 600]
+    python scripts/horovod/horovod_examples.py --horovod /path/to/horovod \\
+        --cluster 2x2                                   # across nodes
 
 ``/path/to/horovod`` is a checkout of github.com/horovod/horovod; nothing is fetched at run
 time. The examples import ``horovod.torch`` (a package that only re-exports mpiddp, as in
-``scripts/horovod_suite.py``) and ``torchvision``. When torchvision is not installed (its CPU
-build is not on every package index), a stand-in provides exactly what the examples use:
-``models.resnet18`` (the layout of ``scripts/synthetic_benchmark.py``), ``datasets.MNIST``
-reading the real MNIST file format, and ``transforms.Compose/ToTensor/Normalize``.
+``scripts/horovod/horovod_suite.py``) and ``torchvision``. When torchvision is not installed
+(its CPU build is not on every package index), a stand-in provides exactly what the examples
+use: ``models.resnet18`` (the layout of ``scripts/bench/synthetic_benchmark.py``),
+``datasets.MNIST`` reading the real MNIST file format, and
+``transforms.Compose/ToTensor/Normalize``.
 
 ``pytorch_mnist.py`` trains on data that needs no download: scikit-learn's handwritten digits
 (8x8, 1,797 images) scaled to 28x28 and written in MNIST's own idx format, 1,500 images for
@@ -32,14 +35,15 @@ from pathlib import Path
 
 import numpy as np
 
-SCRIPTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(0, str(Path(__file__).resolve().parent))      # horovod_suite.py, beside it
 from horovod_suite import ROOT, make_shim, mpiexec  # noqa: E402
 
-CLUSTER = ROOT / "scripts" / "local_cluster.sh"      # --cluster: the emulated nodes
+CLUSTER = ROOT / "scripts" / "cluster" / "local_cluster.sh"  # --cluster: the emulated nodes
+BENCH = ROOT / "scripts" / "bench"     # synthetic_benchmark.py: the stand-in's ResNet-18
 
 TORCHVISION_STANDIN = {
-    "__init__.py": '"""Stand-in for torchvision, made by mpiddp\'s scripts/horovod_examples.py: '
+    "__init__.py": '"""Stand-in for torchvision, made by mpiddp\'s '
+                   'scripts/horovod/horovod_examples.py: '
                    'only what Horovod\'s PyTorch examples use."""\n'
                    "from . import datasets, models, transforms  # noqa: F401\n",
     "models.py": "from synthetic_benchmark import ResNet18 as resnet18  # noqa: F401\n",
@@ -157,7 +161,7 @@ def write_digits_as_mnist(data_dir: Path, train_count: int = 1500) -> tuple[int,
 
 def launcher(ranks: int, cluster: str | None) -> list[str]:
     """The command that starts the ranks: ``mpiexec -n RANKS`` on this machine, or across
-    the nodes of an emulated cluster that is up (``scripts/local_cluster.sh run NxP``)."""
+    the nodes of an emulated cluster that is up (``scripts/cluster/local_cluster.sh run NxP``)."""
     if cluster is None:
         return [mpiexec(), "-n", str(ranks)]
     return ["bash", str(CLUSTER), "run", cluster, "--"]
@@ -202,7 +206,8 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--cluster", metavar="NxP", default=None,
                    help="run across the emulated cluster's nodes instead (N nodes x P ranks; "
-                        "as root, after `scripts/local_cluster.sh up N`; docs/multinode.md)")
+                        "as root, after `scripts/cluster/local_cluster.sh up N`; "
+                        "docs/multinode.md)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per example launch")
     p.add_argument("--full", action="store_true",
                    help="the examples' own batch counts and epochs (slow on a CPU)")
@@ -217,7 +222,7 @@ def main(argv=None) -> int:
         up = subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True, text=True)
         if up.returncode != 0 or len(up.stdout.splitlines()) < int(match[1]):
             p.error(f"--cluster {args.cluster} needs an emulated cluster of {match[1]} nodes: "
-                    f"sudo scripts/local_cluster.sh up {match[1]} (docs/multinode.md)")
+                    f"sudo scripts/cluster/local_cluster.sh up {match[1]} (docs/multinode.md)")
     example_dir = (args.horovod / "examples" / "pytorch").resolve()
     if not (example_dir / "pytorch_mnist.py").exists():
         p.error(f"{example_dir} has no pytorch_mnist.py: --horovod must be a horovod checkout")
@@ -225,7 +230,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="horovod-examples-") as tmp:
         tmp_path = Path(tmp)
         make_shim(tmp_path / "shim", args.horovod)
-        paths = [str(tmp_path / "shim"), str(ROOT), str(SCRIPTS)]
+        paths = [str(tmp_path / "shim"), str(ROOT), str(BENCH)]
         try:
             import torchvision  # noqa: F401
         except ImportError:

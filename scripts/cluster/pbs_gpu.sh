@@ -1,13 +1,13 @@
 #!/bin/bash
 # PBS Pro / OpenPBS job: data-parallel training with mpiddp on GPU nodes, one rank per GPU.
 #
-#   qsub scripts/pbs_gpu.sh                                         # 2 nodes x 4 GPUs
-#   qsub -v TRAIN_ARGS="train.py --epochs 90" scripts/pbs_gpu.sh    # your script, arguments
+#   qsub scripts/cluster/pbs_gpu.sh                                       # 2 nodes x 4 GPUs
+#   qsub -v TRAIN_ARGS="train.py --epochs 90" scripts/cluster/pbs_gpu.sh  # your script, arguments
 #
 # With no TRAIN_ARGS it runs examples/getting_started.py. Adapt the #PBS lines (ngpus and
 # mpiprocs must be equal) and the environment block to your site (docs/running.md). Every rank
 # sees its node's GPUs and mpiddp makes GPU <local rank> current. Untested: no PBS server runs
-# on the development machine; the launch rules are those of scripts/pbs.sh.
+# on the development machine; the launch rules are those of scripts/cluster/pbs.sh.
 #PBS -N mpiddp-gpu
 #PBS -l select=2:ncpus=32:ngpus=4:mpiprocs=4
 #PBS -l walltime=01:00:00
@@ -31,7 +31,7 @@ print(MPI.Get_library_version().splitlines()[0])
 print('CUDA-aware MPI:', 'yes' if mpiddp.mpi_cuda_aware() else
       'no: GPU buffers are staged through host memory (docs/gpu.md)')"
 
-# The mpiexec of the MPI mpi4py was built against (see scripts/pbs.sh for the host file and
+# The mpiexec of the MPI mpi4py was built against (see scripts/cluster/pbs.sh for the host file and
 # variable-forwarding options of each MPI family).
 status=0
 # shellcheck disable=SC2086
@@ -39,7 +39,7 @@ mpiexec -n "$NP" python ${TRAIN_ARGS:-examples/getting_started.py \
     --checkpoint checkpoints/${PBS_JOBNAME:-mpiddp-gpu}.pt} || status=$?
 if [ "$status" -eq 75 ]; then
     echo "job ${PBS_JOBID:-?}: checkpoint written after a stop signal; submitting it again"
-    qsub -v TRAIN_ARGS="${TRAIN_ARGS:-}" "${PBS_O_WORKDIR:-.}/scripts/pbs_gpu.sh"
+    qsub -v TRAIN_ARGS="${TRAIN_ARGS:-}" "${PBS_O_WORKDIR:-.}/scripts/cluster/pbs_gpu.sh"
     exit 0
 fi
 exit "$status"

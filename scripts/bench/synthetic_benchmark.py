@@ -20,9 +20,9 @@ one untimed step per round). mpiddp runs only during its own rounds (``init()`` 
 ``shutdown()`` after), so its idle engine costs the other variants nothing. "CPU ms/step" is
 the CPU time of a rank's whole process (every thread) per step.
 
-    mpiexec -n 2 python scripts/synthetic_benchmark.py --model cnn --batch-size 32
-    mpiexec -n 2 python scripts/synthetic_benchmark.py --model mlp --batch-size 16
-    mpiexec -n 2 python scripts/synthetic_benchmark.py --model cnn --device cuda
+    mpiexec -n 2 python scripts/bench/synthetic_benchmark.py --model cnn --batch-size 32
+    mpiexec -n 2 python scripts/bench/synthetic_benchmark.py --model mlp --batch-size 16
+    mpiexec -n 2 python scripts/bench/synthetic_benchmark.py --model cnn --device cuda
 
 ``--device cuda`` trains ``cnn`` or ``mlp`` on the GPUs (local rank k on ``cuda:k``, round-robin
 when ranks outnumber GPUs; DDP still over gloo, which reduces CUDA tensors through the host,
@@ -33,7 +33,7 @@ gradients; ``--image-size`` sets the input resolution and with it the compute pe
 ``mlp`` is six 2048x2048 linear layers (25 M parameters, 100 MB of gradients, little compute:
 communication-bound).
 
-Simulated accelerators (``scripts/simulated_models.py``): ``sim-resnet50``, ``sim-resnet18``,
+Simulated accelerators (``scripts/bench/simulated_models.py``): ``sim-resnet50``, ``sim-resnet18``,
 ``sim-vgg16`` and ``sim-bert`` have a real model's parameter tensors, but their layers only
 wait (``time.sleep``: no CPU, GIL released) for their share of a one-process step, as a host
 thread waits for a GPU. The step is ``--step-time`` seconds, or a multiple of the estimated
@@ -41,8 +41,8 @@ wire time of the gradients (``--regime``, with ``--link-gbit``), or what a GPU m
 (``--device-profile``). It leaves out PCIe copies, device memory traffic and kernel launches
 (docs/benchmarks.md, "Simulated accelerators"):
 
-    mpiexec -n 2 python scripts/synthetic_benchmark.py --model sim-resnet50 --step-time 0.2
-    mpiexec -n 2 python scripts/synthetic_benchmark.py --model sim-bert --regime balanced \
+    mpiexec -n 2 python scripts/bench/synthetic_benchmark.py --model sim-resnet50 --step-time 0.2
+    mpiexec -n 2 python scripts/bench/synthetic_benchmark.py --model sim-bert --regime balanced \
         --link-gbit 1 --variants mpiddp,overlap,ddp,single
 """
 from __future__ import annotations
@@ -469,7 +469,7 @@ def parse_args(argv=None):
                              "wire (0.5x: wire-bound)")
     timing.add_argument("--device-profile", choices=sorted(sim.PROFILES), default=None,
                         help="the step a GPU takes (its measured ResNet-50 throughput, scaled "
-                             "by MACs; sources in scripts/simulated_models.py)")
+                             "by MACs; sources in scripts/bench/simulated_models.py)")
     s.add_argument("--straggler", type=float, default=1.0, metavar="FACTOR",
                    help="the last node's ranks compute FACTOR times slower (e.g. 1.2: a node "
                         "20%% slower); the one-process baseline keeps the nominal step")

@@ -16,7 +16,7 @@ GIL-free wait, so only mpiddp's own work uses the CPU):
    (the grid's best was picked from one short measurement each, so it is timed again beside
    the tuned settings, under the same background load).
 
-    mpiexec -n 2 python scripts/benchmark_autotune.py --model sim-resnet18 \\
+    mpiexec -n 2 python scripts/bench/benchmark_autotune.py --model sim-resnet18 \\
         --regimes balanced,wire --json autotune.json
 """
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Does PowerSGD cost convergence? Steps to a target training loss, uncompressed against
 PowerSGD at ranks 1, 2 and 4, on a real task; and a learning-curve picture.
 
-    mpiexec -n 2 python scripts/powersgd_convergence.py --plot docs/img/powersgd_convergence.png
+    mpiexec -n 2 python scripts/bench/powersgd_convergence.py \\
+        --plot docs/img/powersgd_convergence.png
 
 Every variant trains the same network (64-256-256-10, ReLU) on scikit-learn's handwritten
 digits (1,437 training and 360 test images, split as examples/getting_started.py does; nothing

@@ -1,4 +1,4 @@
-# Sourced by scripts/test_openmpi.sh and scripts/test_intelmpi.sh (after
+# Sourced by scripts/dev/test_openmpi.sh and scripts/dev/test_intelmpi.sh (after
 # scripts/ensure_env.sh): what both do to run, under another MPI library than the bundled
 # MPICH, the tests where MPI families differ.
 #
