@@ -34,7 +34,7 @@ from .. import runtime
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, \
     broadcast_parameters
 from .sharding.optimizer import consolidated
-from .sharding.param_gathers import kept_whole, model_of
+from .sharding.model_state import kept_whole, model_of
 from .sharding.registry import zero_stage_of
 
 SNAPSHOT_PATTERN = re.compile(r"^snapshot-(\d+)-(.+)\.pt$")

@@ -37,7 +37,7 @@ from ..powersgd_settings import PowerSGDCompressor
 from ..gradients.sync import OWNER_ATTR, GradientSync
 from .methods import (_DistributedOptimizer, _check_passes, _check_same_everywhere,
                       _complete_overlap)
-from ..sharding import param_gathers
+from ..sharding import model_state
 from ..sharding.clip_guard import install_clip_guard
 from ..sharding.optimizer import ShardedOptimizer, check_shardable, shard_param_groups
 from ..sharding.sync import ShardedSync
@@ -234,7 +234,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
     if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage!r}")
-    param_gathers.check_model(zero_stage, model, optimizer)
+    model_state.check_model(zero_stage, model, optimizer)
     if model is not None and named_parameters is None:
         named_parameters = list(model.named_parameters())
     if zero_stage and op == ReduceOp.ADASUM:
@@ -275,9 +275,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                     f"parameter '{name}' already belongs to another live DistributedOptimizer "
                     f"({owner().prefix}); a gradient must be reduced by one optimizer only")
     # A stage-3 model whose optimizer is gone gives its parameters back (collective).
-    param_gathers.give_back([param for _, param in named]
+    model_state.give_back([param for _, param in named]
                             + (list(model.parameters()) if model is not None else []))
-    param_gathers.check_not_released(named)
+    model_state.check_not_released(named)
     if bucket_cap_mb is None:
         # Sharded, every bucket is a reduce-scatter and an all-gather of its own (the
         # engine cannot fuse them): fewer, larger ones (docs/benchmarks.md, "Sharded
@@ -324,7 +324,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         shard_param_groups(wrapped)
         install_clip_guard()
         if zero_stage == 3:
-            param_gathers.attach_model(wrapped, model)
+            model_state.attach_model(wrapped, model)
         if overlap_forward:
             sync.gathers.enable_overlap()
         return wrapped

@@ -23,8 +23,8 @@ from ..functions import allgather_object
 from ..optimizer.methods import (STEP_WHILE_IN_FLIGHT, _check_consolidate_to,
                                  _check_same_everywhere, _clear_grads, _DistributedOptimizer)
 from ..subset_step import step_subset
-from .param_gathers import (check_sharded_model, frozen_pieces, load_sharded_model, model_of,
-                             whole_model_state)
+from .model_state import (check_sharded_model, frozen_pieces, load_sharded_model, model_of,
+                           whole_model_state)
 from .state import _as_param_state, _copy_piece, _groups, _indices, _load_full, \
     _set_hyperparameters
 
