@@ -36,7 +36,7 @@ from .torch.functions import _broadcast_hyperparameters, allgather_object, broad
     broadcast_optimizer_state, broadcast_parameters, every_rank_calls
 from .torch.handles import synchronize
 from .torch.sharding.optimizer import consolidated
-from .torch.sharding.param_gathers import kept_whole, model_of
+from .torch.sharding.model_state import kept_whole, model_of
 from .torch.sharding.registry import zero_stage_of
 from .torch.sharding.state import broadcast_whole_state
 
