@@ -419,6 +419,7 @@ def test_launch_host_from_the_launchers_host_list(monkeypatch):
     assert launch_host() == "10.0.0.7"
 
 
+@pytest.mark.alone      # ended within 20 s (its fake mpiexec would sleep 300)
 def test_mpiexec_that_outlives_a_watchdogs_report_is_ended(tmp_path, monkeypatch, capsys):
     """Open MPI's mpiexec waits for the daemon of a node whose link is gone after every rank
     has ended; the launcher ends it a while after the watchdog's report and goes on."""
@@ -464,6 +465,7 @@ def test_the_report_of_a_node_cut_off_is_not_believed(monkeypatch):
     assert launcher.decide_lost(["n1", "n7"], set(), {"n7": {"n1"}}) == {"n7"}
 
 
+@pytest.mark.alone      # the probe's timeout: within 10 s (a hung host sleeps 60)
 def test_probe_names_the_hosts_where_nothing_starts(tmp_path, monkeypatch):
     """Before a relaunch the launcher starts 'true' on every remaining host through its
     mpiexec; a host where that hangs (a cut link) or fails is lost, the others stay."""

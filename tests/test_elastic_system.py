@@ -20,7 +20,8 @@ from mpiddp.elastic import list_snapshots
 from mpiddp.torch.elastic import _newest_readable
 from slurm_jobs import slurm_on_cluster_nodes
 
-pytestmark = [pytest.mark.system]
+# alone: each test bounds the time from the fault to training again (RECOVERY_LIMIT_S).
+pytestmark = [pytest.mark.system, pytest.mark.alone]
 CLUSTER = ROOT / "scripts" / "cluster" / "local_cluster.sh"
 PREFIX = os.environ.get("LOCAL_CLUSTER_PREFIX", "mpiddp-n")
 VETH = os.environ.get("LOCAL_CLUSTER_VETH", "mpn")

@@ -24,21 +24,19 @@ def test_mismatches_and_bad_input_fail_on_every_rank():
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_input_rejected_on_some_ranks_fails_on_every_rank(ranks):
     # Horovod's type-error tests hung here: the rejecting rank raised alone, without
-    # submitting, and the others waited forever.
-    start = time.monotonic()
+    # submitting, and the others waited forever (here: the launch's timeout).
     result = run_mpi("errors_worker.py", ranks, "rejected_on_some_ranks", timeout=60)
     assert_ok(result, expect_lines=5 * ranks)
-    assert time.monotonic() - start < 40
 
 
 def test_stall_warns_then_shuts_down_with_reason():
     env = {"MPIDDP_STALL_CHECK_TIME": "1", "MPIDDP_STALL_SHUTDOWN_TIME": "3"}
-    start = time.monotonic()
     result = run_mpi("errors_worker.py", 3, "stall", timeout=60, env=env)
     assert_ok(result, expect_lines=3)
     assert "stall warning" in result.output
     assert "rank 2 has not submitted: 'lonely'" in result.output
-    assert time.monotonic() - start < 45
+    # After the 3 s asked for (the default, 600 s, would outlast the launch's timeout).
+    assert "stalled for more than 3 s (MPIDDP_STALL_SHUTDOWN_TIME)" in result.output
 
 
 def test_shutdown_on_one_rank_fails_pending_requests_elsewhere():
@@ -74,15 +72,14 @@ def test_checkpoint_save_on_rank_0_alone_ends_every_rank_naming_it():
 
 def assert_job_aborted(case: str, *messages: str) -> None:
     """Run ``case`` under plain python (not -m mpi4py: mpiddp's own hooks must abort the
-    job); it must end quickly, unsuccessfully, printing ``messages`` and nothing after."""
-    start = time.monotonic()
+    job); it must end (within the launch's timeout), unsuccessfully, printing ``messages``
+    and nothing after."""
     result = run_mpi("errors_worker.py", 3, case, timeout=60, mpi4py_run=False)
     assert not result.timed_out, result.output
     assert result.returncode != 0
     for message in messages:
         assert message in result.output, result.output
     assert "UNREACHABLE" not in result.output
-    assert time.monotonic() - start < 30
 
 
 def test_uncaught_exception_on_one_rank_ends_the_job():
@@ -150,6 +147,7 @@ def test_tasks_that_each_see_a_world_of_one_fail_at_init():
            "each would train alone" in proc.stderr
 
 
+@pytest.mark.alone      # ended within the check time + 10 s + 15 s of margin
 def test_a_frozen_rank_ends_the_job_naming_it(tmp_path):
     # A rank that stops answering (frozen here; a dead node or a cut link in
     # test_multinode.py) leaves the others inside an MPI call that never completes. The

@@ -196,6 +196,7 @@ def assert_ended_cleanly(result: MPIResult, elapsed: float, step_before: int, tm
     assert checkpoint["step"] >= step_before and "0.weight" in checkpoint["model"]
 
 
+@pytest.mark.alone      # ended within the peer check time + 30 s
 def test_killing_every_rank_of_a_node_ends_the_job(cluster, tmp_path):
     def kill_node_1():
         victims = worker_pids(1)
@@ -213,6 +214,7 @@ def test_killing_every_rank_of_a_node_ends_the_job(cluster, tmp_path):
     assert_ended_cleanly(result, elapsed, step_before, tmp_path)
 
 
+@pytest.mark.alone      # ended within the peer check time + 30 s
 def test_a_node_losing_its_link_ends_the_job_naming_its_ranks(cluster, tmp_path):
     link = "mpn1h"           # node 1's veth on the bridge (scripts/cluster/local_cluster.sh)
     try:

@@ -959,6 +959,7 @@ def test_a_cycle_spins_only_while_its_partners_answer_within_the_spin(monkeypatc
     assert policy.spin_pays
 
 
+@pytest.mark.alone      # bounds on how long a wait takes
 def test_inbox_hands_over_everything_and_its_waits_end():
     """engine/inbox.py: items come out in order, all at once; ``take(None)`` never waits; a
     timed take with nothing to take returns empty after about its timeout, also after items

@@ -116,8 +116,7 @@ def stall():
         ok(f"stalled request failed after {time.monotonic() - start:.1f} s: {text!r}")
     else:
         while mpiddp.runtime.require_engine("x").running:   # wait for the agreed shutdown
-            time.sleep(0.05)
-            assert time.monotonic() - start < 30, "engine did not shut down"
+            time.sleep(0.05)                # (none: the test's timeout ends the job)
         expect(mpiddp.EngineShutdownError, lambda: mpiddp.allreduce(torch.ones(3), name="late"),
                "stalled")
         ok("the missing rank's engine shut down too")
