@@ -21,15 +21,16 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # MPIDDP_* variables that belong to the project's scripts and tests, not to the engine:
 # MPIDDP_VENV picks the virtual environment (scripts/ensure_env.sh, the job scripts),
 # MPIDDP_NO_INSTALL, MPIDDP_OPENMPI_VENV and MPIDDP_INTELMPI_VENV belong to the setup
-# scripts, MPIDDP_SYSTEM_TESTS, MPIDDP_TEST_WORKERS and MPIDDP_TESTS_ALONE to the test
-# runner. Job environments carry them into every rank, so they pass without a warning. The elastic launcher (mpiddp/run.py) sets
+# scripts, MPIDDP_SYSTEM_TESTS, MPIDDP_TEST_WORKERS, MPIDDP_TESTS_ALONE and
+# MPIDDP_TEST_COUNTS to the test runner. Job environments carry them into every rank, so
+# they pass without a warning. The elastic launcher (mpiddp/run.py) sets
 # MPIDDP_LOST_NODES_DIR (where the lost-peer watchdog names the lost nodes),
 # MPIDDP_ELASTIC_RESTART (0 at the first launch, then 1, 2, ...) and MPIDDP_LAUNCH_HOSTS
 # (each rank's host as launched).
 SCRIPT_VARIABLES = ("MPIDDP_VENV", "MPIDDP_SYSTEM_TESTS", "MPIDDP_LOST_NODES_DIR",
                     "MPIDDP_ELASTIC_RESTART", "MPIDDP_LAUNCH_HOSTS", "MPIDDP_NO_INSTALL",
                     "MPIDDP_OPENMPI_VENV", "MPIDDP_INTELMPI_VENV", "MPIDDP_TEST_WORKERS",
-                    "MPIDDP_TESTS_ALONE")
+                    "MPIDDP_TESTS_ALONE", "MPIDDP_TEST_COUNTS")
 
 
 # ---- parsers: each setting names its own (no guessing from type annotations) ------------

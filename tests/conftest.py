@@ -6,8 +6,10 @@ a bridge. They run only with MPIDDP_SYSTEM_TESTS=1
 (as .ci/run sets it) and are skipped with the reason otherwise.
 """
 import glob
+import json
 import os
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,28 @@ if LoadScopeScheduling is not None:
     def pytest_xdist_make_scheduler(config, log):
         config.option.loadscopereorder = False      # collection order: system modules first
         return OneWorkerChangesTheMachine(config, log)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """With MPIDDP_TEST_COUNTS=FILE (scripts/test.sh), write this run's counts and its skips
+    by reason to FILE as JSON: errors count as failures, xfails as skips, xpasses as passes."""
+    path = os.environ.get("MPIDDP_TEST_COUNTS")
+    if not path or hasattr(config, "workerinput"):      # a pytest-xdist worker: the
+        return                                          # controller has every report
+    stats = terminalreporter.stats
+
+    def count(*keys) -> int:
+        return sum(len(stats.get(key, [])) for key in keys)
+
+    reasons = Counter()
+    for report in stats.get("skipped", []) + stats.get("xfailed", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else \
+            getattr(report, "wasxfail", "") or str(report.longrepr)
+        reasons[reason.removeprefix("Skipped: ") or "(no reason given)"] += 1
+    with open(path, "w") as f:
+        json.dump({"passed": count("passed", "xpassed"), "failed": count("failed", "error"),
+                   "skipped": count("skipped", "xfailed"), "exit_status": int(exitstatus),
+                   "skip_reasons": dict(reasons)}, f)
 
 
 def pytest_addoption(parser):
