@@ -50,25 +50,25 @@ if not _running_the_launcher():
     from .errors import (DuplicateNameError, EngineShutdownError,  # noqa: F401
                          HorovodInternalError, InvalidInputError, InvalidInputTypeError,
                          LaunchError, MpiddpError, NotInitializedError, TensorMismatchError)
-    from .torch.async_ops import (allgather_async, allreduce_async, allreduce_async_,  # noqa: F401
+    from .torch.ops.async_ops import (allgather_async, allreduce_async, allreduce_async_,  # noqa: F401
                                   alltoall_async, broadcast_async, broadcast_async_,
                                   grouped_allgather_async, grouped_allreduce_async,
                                   grouped_allreduce_async_, grouped_reducescatter_async,
                                   reducescatter_async, sparse_allreduce_async)
-    from .torch.collectives import (allgather, allreduce, allreduce_, alltoall,  # noqa: F401
+    from .torch.ops.collectives import (allgather, allreduce, allreduce_, alltoall,  # noqa: F401
                                     barrier, broadcast, broadcast_, grouped_allgather,
                                     grouped_allreduce, grouped_allreduce_, grouped_reducescatter,
                                     join, reducescatter)
-    from .torch.handles import poll, synchronize  # noqa: F401
+    from .torch.ops.handles import poll, synchronize  # noqa: F401
 
     from .process_sets import (ProcessSet, add_process_set, global_process_set,  # noqa: F401
                                remove_process_set)
     from .torch.compression import Compression  # noqa: F401,E402
-    from .torch.functions import (allgather_object, broadcast_object,  # noqa: F401,E402
+    from .torch.ops.functions import (allgather_object, broadcast_object,  # noqa: F401,E402
                                   broadcast_optimizer_state, broadcast_parameters)
     from .torch.optimizer import DistributedOptimizer  # noqa: F401,E402
     from .torch.sharding.optimizer import elementwise_optimizer  # noqa: F401,E402
-    from .torch.sync_batch_norm import SyncBatchNorm  # noqa: F401,E402
+    from .torch.features.sync_batch_norm import SyncBatchNorm  # noqa: F401,E402
     from . import elastic  # noqa: F401,E402  (snapshots, ElasticSampler: docs/elastic.md)
     from . import checkpoint  # noqa: F401,E402  (docs/checkpointing.md)
     from .checkpoint import Checkpoint  # noqa: F401,E402

@@ -30,14 +30,14 @@ from torch.utils.data import DistributedSampler
 from .errors import EngineShutdownError
 from .reduce_ops import Max
 from .runtime import rank, size
-from .torch.async_ops import allreduce_async
-from .torch.elastic import write_durably
-from .torch.functions import _broadcast_hyperparameters, allgather_object, broadcast_object, \
+from .torch.ops.async_ops import allreduce_async
+from .torch.features.elastic import write_durably
+from .torch.ops.functions import _broadcast_hyperparameters, allgather_object, broadcast_object, \
     broadcast_optimizer_state, broadcast_parameters, every_rank_calls
-from .torch.handles import synchronize
+from .torch.ops.handles import synchronize
 from .torch.sharding.optimizer import consolidated
 from .torch.sharding.model_state import kept_whole, model_of
-from .torch.sharding.registry import zero_stage_of
+from .torch.core.sharded_registry import zero_stage_of
 from .torch.sharding.state import broadcast_whole_state
 
 # sysexits.h EX_TEMPFAIL, "temporary failure, try again": the status of a preempted run, on

@@ -12,8 +12,9 @@ import pytest
 
 import mpiddp
 from mpiddp import build_info, checkpoint, process_sets, runtime
-from mpiddp.torch import (async_ops, collectives, compression, functions, handles, optimizer,
-                          requests, sync_batch_norm)
+from mpiddp.torch import compression, optimizer
+from mpiddp.torch.features import sync_batch_norm
+from mpiddp.torch.ops import async_ops, collectives, functions, handles, requests
 from mpiddp.torch.sharding import optimizer as zero_optimizer
 
 ROOT = Path(__file__).parent.parent

@@ -11,7 +11,7 @@ import torch
 
 from mpi_launch import ROOT, Job, assert_ok, mpi_command, process_gone, reported, run_mpi
 from mpiddp.elastic import ElasticSampler, State, list_snapshots, write_durably
-from mpiddp.torch.elastic import _newest_readable
+from mpiddp.torch.features.elastic import _newest_readable
 
 
 def trained(dataset: int, batch: int, sizes_and_steps, seed=3) -> Counter:

@@ -17,7 +17,7 @@ import pytest
 
 from mpi_launch import ROOT, Job, process_gone
 from mpiddp.elastic import list_snapshots
-from mpiddp.torch.elastic import _newest_readable
+from mpiddp.torch.features.elastic import _newest_readable
 from slurm_jobs import slurm_on_cluster_nodes
 
 # alone: each test bounds the time from the fault to training again (RECOVERY_LIMIT_S).

@@ -348,7 +348,7 @@ def test_import_mpiddp_chooses_the_device_before_mpi_init():
 # ---- defects 5 and 6: torch tensors, the caller's streams --------------------------------------
 def test_flat_array_is_a_view_by_pointer_without_dlpack_waits(monkeypatch,
                                                               restore_default_device):
-    from mpiddp.torch.views import flat_array
+    from mpiddp.torch.core.views import flat_array
 
     gpu = make_fake(monkeypatch)
     t = fake_cuda.FakeCudaTensor(gpu, (4, 3))
@@ -369,8 +369,8 @@ def test_engine_allocated_output_is_safe_on_the_callers_side_stream(monkeypatch,
     waits for the engine's done event before reading it (strict: the host's wait does not
     count for a stream)."""
     from mpiddp.engine.coordinator import start_engine
-    from mpiddp.torch import requests
-    from mpiddp.torch.handles import TensorHandle
+    from mpiddp.torch.ops import requests
+    from mpiddp.torch.ops.handles import TensorHandle
 
     gpu = make_fake(monkeypatch, strict=True)
     monkeypatch.setattr(torch, "empty", fake_cuda.fake_empty(gpu, torch.empty))
@@ -470,7 +470,7 @@ def test_backend_on_a_thread_that_never_chose_a_device(monkeypatch, restore_defa
 def test_ready_event_follows_the_contiguous_copy(monkeypatch, restore_default_device):
     """A non-contiguous input is reduced from a contiguous copy queued at the call: the
     engine's ready event must be recorded after that copy."""
-    from mpiddp.torch import requests
+    from mpiddp.torch.ops import requests
 
     gpu = make_fake(monkeypatch)
     monkeypatch.setattr(requests, "check_tensor", lambda tensor, name: "float32")

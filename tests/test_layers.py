@@ -89,6 +89,36 @@ def test_imports_point_down_only():
     assert not upward, "imports pointing up a layer:\n" + "\n".join(upward)
 
 
+# The torch layer's rooms, bottom to top (docs/dev/architecture.md, "Inside torch/"): a room
+# may import its own floor and those below it. The package's own ``__init__`` (the moved
+# modules' old paths) stands above them all.
+TORCH_FLOORS = [{"core"}, {"compression"}, {"ops"}, {"gradients"}, {"sharding"},
+                {"optimizer"}, {"features"}]
+
+
+def torch_floor_of(parts: tuple) -> int:
+    if len(parts) == 1:
+        return len(TORCH_FLOORS)                # torch/__init__
+    for index, rooms in enumerate(TORCH_FLOORS):
+        if parts[1] in rooms:
+            return index
+    raise AssertionError(f"mpiddp.{'.'.join(parts)} is in no room of the torch layer: put it "
+                         "in one (TORCH_FLOORS and docs/dev/architecture.md)")
+
+
+def test_the_torch_rooms_import_down_only():
+    upward = []
+    for parts, path in MODULES.items():
+        if parts[0] != "torch":
+            continue
+        mine = torch_floor_of(parts)
+        for line, target in imported_modules(path):
+            if target[0] == "torch" and torch_floor_of(target) > mine:
+                upward.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports "
+                              f"mpiddp.{'.'.join(target)}")
+    assert not upward, "imports pointing up a floor of torch/:\n" + "\n".join(upward)
+
+
 def test_no_import_cycles():
     """Tarjan's strongly connected components: any component of more than one module is a
     cycle (modules that can only be understood, and imported, together)."""
@@ -144,6 +174,6 @@ def test_no_mpi_calls_in_the_torch_glue():
 
 def test_every_layer_is_in_the_architecture_document():
     text = (PACKAGE.parent / "docs" / "dev" / "architecture.md").read_text()
-    for names in LAYERS:
+    for names in LAYERS + [{f"torch/{room}/" for room in rooms} for rooms in TORCH_FLOORS]:
         for name in names - {"__init__"}:
             assert f"`{name}" in text, f"docs/dev/architecture.md does not place {name}"

@@ -173,7 +173,7 @@ def make_cuda_methods(comm: MPI.Comm, with_nccl: bool):
     from mpiddp.buffers.dtypes import dtype_named
     from mpiddp.transport.staging import DirectComm, StagedComm
     from mpiddp.collectives.ring import ring_allreduce
-    from mpiddp.torch.views import flat_array
+    from mpiddp.torch.core.views import flat_array
 
     backend = backend_for("cuda")
     f32 = dtype_named("float32")

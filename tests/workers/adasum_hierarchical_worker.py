@@ -16,7 +16,7 @@ from adasum_reference import node_average_adasum
 from mpiddp.buffers import backend_for
 from mpiddp.buffers.dtypes import dtype_named
 from mpiddp.collectives.algorithms import AdasumAllreduce, Links
-from mpiddp.torch.views import flat_array
+from mpiddp.torch.core.views import flat_array
 from reference_data import as64, data
 
 torch.set_num_threads(1)

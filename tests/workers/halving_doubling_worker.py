@@ -14,7 +14,7 @@ from mpiddp.buffers.dtypes import dtype_named
 from mpiddp.collectives.halving_doubling import halving_doubling_allreduce, scratch_elements
 from mpiddp.reduce_ops import ReduceOp
 from mpiddp.transport.network import SEGMENT_BYTES, NetworkComm
-from mpiddp.torch.views import flat_array
+from mpiddp.torch.core.views import flat_array
 from reference_data import as64, data
 
 torch.set_num_threads(1)

@@ -19,7 +19,7 @@ from mpiddp.collectives.hierarchical import hierarchical_allreduce, scratch_elem
 from mpiddp.collectives.topology import node_layout
 from mpiddp.reduce_ops import ReduceOp
 from mpiddp.transport.network import SEGMENT_BYTES, NetworkComm
-from mpiddp.torch.views import flat_array
+from mpiddp.torch.core.views import flat_array
 from reference_data import as64, data
 
 torch.set_num_threads(1)

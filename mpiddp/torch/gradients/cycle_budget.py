@@ -27,7 +27,7 @@ import torch
 
 from ...collectives.cost_model import device_priority_cycle_bytes
 from ...reduce_ops import ReduceOp
-from ..collectives import allreduce, allreduce_
+from ..ops.collectives import allreduce, allreduce_
 
 log = logging.getLogger("mpiddp")
 

@@ -42,11 +42,11 @@ from torch.overrides import TorchFunctionMode
 
 from ... import runtime
 from ...reduce_ops import ReduceOp
-from ..collectives import allreduce
+from ..ops.collectives import allreduce
 from .cycle_budget import device_piece_bytes, host_piece_bytes
 from .sync import GradientSync, Round
 from .overlap_trial import OverlapTrial
-from ..subset_step import hyperparameters, step_subset
+from ..core.subset_step import hyperparameters, step_subset
 
 log = logging.getLogger("mpiddp")
 

@@ -45,9 +45,9 @@ import torch
 from ... import runtime
 from ...errors import MpiddpError
 from ...reduce_ops import ReduceOp
-from ..handles import synchronize as wait_for
-from ..powersgd_settings import PowerSGDCompressor
-from ..requests import allreduce_request_, submit_together
+from ..ops.handles import synchronize as wait_for
+from ..compression.powersgd_settings import PowerSGDCompressor
+from ..ops.requests import allreduce_request_, submit_together
 from .sync import GradientSync, Pending, Round
 
 STATE_KEY = "mpiddp_powersgd"     # the optimizer state_dict's entry

@@ -39,12 +39,12 @@ from ... import runtime
 from ...errors import MpiddpError
 from ...reduce_ops import ReduceOp
 from ...runtime import ProcessSet
-from ..async_ops import sparse_allreduce_async
+from ..ops.async_ops import sparse_allreduce_async
 from ..compression import WireCasts
-from ..handles import combined
-from ..handles import synchronize as wait_for
-from ..requests import allreduce_request_, contiguous, submit_together
-from ..streams import ready_event
+from ..ops.handles import combined
+from ..ops.handles import synchronize as wait_for
+from ..ops.requests import allreduce_request_, contiguous, submit_together
+from ..core.streams import ready_event
 
 # The autograd engine: queue_callback() runs a function once the current backward pass
 # has finished (every gradient accumulated), on the thread that ran it.

@@ -1,8 +1,7 @@
-"""The optimizer family: ``DistributedOptimizer`` (``wrap.py``) and the methods it puts in front
-of the user's optimizer class (``methods.py``); the Adasum delta optimizer (``adasum.py``); when
-an optimizer that can step early does so (``step_timing.py``). The sharded optimizers
-(``zero_stage``) are in ``..sharding``."""
+"""``DistributedOptimizer`` (``wrap.py``), which builds every kind: the standard and forward
+overlap paths and PowerSGD (``..gradients``), the sharded optimizers (``..sharding``) and the
+Adasum delta optimizer (``adasum.py``)."""
+from ..gradients.optimizer import _DistributedOptimizer  # noqa: F401
 from .wrap import DistributedOptimizer  # noqa: F401
-from .methods import _DistributedOptimizer  # noqa: F401
 
 __all__ = ["DistributedOptimizer"]

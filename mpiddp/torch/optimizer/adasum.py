@@ -35,10 +35,10 @@ from typing import Any, Iterator
 import torch
 
 from ...reduce_ops import ReduceOp
-from ..async_ops import allreduce_async, allreduce_async_
-from ..handles import synchronize
-from ..subset_step import step_subset
-from .step_timing import StepTiming
+from ..ops.async_ops import allreduce_async, allreduce_async_
+from ..ops.handles import synchronize
+from ..core.subset_step import step_subset
+from ..core.step_timing import StepTiming
 
 _adasum_index = itertools.count()
 

@@ -33,9 +33,9 @@ from ...runtime import ProcessSet
 from ..compression import Compression
 from ..gradients.forward_overlap import ForwardOverlap
 from ..gradients.powersgd import PowerSGDSync, attach_state, check_powersgd
-from ..powersgd_settings import PowerSGDCompressor
+from ..compression.powersgd_settings import PowerSGDCompressor
 from ..gradients.sync import OWNER_ATTR, GradientSync
-from .methods import (_DistributedOptimizer, _check_passes, _check_same_everywhere,
+from ..gradients.optimizer import (_DistributedOptimizer, _check_passes, _check_same_everywhere,
                       _complete_overlap)
 from ..sharding import model_state
 from ..sharding.clip_guard import install_clip_guard

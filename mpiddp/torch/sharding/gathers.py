@@ -12,7 +12,7 @@ import torch
 
 from ... import runtime
 from ..gradients.forward_overlap import _Guard
-from ..requests import ring_allgather_entry, submit_together
+from ..ops.requests import ring_allgather_entry, submit_together
 from .layout import MAX_IN_FLIGHT, Bucket
 
 

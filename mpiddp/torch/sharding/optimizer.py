@@ -18,11 +18,11 @@ import torch
 from ... import runtime
 from ...errors import TensorMismatchError
 from ...reduce_ops import ReduceOp
-from ..collectives import allreduce
-from ..functions import allgather_object
-from ..optimizer.methods import (STEP_WHILE_IN_FLIGHT, _check_consolidate_to,
+from ..ops.collectives import allreduce
+from ..ops.functions import allgather_object
+from ..gradients.optimizer import (STEP_WHILE_IN_FLIGHT, _check_consolidate_to,
                                  _check_same_everywhere, _clear_grads, _DistributedOptimizer)
-from ..subset_step import step_subset
+from ..core.subset_step import step_subset
 from .model_state import (check_sharded_model, frozen_pieces, load_sharded_model, model_of,
                            whole_model_state)
 from .state import _as_param_state, _copy_piece, _groups, _indices, _load_full, \
@@ -521,7 +521,7 @@ class ShardedOptimizer(_DistributedOptimizer):
 
 
 # torch.optim wraps an optimizer class's step in its profiling/hook wrapper unless marked
-# (see optimizer/methods.py): the wrapped class's own step runs the hooks.
+# (see gradients/optimizer.py): the wrapped class's own step runs the hooks.
 ShardedOptimizer.step.hooked = True
 
 

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from ... import runtime
-from ..requests import ring_allgather_entry, submit_together
+from ..ops.requests import ring_allgather_entry, submit_together
 from .layout import Bucket, ShardLayout
 from .param_guard import _LIVE, GATHERED_IN_FORWARD, guard_thread
 
@@ -77,7 +77,7 @@ class ParamGathers:
         their memory from now on, released until first used. A parameter that was in a
         frozen bucket (unfrozen now) is gathered first and moves to its new bucket."""
         layout = layout or self.layout
-        from ..functions import broadcast_parameters
+        from ..ops.functions import broadcast_parameters
         first = (self.process_set or runtime.global_process_set).ranks[0]
         moving = []
         for param in (p for bucket in buckets for p in bucket.params):

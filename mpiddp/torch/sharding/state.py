@@ -144,10 +144,10 @@ def broadcast_whole_state(optimizer, state_dict: dict | None, root_rank: int, na
     most about ``BROADCAST_CHUNK_BYTES`` at a time, so no rank but the root holds the whole
     state. A state of another model raises ``ValueError`` on every rank alike, before any
     tensor moves. ``state_dict`` is ignored on the other ranks."""
-    from ..async_ops import broadcast_async_
-    from ..functions import _fill, _skeleton, _TensorSlot, broadcast_object
-    from ..handles import synchronize
-    from ... import runtime
+    from ..ops.async_ops import broadcast_async_
+    from ..ops.functions import _fill, _skeleton, _TensorSlot, broadcast_object
+    from ..ops.handles import synchronize
+    from . import runtime
 
     sync = optimizer._mpiddp
     is_root = runtime.rank() == root_rank

@@ -13,7 +13,7 @@ and steps them in place. After the step each bucket's chunks are all-gathered in
 rank's parameters (``Gathers``): at once, or with ``overlap_forward`` just before each
 parameter's first use in the next forward.
 
-When a bucket's shards are stepped is ``StepTiming``'s rule (``optimizer/step_timing.py``,
+When a bucket's shards are stepped is ``StepTiming``'s rule (``core/step_timing.py``,
 shared with Adasum), decided by the first ``step()`` and agreed by every rank:
 
 * ``AT_STEP`` (the first step, and scripts that clip, use a ``GradScaler`` or synchronize by
@@ -39,16 +39,16 @@ import torch
 
 from ... import runtime
 from ...reduce_ops import ReduceOp
-from ..collectives import allreduce
+from ..ops.collectives import allreduce
 from ..gradients.sync import GradientSync, Pending
-from ..optimizer.step_timing import StepTiming
-from ..requests import allreduce_request_, reducescatter_entry, submit_together
-from ..streams import ready_event
-from ..subset_step import hyperparameters, same_hyperparameters
+from ..core.step_timing import StepTiming
+from ..ops.requests import allreduce_request_, reducescatter_entry, submit_together
+from ..core.streams import ready_event
+from ..core.subset_step import hyperparameters, same_hyperparameters
 from .gathers import Gathers
 from .param_gathers import ParamGathers
 from .layout import MAX_IN_FLIGHT, SHARD_ATTR, Bucket, ShardLayout
-from .registry import register
+from ..core.sharded_registry import register
 
 
 class Reduction:

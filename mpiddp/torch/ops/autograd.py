@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import runtime
-from ..reduce_ops import ReduceOp
+from ... import runtime
+from ...reduce_ops import ReduceOp
 from .async_ops import (allgather_async, allreduce_async, alltoall_async, broadcast_async,
                         grouped_allgather_async, grouped_allreduce_async,
                         grouped_reducescatter_async, reducescatter_async)

@@ -13,13 +13,13 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from .. import runtime
-from ..runtime import ProcessSet
+from ... import runtime
+from ...runtime import ProcessSet
 from .async_ops import broadcast_async_
 from .collectives import allgather, broadcast_
 from .handles import synchronize
-from .naming import collective_name, root_rank as root_rank_of
-from .sharding.registry import zero_stage_of
+from ..core.naming import collective_name, root_rank as root_rank_of
+from ..core.sharded_registry import zero_stage_of
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
            "allgather_object"]

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..reduce_ops import ReduceOp
-from ..runtime import ProcessSet
-from .collectives import allreduce
+from ...reduce_ops import ReduceOp
+from ...runtime import ProcessSet
+from ..ops.collectives import allreduce
 
 __all__ = ["SyncBatchNorm"]
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..engine.handle import Handle
-from .streams import wait_done
+from ...engine.handle import Handle
+from ..core.streams import wait_done
 
 __all__ = ["TensorHandle", "synchronize", "poll"]
 

@@ -30,12 +30,12 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 
-from .. import runtime
-from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, \
+from ... import runtime
+from ..ops.functions import allgather_object, broadcast_object, broadcast_optimizer_state, \
     broadcast_parameters
-from .sharding.optimizer import consolidated
-from .sharding.model_state import kept_whole, model_of
-from .sharding.registry import zero_stage_of
+from ..sharding.optimizer import consolidated
+from ..sharding.model_state import kept_whole, model_of
+from ..core.sharded_registry import zero_stage_of
 
 SNAPSHOT_PATTERN = re.compile(r"^snapshot-(\d+)-(.+)\.pt$")
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .. import gpu
+from ... import gpu
 
 
 def caller_stream(tensor: torch.Tensor):

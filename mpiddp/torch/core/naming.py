@@ -9,8 +9,8 @@ from __future__ import annotations
 import operator
 from typing import Optional
 
-from .. import runtime
-from ..runtime import ProcessSet
+from ... import runtime
+from ...runtime import ProcessSet
 
 
 def collective_name(kind: str, name: Optional[str], process_set: Optional[ProcessSet],

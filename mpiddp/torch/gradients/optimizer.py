@@ -1,5 +1,5 @@
 """The methods ``DistributedOptimizer`` puts in front of the user's optimizer class (see
-``wrap.py``), and the checks they share with it and with the sharded optimizer
+``optimizer/wrap.py``), and the checks they share with it and with the sharded optimizer
 (``sharding/optimizer.py``)."""
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import torch
 from ... import runtime
 from ...errors import TensorMismatchError
 from ...reduce_ops import ReduceOp
-from ..collectives import allreduce
-from ..functions import allgather_object
-from ..gradients.forward_overlap import ForwardOverlap
-from ..gradients.sync import GradientSync
+from ..ops.collectives import allreduce
+from ..ops.functions import allgather_object
+from .forward_overlap import ForwardOverlap
+from .sync import GradientSync
 
 
 # step() inside skip_synchronize() while reductions are in flight (here and sharding/optimizer.py).

@@ -6,8 +6,8 @@ import ctypes
 import numpy as np
 import torch
 
-from .. import gpu
-from ..buffers.dtypes import DTYPES, dtype_named
+from ... import gpu
+from ...buffers.dtypes import DTYPES, dtype_named
 
 _TORCH_NAMES = {getattr(torch, name): name for name in DTYPES}
 

@@ -33,17 +33,17 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .. import runtime
-from ..engine.request import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
-from ..reduce_ops import ReduceOp
-from ..runtime import ProcessSet
+from ... import runtime
+from ...engine.request import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER
+from ...reduce_ops import ReduceOp
+from ...runtime import ProcessSet
 from .handles import TensorHandle, synchronize
-from .naming import collective_name, root_rank as check_root
+from ..core.naming import collective_name, root_rank as check_root
 from .requests import (allgather_entry, allreduce_entry, allreduce_output, alltoall_entry,
                        broadcast_entry, check_tensor, group_names, reducescatter_entry,
                        resolve_op, submit_checked)
 from .shared_docs import SNIPPETS
-from ..docstrings import shared_doc
+from ...docstrings import shared_doc
 
 __all__ = ["allreduce_async", "allreduce_async_", "grouped_allreduce_async",
            "grouped_allreduce_async_", "allgather_async", "grouped_allgather_async",

@@ -5,7 +5,7 @@ An entry builder checks this rank's input on the calling thread and describes th
 (``engine.request.Entry``): its metadata, a flat view of the tensor's memory (no copy when it
 is contiguous), where the result goes and, for device tensors, the event the engine waits for.
 ``submit_checked`` turns a rejected input into an agreed error instead of a lonely exception
-(see ``mpiddp.torch.async_ops``). ``allreduce_request_`` and ``submit_together`` are the
+(see ``mpiddp.torch.ops.async_ops``). ``allreduce_request_`` and ``submit_together`` are the
 building blocks framework glue (``DistributedOptimizer``) uses to submit many at once.
 """
 from __future__ import annotations
@@ -14,17 +14,17 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import runtime
-from ..buffers.dtypes import dtype_named
-from ..engine.handle import Handle
-from ..engine.request import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER, Entry,
+from ... import runtime
+from ...buffers.dtypes import dtype_named
+from ...engine.handle import Handle
+from ...engine.request import (ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, REDUCESCATTER, Entry,
                               Request)
-from ..reduce_ops import ReduceOp, check_op_for_dtype
-from ..runtime import ProcessSet
+from ...reduce_ops import ReduceOp, check_op_for_dtype
+from ...runtime import ProcessSet
 from .handles import TensorHandle
-from .naming import collective_name
-from .streams import caller_stream, ready_event as stream_ready_event, record_use
-from .views import device_name, dtype_name, flat_array, resizable_array
+from ..core.naming import collective_name
+from ..core.streams import caller_stream, ready_event as stream_ready_event, record_use
+from ..core.views import device_name, dtype_name, flat_array, resizable_array
 
 __all__ = ["allreduce_request_", "submit_together"]
 

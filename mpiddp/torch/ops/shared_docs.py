@@ -2,7 +2,7 @@
 lines that name these snippets; ``$kind`` is the collective's kind in generated names)."""
 from __future__ import annotations
 
-from ..docstrings import RUNTIME_SNIPPETS
+from ...docstrings import RUNTIME_SNIPPETS
 
 SNIPPETS = dict(RUNTIME_SNIPPETS)
 SNIPPETS.update({

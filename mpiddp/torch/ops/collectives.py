@@ -8,20 +8,20 @@ from typing import Optional, Sequence
 
 import torch
 
-from .. import runtime
-from ..docstrings import shared_doc
-from ..engine.request import BARRIER
-from ..reduce_ops import ReduceOp
-from ..runtime import ProcessSet
+from ... import runtime
+from ...docstrings import shared_doc
+from ...engine.request import BARRIER
+from ...reduce_ops import ReduceOp
+from ...runtime import ProcessSet
 from . import autograd
 from .async_ops import (allgather_async, allreduce_async, allreduce_async_, alltoall_async,
                         broadcast_async, broadcast_async_, grouped_allgather_async,
                         grouped_allreduce_async, grouped_allreduce_async_,
                         grouped_reducescatter_async, reducescatter_async)
-from .compression import Compression, Compressor
-from .sharding.registry import live_sharded_optimizers
+from ..compression import Compression, Compressor
+from ..core.sharded_registry import live_sharded_optimizers
 from .handles import synchronize
-from .naming import collective_name
+from ..core.naming import collective_name
 from .requests import resolve_op
 from .shared_docs import SNIPPETS
 

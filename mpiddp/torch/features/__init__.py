@@ -1,0 +1,1 @@
+"""Features built on the rooms below: elastic snapshots (``elastic``) and ``SyncBatchNorm``."""
