@@ -11,6 +11,7 @@ to another dtype), a gather that fails, any gather after ``mpiddp.shutdown()``. 
 (``Checkpoint.save``, ``elastic.State.commit``) leave ``state_dict()`` as they found it on
 every rank. The process ends normally with a stage-3 model alive after ``shutdown()``.
 """
+import io
 import os
 import shutil
 import tempfile
@@ -156,6 +157,18 @@ def check_saves_leave_the_state_dicts_alone():
     want = model.state_dict()
     assert all_same(model.state_dict(), want)
     checks.expect(RuntimeError, opt.state_dict, "consolidate_state_dict")
+    # A whole model pickled (torch.save(model)): at stage 0 it saves and loads (the copy
+    # belongs to no optimizer: a new one takes it); at stage 3 a clear refusal.
+    plain, plain_opt = pair(0)
+    step_once(plain, plain_opt, 0)
+    buffer = io.BytesIO()
+    torch.save(plain, buffer)
+    buffer.seek(0)
+    copy = torch.load(buffer, weights_only=False)
+    assert all_same(copy.state_dict(), plain.state_dict())
+    mpiddp.DistributedOptimizer(torch.optim.SGD(copy.parameters(), lr=0.1))
+    checks.expect(TypeError, lambda: torch.save(model, io.BytesIO()), "zero_stage=3",
+                  "model.state_dict()")
     # Stage 2 too: the optimizer's state_dict() after a save is what it was before.
     model2, opt2 = pair(2)
     step_once(model2, opt2, 0)
@@ -165,7 +178,8 @@ def check_saves_leave_the_state_dicts_alone():
     if RANK == 0:
         shutil.rmtree(directory)
     checks.ok("Checkpoint.save and elastic.State.commit leave model.state_dict() and "
-              "optimizer.state_dict() as they found them, on every rank", RANK)
+              "optimizer.state_dict() as they found them, on every rank; torch.save(model) "
+              "works at stage 0 and is refused by name at stage 3", RANK)
 
 
 def check_shutdown_with_the_model_alive():

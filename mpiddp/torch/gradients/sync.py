@@ -39,12 +39,13 @@ from ... import runtime
 from ...errors import MpiddpError
 from ...reduce_ops import ReduceOp
 from ...runtime import ProcessSet
-from ..ops.async_ops import sparse_allreduce_async
 from ..compression import WireCasts
+from ..core.param_refs import ParameterRef
+from ..core.streams import ready_event
+from ..ops.async_ops import sparse_allreduce_async
 from ..ops.handles import combined
 from ..ops.handles import synchronize as wait_for
 from ..ops.requests import allreduce_request_, contiguous, submit_together
-from ..core.streams import ready_event
 
 # The autograd engine: queue_callback() runs a function once the current backward pass
 # has finished (every gradient accumulated), on the thread that ran it.
@@ -178,7 +179,7 @@ class GradientSync:
         self.trainable = sum(1 for p in self.params if p.requires_grad)
 
     def _hook(self, name: str, param: torch.Tensor) -> None:
-        ref = weakref.ref(self)
+        ref = ParameterRef(self)
         self.params.append(param)
         self.names[param] = f"{self.prefix}.grad.{name}"
         setattr(param, OWNER_ATTR, ref)

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ... import runtime
-from .param_gathers import GATHERS_ATTR, ParamGathers, _remove_hooks
+from .param_gathers import GATHERS_ATTR, NOT_PICKLED, ParamGathers, _remove_hooks
 from .param_guard import _THREAD, guard_thread
 from .state import _copy_piece
 
@@ -71,13 +71,13 @@ def attach_model(optimizer, model: torch.nn.Module) -> None:
     whole model is materialised while it loads). Only the root module's calls do this. A
     thread that runs the model's forward gets the guard first."""
     gathers = optimizer._mpiddp.gathers
-    ref = weakref.ref(gathers)
+    ref = _GathersRef(gathers)
     gathers.model = weakref.ref(model)
     gathers.shard_frozen(model)
     handles = [
         model.register_forward_pre_hook(_guard_thread),
         model.register_forward_hook(functools.partial(_after_forward, ref)),
-        model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: _quiet(ref, True)),
+        model.register_state_dict_pre_hook(functools.partial(_before_state, ref)),
         model.register_state_dict_post_hook(functools.partial(_full_state, ref)),
         model.register_load_state_dict_pre_hook(functools.partial(_before_load, ref)),
         model.register_load_state_dict_post_hook(functools.partial(_after_load, ref))]
@@ -107,6 +107,20 @@ def _after_forward(ref, module, args, output) -> None:
         with gathers.lock, gathers.internal():
             for bucket in list(gathers.gathered.values()):
                 gathers.release(bucket)
+
+
+class _GathersRef(weakref.ref):
+    """The model's hooks' reference to its ``ParamGathers``: pickling the model (its hooks
+    too) raises the reason, not "cannot pickle weakref"."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        raise TypeError(NOT_PICKLED)
+
+
+def _before_state(ref, module, prefix, keep_vars) -> None:
+    _quiet(ref, True)
 
 
 def _quiet(ref, quiet: bool) -> None:

@@ -32,6 +32,10 @@ from .param_guard import _LIVE, GATHERED_IN_FORWARD, guard_thread
 # long as any parameter of theirs, whether or not the optimizer does).
 GATHERS_ATTR = "_mpiddp_gathers"
 
+NOT_PICKLED = ("a model whose parameters DistributedOptimizer(zero_stage=3) shards cannot be "
+               "pickled whole (torch.save(model)): each rank holds only its shards. Save "
+               "model.state_dict() (the full parameters, gathered), or use mpiddp.Checkpoint")
+
 class ParamGathers:
     """Stage 3's ``Gathers``: the same protocol for ``ShardedSync`` and ``ShardedOptimizer``
     (stepped buckets are released instead of gathered; nothing is deferred), plus the
@@ -70,6 +74,9 @@ class ParamGathers:
         self.consolidated: Optional[dict] = None
         self.consolidated_to: Optional[int] = -1      # (-1: not consolidated)
         self.model = lambda: None                    # (weak) the model given to the optimizer
+
+    def __reduce__(self):
+        raise TypeError(NOT_PICKLED)
 
     # ---- laying out -------------------------------------------------------------------
     def adopt(self, buckets: list, layout: Optional[ShardLayout] = None) -> None:
