@@ -100,21 +100,20 @@ def test_resize_from_three_ranks_to_two(tmp_path):
 def test_a_sharded_optimizer_resizes_without_a_conversion(tmp_path):
     """zero_stage=2 on 3 ranks, then 2, then 5: commits hold the whole optimizer state, which
     each next run re-shards over its own ranks; the parameters end as those of the same
-    resizes unsharded (both on the ring, so that the sums are added in the same order)."""
+    resizes unsharded (both on the ring, so that the sums are added in the same order),
+    trained side by side in the same launches."""
+    env = {"MPIDDP_ALLREDUCE_ALGORITHM": "ring"}
+    both = ("--zero-stage", "0,2")
+    for ranks, stop in ((3, 9), (2, 18)):
+        assert_ok(run_mpi("elastic_worker.py", ranks, tmp_path, 2, "--stop-at", stop, *both,
+                          timeout=150, env=env))
+    last = run_mpi("elastic_worker.py", 5, tmp_path, 2, *both, timeout=150, env=env)
+    assert_ok(last)
     ends = []
     for stage in (0, 2):
-        directory = tmp_path / f"stage{stage}"
-        directory.mkdir()
-        env = {"MPIDDP_ALLREDUCE_ALGORITHM": "ring"}
-        extra = ("--zero-stage", stage)
-        for ranks, stop in ((3, 9), (2, 18)):
-            assert_ok(run_mpi("elastic_worker.py", ranks, directory, 2, "--stop-at", stop,
-                              *extra, timeout=150, env=env))
-        last = run_mpi("elastic_worker.py", 5, directory, 2, *extra, timeout=150, env=env)
-        assert_ok(last)
-        restored = reported(last, "restored")[0]
+        restored = reported(last, f"restored stage {stage}")[0]
         assert restored["restored"] and restored["step"] == 18, restored
-        finished = reported(last, "finished")
+        finished = reported(last, f"finished stage {stage}")
         assert len(finished) == 5
         assert all(f["params"] == finished[0]["params"] for f in finished)
         ends.append(finished[0]["params"])
