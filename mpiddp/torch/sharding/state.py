@@ -147,7 +147,7 @@ def broadcast_whole_state(optimizer, state_dict: dict | None, root_rank: int, na
     from ..ops.async_ops import broadcast_async_
     from ..ops.functions import _fill, _skeleton, _TensorSlot, broadcast_object
     from ..ops.handles import synchronize
-    from . import runtime
+    from ... import runtime
 
     sync = optimizer._mpiddp
     is_root = runtime.rank() == root_rank
