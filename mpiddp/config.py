@@ -192,6 +192,9 @@ class Settings:
     # Record a timeline of engine events (negotiation and execution times) from init() on:
     # '' off, '1' in memory, or a path: written as a Chrome trace at shutdown().
     timeline: str = setting("", SwitchOrPath())
+    # At shutdown() every rank prints one line of its traffic per engine (the global set's
+    # and each process set's it is in) to stderr: engine_stats()'s traffic counters.
+    traffic_summary: bool = setting(False, Boolean())
     # Log level of the 'mpiddp' logger (DEBUG, INFO, WARNING, ERROR).
     log_level: str = setting("WARNING", Choice(LOG_LEVELS, upper=True))
     # Whether MPI can read device memory directly: auto (probe), 0 or 1.

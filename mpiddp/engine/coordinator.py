@@ -133,6 +133,9 @@ class Engine:
                 raise DuplicateNameError(f"the name '{twice}' appears twice in one grouped "
                                          f"submission on rank {self.rank}")
             self._in_flight.update(names)
+            stats = self.stats
+            for entry in entries:
+                entry.handle.stats = stats       # the time callers wait for it counts there
             self._inbox.put_many(entries)
         if self.timeline.enabled:
             for entry in entries:
@@ -166,6 +169,7 @@ class Engine:
                     f"flight ({names}{', ...' if len(self._in_flight) > 5 else ''}): "
                     "synchronize them first")
             self._join_handle = Handle("join")
+            self._join_handle.stats = self.stats
             self._inbox.put(_WAKE)
             return self._join_handle
 

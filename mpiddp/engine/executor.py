@@ -35,6 +35,7 @@ from ..config import Settings
 from ..errors import MpiddpError
 from ..reduce_ops import ReduceOp
 from ..transport import pacing_for, transport_for
+from ..transport.counting import CountedPeers, counted
 from .autotune import Knobs
 from .fusion import BufferPool, plan_batches
 from .request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER,
@@ -347,16 +348,21 @@ class Executor:
     def links(self, backend) -> Links:
         """The transports for buffers of ``backend``: the whole, node-local and cross-node
         communicators. Where ranks span nodes, transfers wait without spinning
-        (``transport/network.py``, as ``self.pacing`` says)."""
+        (``transport/network.py``, as ``self.pacing`` says). Each counts the bytes it moves
+        into the stats (``transport/counting.py``: the one place wire bytes are counted)."""
         links = self._links.get(backend.device_type)
         if links is None:
+            stats = self.stats
+            partners = self.partner_sockets.get("control") \
+                if backend.device_type == "cpu" else None
             links = self._links[backend.device_type] = Links(
-                transport_for(self.comm, backend, self.topology.spans_nodes, self.pacing,
-                              self.partner_sockets.get("whole")),
-                transport_for(self.local, backend),
-                transport_for(self.cross, backend, across_nodes=True, pacing=self.pacing,
-                              sockets=self.partner_sockets.get("cross")),
-                self.partner_sockets.get("control") if backend.device_type == "cpu" else None)
+                counted(transport_for(self.comm, backend, self.topology.spans_nodes,
+                                      self.pacing, self.partner_sockets.get("whole")), stats),
+                counted(transport_for(self.local, backend), stats),
+                counted(transport_for(self.cross, backend, across_nodes=True,
+                                      pacing=self.pacing,
+                                      sockets=self.partner_sockets.get("cross")), stats),
+                CountedPeers(partners, stats) if partners is not None else None)
         return links
 
     def close(self) -> None:
@@ -425,6 +431,7 @@ class Executor:
             self.stats.record_speculated(part.nbytes)
             if entry is None:
                 continue
+            self.stats.record_speculated_tensor(part.nbytes)
             request = response.request
             if timeline:
                 timeline.record(request.name, "start")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import _thread
+from time import perf_counter
 
 
 class Handle:
@@ -9,15 +10,19 @@ class Handle:
     ``result``, or raises the error the engine recorded for this request.
 
     A plain lock, created held and released on completion, is the cheapest wake-up Python
-    offers (a ``threading.Event`` costs several times more per handle)."""
+    offers (a ``threading.Event`` costs several times more per handle).
 
-    __slots__ = ("name", "result", "info", "done_event", "_lock", "_done", "_error")
+    ``stats`` (set by the engine that takes the handle): where the time a caller spends
+    blocked in ``wait`` adds up (``EngineStats.add_wait``)."""
+
+    __slots__ = ("name", "result", "info", "done_event", "stats", "_lock", "_done", "_error")
 
     def __init__(self, name: str, result=None):
         self.name = name
         self.result = result
         self.info = None            # extra agreed data, e.g. alltoall's received splits
         self.done_event = None      # device results: the event recorded after writing them
+        self.stats = None
         self._error: BaseException | None = None
         self._done = False
         self._lock = _thread.allocate_lock()
@@ -28,7 +33,11 @@ class Handle:
 
     def wait(self, timeout: float | None = None):
         if not self._done:
-            if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            start = perf_counter()
+            acquired = self._lock.acquire(timeout=-1 if timeout is None else timeout)
+            if self.stats is not None:
+                self.stats.add_wait(perf_counter() - start)
+            if not acquired:
                 raise TimeoutError(f"collective '{self.name}' did not finish within {timeout} s")
             self._lock.release()    # let any other waiter through too
         if self._error is not None:

@@ -206,35 +206,67 @@ def mpi_cuda_aware() -> bool:
 
 
 @shared_doc()
-def engine_stats() -> dict[str, int]:
-    """Counters of what the engine did on this rank since ``init()`` or the last
-    ``reset_engine_stats()``.
+def engine_stats(process_set: ProcessSet | None = None) -> dict[str, int | float]:
+    """Counters of what an engine did on this rank since ``init()`` (or since the set was
+    added) or the last ``reset_engine_stats()``: its cycles, batches and traffic. Each
+    process set has an engine, and counters, of its own. docs/tuning.md ("How to see the
+    traffic") shows how to read them.
+
+    Args:
+        process_set: the set whose engine to read. Default None: the global set.
 
     Returns:
-        A new dict of counters: ``cycles``, ``cached_cycles`` (cycles that needed only the
+        A new dict. The traffic: ``collectives`` (collectives completed on this rank,
+        barriers not counted), ``tensor_bytes`` (bytes of this rank's tensors handed to
+        them: after compression, e.g. fp16's halves or PowerSGD's factors),
+        ``sent_bytes`` and ``received_bytes`` (bytes this rank sent and received on the
+        wire for them, counted where every algorithm hands them to MPI or mpiddp's TCP
+        connections: a ring all-reduce of B bytes over N ranks sends and receives
+        2 (N-1)/N B; MPI's own collectives count the payload that leaves and reaches this
+        rank; the engine's negotiation is not counted), ``wait_seconds`` (time user threads
+        spent blocked waiting for this engine's collectives: ``synchronize``, handle waits,
+        the end of ``backward()`` waiting for averaged gradients), ``cycles``.
+        The engine's work: ``cached_cycles`` (cycles that needed only the
         bit-vector all-reduce), ``slow_cycles`` (cycles that went through rank 0),
-        ``tensors`` (requests completed, errors included), ``errors``, ``cache_hits``,
-        ``allreduce_batches``, ``fused_batches``, ``fused_tensors``, ``max_batch_tensors``,
-        ``allreduce_bytes``, ``ring_batches``, ``halving_doubling_batches``,
-        ``recursive_doubling_batches``, ``native_batches``, ``hierarchical_batches``,
-        ``pipelined_batches`` (hierarchical batches cut into pipelined segments),
-        ``reducescatter_bytes``, ``speculated_tensors`` (small all-reduces finished in the
-        negotiation, without a batch of their own).
+        ``tensors`` (requests completed, errors and barriers included), ``errors``,
+        ``cache_hits``, ``allreduce_batches``, ``fused_batches``, ``fused_tensors``,
+        ``max_batch_tensors``, ``allreduce_bytes``, ``ring_batches``,
+        ``halving_doubling_batches``, ``recursive_doubling_batches``, ``native_batches``,
+        ``hierarchical_batches``, ``adasum_batches``, ``pipelined_batches`` (hierarchical
+        batches cut into pipelined segments), ``reducescatter_bytes``,
+        ``speculated_tensors`` (small all-reduces finished in the negotiation, without a
+        batch of their own). Every value is an int except ``wait_seconds``.
 
     Raises:
         {needs_init}
+        ValueError: this rank is not in ``process_set``, or it was never added or was
+            removed.
+        TypeError: ``process_set`` is not a ``ProcessSet``.
     """
-    return current.require("engine_stats()").engine.stats.snapshot()
+    return _engine_of(process_set, "engine_stats()").stats.snapshot()
 
 
 @shared_doc()
-def reset_engine_stats() -> None:
+def reset_engine_stats(process_set: ProcessSet | None = None) -> None:
     """Set every counter of ``engine_stats()`` to zero (this rank only).
+
+    Args:
+        process_set: the set whose counters to reset. Default None: the global set.
 
     Raises:
         {needs_init}
+        ValueError: this rank is not in ``process_set``, or it was never added or was
+            removed.
+        TypeError: ``process_set`` is not a ``ProcessSet``.
     """
-    current.require("reset_engine_stats()").engine.stats.reset()
+    _engine_of(process_set, "reset_engine_stats()").stats.reset()
+
+
+def _engine_of(process_set: ProcessSet | None, what: str):
+    runtime = current.require(what)
+    if process_set is None:
+        return runtime.engine
+    return runtime.process_sets.engine_for(process_set, what)[0]
 
 
 def set_allreduce_algorithm(algorithm: str, ring_threshold: int | None = None) -> None:

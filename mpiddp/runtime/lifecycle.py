@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from mpi4py import MPI
 
@@ -112,11 +113,19 @@ class Runtime:
 
     def stop(self) -> None:
         """Stop every engine (agreed with the other ranks in their next cycle), then write the
-        timeline file if ``MPIDDP_TIMELINE`` names one."""
+        timeline file if ``MPIDDP_TIMELINE`` names one, and the traffic summary if
+        ``MPIDDP_TRAFFIC_SUMMARY`` asks for it."""
+        engines = self.process_sets.engines()
         self.process_sets.close("shutdown() was called")
         self.engine.shutdown("shutdown() was called")
         if self.timeline_file:
             self.write_timeline_file(self.timeline_file)
+        if self.settings.traffic_summary:
+            rank = self.topology.rank
+            lines = [f"mpiddp traffic: rank {rank} process_set {set_id}: "
+                     f"{engine.stats.summary()}\n" for set_id, engine in engines]
+            sys.stderr.write("".join(lines))     # one write: the ranks' lines stay whole
+            sys.stderr.flush()
 
     def write_timeline_file(self, path: str) -> None:
         """Every rank writes its events as a Chrome trace (``MPIDDP_TIMELINE=path`` at

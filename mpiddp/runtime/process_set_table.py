@@ -223,6 +223,11 @@ class ProcessSetTable:
                 counter = process_set._names[kind] = itertools.count()
             return f"{kind}.noname.{next(counter)}"
 
+    def engines(self) -> list[tuple[int, Engine]]:
+        """(set id, engine) of every set this rank is in, by id (the global set first)."""
+        return [(set_id, process_set._engine) for set_id, process_set in
+                sorted(self._sets.items()) if process_set._engine is not None]
+
     def close(self, reason: str) -> None:
         """Stop every added set's engine and forget every set (the global set's engine is the
         runtime's own, stopped by the runtime)."""
