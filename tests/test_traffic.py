@@ -141,6 +141,47 @@ def test_a_ring_all_reduce_sends_2_n_minus_1_over_n_of_the_buffer(size, count):
     assert comm.calls == ["Sendrecv"] * (2 * (size - 1))
 
 
+class Exchanges:
+    """The TCP partners' ``exchange`` that moves nothing (recursive doubling's transport)."""
+
+    def exchange(self, dest, send, source, recv, spin=True):
+        pass
+
+
+@pytest.mark.parametrize("algorithm,whole,local,cross,expected", [
+    # 1000 float32 = B = 4000 bytes, seen from rank 0:
+    ("ring", 4, 1, 4, 6000),                     # 2 (N-1)/N B
+    ("halving_doubling", 4, 1, 4, 6000),         # B/2 + B/4 halving, B/4 + B/2 doubling
+    ("recursive_doubling", 4, 1, 4, 8000),       # the whole buffer, log2 N = 2 times
+    ("native", 4, 1, 4, 4000),                   # MPI's own: the payload, B each way
+    ("hierarchical_native", 4, 2, 2, 6000),      # 2 nodes x 2: B/2 node-local
+    ("hierarchical_ring", 4, 2, 2, 6000),        # reduce-scatter, B/2 across, B/2 gather
+])
+def test_every_algorithm_counts_through_its_links(algorithm, whole, local, cross, expected):
+    from mpiddp.buffers.dtypes import dtype_named
+    from mpiddp.collectives import algorithms
+    from mpiddp.collectives.algorithms import Links
+    from mpiddp.reduce_ops import ReduceOp
+
+    counter = Counter()
+    links = Links(counted(FakeComm(0, whole), counter), counted(FakeComm(0, local), counter),
+                  counted(FakeComm(0, cross), counter), CountedPeers(Exchanges(), counter))
+    strategy = {
+        "ring": algorithms.RingAllreduce(),
+        "halving_doubling": algorithms.HalvingDoublingAllreduce(),
+        "recursive_doubling": algorithms.RecursiveDoublingAllreduce(),
+        "native": algorithms.NativeAllreduce(),
+        "hierarchical_native": algorithms.HierarchicalAllreduce(cross_ring_threshold=1 << 20),
+        "hierarchical_ring": algorithms.HierarchicalAllreduce(cross_ring_threshold=0),
+    }[algorithm]
+    dtype = dtype_named("float32")
+    buf = np.ones(1000, dtype=np.float32)
+    scratch = np.zeros(max(strategy.scratch_elements(1000, 4, links), 1), dtype=np.float32)
+    strategy.run(links, buf, scratch, dtype, ReduceOp.SUM,
+                 lambda dst, src, op, dtype: np.add(dst, src, out=dst))
+    assert counter.sent_bytes == counter.received_bytes == expected
+
+
 def test_stats_record_reset_and_summary():
     stats = EngineStats()
     stats.sent_bytes, stats.received_bytes, stats.tensor_bytes = 4000, 3000, 2000
