@@ -112,7 +112,8 @@ def test_the_wrapper_overlaps_exactly_where_the_transport_does():
 
 def test_the_tcp_exchanges_count():
     class Sockets:
-        exchanged = []
+        def __init__(self):
+            self.exchanged = []
 
         def exchange(self, dest, send, source, recv, spin=True):
             self.exchanged.append((dest, len(send), source, len(recv)))
@@ -121,9 +122,11 @@ def test_the_tcp_exchanges_count():
             return "sockets"
 
     counter = Counter()
-    peers = CountedPeers(Sockets(), counter)
+    sockets = Sockets()
+    peers = CountedPeers(sockets, counter)
     peers.exchange(1, np.zeros(3, np.float32), 1, np.zeros(5, np.float32))
     assert (counter.sent_bytes, counter.received_bytes) == (12, 20)
+    assert sockets.exchanged == [(1, 3, 1, 5)]
     assert peers.describe(0) == "sockets"          # the rest passes through
 
 
