@@ -20,7 +20,8 @@ of the reductions that ran while backward still computed (hidden), and the wait,
 the gradients were doing meanwhile: a reduction running (reducing), else a gradient agreed on by
 every rank but its reduction not yet started (queued: the engine busy, or without a core), else
 a gradient not yet agreed on (negotiating: another rank had not handed it over yet, or the
-engine's next negotiation had not come), else none of these (other). Each rank is
+engine's next negotiation had not come), else none of these (other); and the megabytes
+(10^6 bytes) of gradients handed to the engine (the bytes the REDUCE spans carry). Each rank is
 drawn on its own clock, from the end of its first step shown (clocks of different nodes are not
 comparable). Needs matplotlib (``pip install matplotlib``) for the picture; ``--no-plot`` only
 prints.
@@ -43,7 +44,8 @@ OPTIMIZER_ROW = re.compile(r"^opt\d+(\.|$)")
 
 
 def load(path: Path) -> tuple[int, dict[str, list[tuple[float, float]]]]:
-    """(rank, {span name: [(begin s, end s), ...]}) from one rank's Chrome trace."""
+    """(rank, {span name: [(begin s, end s), ...]}) from one rank's Chrome trace; under
+    ``"BYTES"``, (begin s, bytes) of each REDUCE span that carries its tensor's bytes."""
     events = json.loads(path.read_text())["traceEvents"]
     rank = events[0]["pid"] if events else 0
     spans: dict[str, list[tuple[float, float]]] = {}
@@ -52,6 +54,8 @@ def load(path: Path) -> tuple[int, dict[str, list[tuple[float, float]]]]:
             continue                # another collective of the script: not the gradients'
         begin = event["ts"] / 1e6
         spans.setdefault(event["name"], []).append((begin, begin + event["dur"] / 1e6))
+        if event["name"] == "REDUCE" and "bytes" in event.get("args", {}):
+            spans.setdefault("BYTES", []).append((begin, event["args"]["bytes"]))
     for name in spans:
         spans[name].sort()
     return rank, spans
@@ -123,7 +127,8 @@ WAIT_PARTS = (("reducing", "REDUCE"), ("queued", "QUEUE"), ("negotiating", "NEGO
 def summarize(spans: dict, start: float, stop: float, steps: int) -> dict[str, float]:
     """Per-step medians (ms) inside the window."""
     step_ends = [end for _, end in spans["STEP"] if start <= end <= stop]
-    keys = ("step", "compute", "reduce", "hidden", "wait", *(k for k, _ in WAIT_PARTS), "other")
+    keys = ("step", "compute", "reduce", "hidden", "wait", *(k for k, _ in WAIT_PARTS), "other",
+            "handed")
     rows = {key: [] for key in keys}
     for begin, end in zip(step_ends, step_ends[1:]):
         compute = merged(clip(spans.get("COMPUTE", []), begin, end))
@@ -140,6 +145,9 @@ def summarize(spans: dict, start: float, stop: float, steps: int) -> dict[str, f
             rows[key].append(overlap(rest, running))
             rest = subtract(rest, running)
         rows["other"].append(length(rest))
+        # MB handed over (x 1e3 like the rest, undone below): the REDUCE spans begun this step
+        rows["handed"].append(sum(n for at, n in spans.get("BYTES", []) if begin <= at < end)
+                              / 1e9)
     return {key: 1e3 * statistics.median(values) for key, values in rows.items()}
 
 
@@ -182,14 +190,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     traces = sorted((load(path) for path in args.traces), key=lambda trace: trace[0])
     print("rank  steps  step ms  compute ms  reductions ms  hidden ms  waited ms  "
-          "| reducing  queued  negotiating  other")
+          "| reducing  queued  negotiating  other  | handed MB")
     for rank, spans in traces:
         start, stop, steps = window(spans, args.steps)
         s = summarize(spans, start, stop, steps)
         print(f"{rank:4d}  {steps:5d}  {s['step']:7.1f}  {s['compute']:10.1f}  "
               f"{s['reduce']:13.1f}  {s['hidden']:9.1f}  {s['wait']:9.1f}  "
               f"| {s['reducing']:8.1f}  {s['queued']:6.1f}  {s['negotiating']:11.1f}  "
-              f"{s['other']:5.1f}")
+              f"{s['other']:5.1f}  | {s['handed']:9.3f}")
     if not args.no_plot:
         plot(traces, args.steps, args.output)
     return 0

@@ -11,7 +11,10 @@ from mpiddp.engine.timeline import Timeline
 
 PLOT = ROOT / "scripts" / "plot_timeline.py"
 COLUMNS = ("step", "compute", "reductions", "hidden", "waited",
-           "reducing", "queued", "negotiating", "other")
+           "reducing", "queued", "negotiating", "other", "handed")
+# The worker's gradients: 4 x Linear(512, 512), 4 x 262,656 float32, and opt0.used (a byte per
+# parameter), in MB (10^6 bytes) per step.
+WORKER_GRADIENT_MB = (4 * 262656 * 4 + 8) / 1e6
 
 
 def table(stdout: str) -> list[dict[str, float]]:
@@ -44,9 +47,17 @@ def test_timeline_of_training_and_its_picture(tmp_path):
         assert 0 <= row["waited"] < row["step"], plot.stdout
         for part in ("reducing", "queued", "negotiating", "other"):
             assert 0 <= row[part] <= row["waited"] + 0.1, (part, plot.stdout)
+        assert row["handed"] == pytest.approx(WORKER_GRADIENT_MB, abs=6e-4), plot.stdout
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    spans = {event["name"] for event in json.loads(traces[0].read_text())["traceEvents"]}
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    spans = {event["name"] for event in events}
     assert {"NEGOTIATE", "QUEUE", "REDUCE", "COMPUTE", "WAIT", "STEP"} <= spans, spans
+    # A tensor's spans carry its bytes: a 512 x 512 float32 weight's gradient, a bias's, the
+    # usage vector's (a byte per parameter).
+    sizes = {(e["tid"], e["name"]): e["args"]["bytes"] for e in events if "args" in e}
+    assert sizes[("opt0.grad.0.weight", "REDUCE")] == 512 * 512 * 4
+    assert sizes[("opt0.grad.0.bias", "NEGOTIATE")] == 512 * 4
+    assert sizes[("opt0.used", "REDUCE")] == 8
 
 
 def one_step(timeline: Timeline, t0: float) -> None:
@@ -63,6 +74,8 @@ def one_step(timeline: Timeline, t0: float) -> None:
                             ("opt0.grad.b", "end", 150), ("opt0", "synchronized", 160),
                             ("opt0", "step_begin", 160), ("opt0", "step_end", 170)):
         timeline.record(name, phase, ms(at))
+    timeline.record_bytes("opt0.grad.a", 1_000_000)          # 1.5 MB handed over a step
+    timeline.record_bytes("opt0.grad.b", 500_000)
 
 
 def test_the_wait_splits_into_what_the_gradients_did(tmp_path):
@@ -91,7 +104,7 @@ def test_the_wait_splits_into_what_the_gradients_did(tmp_path):
     (row,) = table(plot.stdout)
     assert row["steps"] == 3, plot.stdout
     expected = {"step": 170, "compute": 90, "reductions": 58, "hidden": 28, "waited": 70,
-                "reducing": 30, "queued": 10, "negotiating": 20, "other": 10}
+                "reducing": 30, "queued": 10, "negotiating": 20, "other": 10, "handed": 1.5}
     assert {key: row[key] for key in expected} == pytest.approx(expected), plot.stdout
 
 

@@ -435,6 +435,7 @@ class Executor:
             request = response.request
             if timeline:
                 timeline.record(request.name, "start")
+                timeline.record_bytes(request.name, part.nbytes)
             backend.copy(entry.output, part)
             scale = result_scaling(backend, request, self.size, dtype_named(request.dtype))
             if scale is not None:
@@ -455,6 +456,8 @@ class Executor:
             backend.wait_ready(entry)
             if timeline:
                 timeline.record(entry.request.name, "start")
+                if entry.input is not None:         # a barrier hands nothing over
+                    timeline.record_bytes(entry.request.name, entry.input.nbytes)
         job = operation.prepare(self, backend, batch, members)
         operation.communicate(self, job, self.links(backend).whole, backend)
         operation.unpack(self, job, backend)

@@ -14,6 +14,7 @@ class Timeline:
     def __init__(self, enabled: bool = False):
         self._lock = threading.Lock()
         self._events: list[tuple[str, str, float]] = []
+        self._bytes: dict[str, int] = {}     # tensor name -> bytes handed over (last seen)
         self.enabled = enabled
 
     def record(self, name: str, phase: str, when: float | None = None) -> None:
@@ -21,9 +22,15 @@ class Timeline:
             with self._lock:
                 self._events.append((name, phase, time.perf_counter() if when is None else when))
 
+    def record_bytes(self, name: str, nbytes: int) -> None:
+        """The bytes of the tensor ``name`` this rank handed over (its spans carry them)."""
+        if self.enabled:
+            self._bytes[name] = nbytes
+
     def start(self) -> None:
         with self._lock:
             self._events.clear()
+            self._bytes.clear()
         self.enabled = True
 
     def stop(self) -> list[tuple[str, str, float]]:
@@ -43,8 +50,10 @@ class Timeline:
         for the engine, e.g. behind other fusion buffers) and from start to end of its
         reduction (REDUCE); one row per optimizer, spans of forward and backward (COMPUTE: from
         the previous step's end to the end of backward), of the wait for the last reductions
-        (WAIT) and of the step (STEP)."""
+        (WAIT) and of the step (STEP). A tensor's spans carry its bytes, as this rank handed
+        them over, in ``args.bytes``."""
         spans = []
+        sizes = dict(self._bytes)
         times: dict[str, dict[str, float]] = {}
         pairs = {"agreed": ("submit", "NEGOTIATE"), "start": ("agreed", "QUEUE"),
                  "end": ("start", "REDUCE"),
@@ -55,8 +64,11 @@ class Timeline:
             slot[phase] = when
             if phase in pairs and pairs[phase][0] in slot:
                 begin = slot[pairs[phase][0]]
-                spans.append({"name": pairs[phase][1], "ph": "X", "pid": rank, "tid": name,
-                              "ts": begin * 1e6, "dur": (when - begin) * 1e6})
+                span = {"name": pairs[phase][1], "ph": "X", "pid": rank, "tid": name,
+                        "ts": begin * 1e6, "dur": (when - begin) * 1e6}
+                if name in sizes:
+                    span["args"] = {"bytes": sizes[name]}
+                spans.append(span)
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump({"traceEvents": spans}, f)
