@@ -15,7 +15,8 @@ from mpiddp.launch_check import check_launch, ranks_on_this_node
 from mpiddp.engine.fusion import plan_batches
 from mpiddp.engine.cache_capacity import CapacityWatch
 from mpiddp.engine.negotiation import RequestTable, ResponseCache, agree
-from mpiddp.engine.request import ALLGATHER, ALLREDUCE, BROADCAST, REFUSED, Request, Response
+from mpiddp.engine.request import (ALLGATHER, ALLREDUCE, BROADCAST, REDUCESCATTER, REFUSED,
+                                   Request, Response)
 from mpiddp.engine.stall import describe_stalls, find_stalls
 
 ROOT = Path(__file__).parent.parent
@@ -272,6 +273,17 @@ def test_fusion_plan_groups_by_key_and_threshold():
     batches = plan_batches(responses, threshold_bytes=100)
     names = [[r.name for r in batch] for batch in batches]
     assert names == [["a", "b", "g"], ["c"], ["d"], ["e"], ["f"]]
+
+
+def test_fusion_plan_fuses_the_sharded_halves_of_one_kind():
+    def half(name, kind, n, ring_order=True, dtype="float32"):
+        return Response(Request(name, kind, dtype, (n,), ring_order=ring_order))
+    responses = [half("rs0", REDUCESCATTER, 10), half("ag0", ALLGATHER, 10),
+                 half("rs1", REDUCESCATTER, 10), half("plain", REDUCESCATTER, 10, False),
+                 half("rs2", REDUCESCATTER, 10, dtype="float64"), half("ag1", ALLGATHER, 10),
+                 half("rs3", REDUCESCATTER, 90), _ar("a", 10)]
+    names = [[r.name for r in batch] for batch in plan_batches(responses, threshold_bytes=100)]
+    assert names == [["rs0", "rs1"], ["ag0", "ag1"], ["plain"], ["rs2"], ["rs3"], ["a"]]
 
 
 def test_agree_reports_every_kind_of_mismatch():

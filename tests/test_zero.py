@@ -20,3 +20,10 @@ def test_one_parameter_buckets_match_unfused_all_reduces_bitwise():
     result = run_mpi("zero_worker.py", 4, "per-tensor", timeout=400,
                      env={**RING, "MPIDDP_FUSION_THRESHOLD": "0"})
     assert_ok(result, expect_lines=CHECKS + 1)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_sharded_halves_fuse_with_the_bits_of_their_own_passes(ranks):
+    """Issue 65: reduce-scatters and all-gathers of sharded buckets ready together run as one
+    ring pass, each bucket's result bitwise that of a pass of its own."""
+    assert_ok(run_mpi("ring_halves_worker.py", ranks, timeout=120), expect_lines=2)

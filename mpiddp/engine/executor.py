@@ -242,6 +242,81 @@ class Reducescatter(Operation):
             scale(output)
 
 
+class FusedRingHalf(Operation):
+    """Several sharded buckets' reduce-scatters (or all-gathers) in one ring pass
+    (``plan_batches`` groups those ready together, as it fuses all-reduces): the fusion
+    buffer's chunk c holds every member's chunk c in batch order, so each member's elements
+    meet the same ranks in the same order as in a pass of its own (the same bits at any rank
+    count), at the cost of one ring pass instead of one each."""
+
+    def prepare(self, ex, backend, batch, entries):
+        """Each member's chunk bounds (``job.counts``), the fused chunks' (``job.bounds``)
+        and the fusion buffer."""
+        job = super().prepare(ex, backend, batch, entries)
+        job.counts = [chunk_bounds(r.request.numel, ex.size) for r in batch]
+        job.bounds = [sum(bounds[c] for bounds in job.counts) for c in range(ex.size + 1)]
+        job.buf = ex.pool.get(backend, job.request.device, job.dtype, "fusion", job.bounds[-1])
+        return job
+
+    def pieces(self, job, chunk: int):
+        """(member, its slice, the fused buffer's slice) for every member's ``chunk``."""
+        at = job.bounds[chunk]
+        for member, bounds in enumerate(job.counts):
+            length = bounds[chunk + 1] - bounds[chunk]
+            yield member, slice(bounds[chunk], bounds[chunk + 1]), slice(at, at + length)
+            at += length
+
+
+class FusedReducescatter(FusedRingHalf):
+    def prepare(self, ex, backend, batch, entries):
+        job = super().prepare(ex, backend, batch, entries)
+        for chunk in range(ex.size):
+            for member, own, fused in self.pieces(job, chunk):
+                backend.copy(job.buf[fused], entries[member].input[own])
+        backend.scale_(job.buf, job.request.prescale, job.dtype)
+        largest = max(job.bounds[c + 1] - job.bounds[c] for c in range(ex.size))
+        job.scratch = ex.pool.get(backend, job.request.device, job.dtype, "scratch", largest)
+        return job
+
+    def communicate(self, ex, job, comm, backend):
+        op, dtype = job.request.op, job.dtype
+        ring_reduce_scatter(comm, job.buf, job.scratch, job.bounds,
+                            lambda dst, src: backend.reduce_into(dst, src, op, dtype),
+                            ring_order=True)
+
+    def unpack(self, ex, job, backend):
+        own = owned_chunk(ex.rank, ex.size, ring_order=True)
+        scale = result_scaling(backend, job.request, ex.size, job.dtype)
+        for member, mine, fused in self.pieces(job, own):
+            output = allocate(backend, job.entries[member], (mine.stop - mine.start,))
+            backend.copy(output, job.buf[fused])
+            if scale is not None:
+                scale(output)
+
+
+class FusedAllgather(FusedRingHalf):
+    def prepare(self, ex, backend, batch, entries):
+        job = super().prepare(ex, backend, batch, entries)
+        own = owned_chunk(ex.rank, ex.size, ring_order=True)
+        job.output = [allocate(backend, entry, (r.request.numel,))
+                      for entry, r in zip(entries, batch)]
+        for member, mine, fused in self.pieces(job, own):
+            if len(entries[member].input) != mine.stop - mine.start:
+                raise MpiddpError(f"allgather '{batch[member].name}' in ring order: rank "
+                                  f"{ex.rank}'s input is not its chunk of the ring")
+            backend.copy(job.buf[fused], entries[member].input)
+        return job
+
+    def communicate(self, ex, job, comm, backend):
+        if ex.size > 1:
+            complete(allgather_steps(comm, job.buf, job.bounds, owner_shift=0))
+
+    def unpack(self, ex, job, backend):
+        for chunk in range(ex.size):
+            for member, theirs, fused in self.pieces(job, chunk):
+                backend.copy(job.output[member][theirs], job.buf[fused])
+
+
 class Barrier(Operation):
     """Agreement itself proves every rank reached the barrier: nothing left to move. Its
     action (an engine reconfiguration) runs here, at the same point of the order everywhere."""
@@ -255,6 +330,8 @@ class Barrier(Operation):
 
 OPERATIONS = {ALLREDUCE: Allreduce(), BROADCAST: Broadcast(), ALLGATHER: Allgather(),
               ALLTOALL: Alltoall(), REDUCESCATTER: Reducescatter(), BARRIER: Barrier()}
+# Batches of several ring-order halves (sharded buckets fused by plan_batches).
+FUSED = {REDUCESCATTER: FusedReducescatter(), ALLGATHER: FusedAllgather()}
 
 
 class Executor:
@@ -415,10 +492,13 @@ class Executor:
                 continue
             members = [entries.get(r.name) for r in batch]
             kind = first.request.kind
-            if kind != ALLREDUCE and members[0] is None:
+            if kind != ALLREDUCE and None in members:
+                missing = batch[members.index(None)].name
                 raise MpiddpError(f"rank {self.rank} has no local request for agreed "
-                                  f"{kind} '{first.name}'")
-            job = self._execute(OPERATIONS[kind], batch, members)
+                                  f"{kind} '{missing}'")
+            operation = OPERATIONS[kind] if len(batch) == 1 or kind == ALLREDUCE \
+                else FUSED[kind]
+            job = self._execute(operation, batch, members)
             self.stats.record(kind, len(batch), job)
 
     def complete_speculated(self, done: list) -> None:

@@ -4,26 +4,33 @@ from __future__ import annotations
 import math
 
 from ..buffers.dtypes import DType, dtype_named
-from .request import ALLREDUCE, Response
+from .request import ALLGATHER, ALLREDUCE, REDUCESCATTER, Response
 
 
 def fusion_key(response: Response):
     r = response.request
-    return (r.dtype, r.device, r.op, r.prescale, r.postscale)
+    return (r.kind, r.dtype, r.device, r.op, r.prescale, r.postscale)
+
+
+def fusable(request) -> bool:
+    """All-reduces, and the ring-order halves of sharded optimizers (their reduce-scatters,
+    and their all-gathers: one ring pass for several buckets, ``executor.FusedRingHalf``)."""
+    return request.kind == ALLREDUCE or (
+        request.ring_order and request.kind in (REDUCESCATTER, ALLGATHER))
 
 
 def plan_batches(responses: list[Response], threshold_bytes: int) -> list[list[Response]]:
-    """Group agreed allreduce responses that may share one buffer (same dtype, device, op and
-    scale factors) into batches of at most ``threshold_bytes``; every other response (and
-    every error) forms a batch of its own. Batches keep the order of their first member, so
-    every rank computes the same plan from the same response list."""
+    """Group agreed responses that may share one buffer (``fusable``: the same kind, dtype,
+    device, op and scale factors) into batches of at most ``threshold_bytes``; every other
+    response (and every error) forms a batch of its own. Batches keep the order of their
+    first member, so every rank computes the same plan from the same response list."""
     if len(responses) == 1:    # the common case of small steps: nothing to group
         return [responses]
     batches: list[list[Response]] = []
     open_batch: dict = {}      # fusion key -> (batch, bytes so far)
     for response in responses:
         r = response.request
-        if response.error is not None or r.kind != ALLREDUCE:
+        if response.error is not None or not fusable(r):
             batches.append([response])
             continue
         nbytes = r.numel * dtype_named(r.dtype).itemsize

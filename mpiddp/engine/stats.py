@@ -76,8 +76,13 @@ class EngineStats:
             name = f"{job.algorithm.name}_batches"
             setattr(self, name, getattr(self, name) + 1)
             self.pipelined_batches += job.segments > 1
-        elif kind == "reducescatter":
-            self.reducescatter_bytes += job.request.numel * job.dtype.itemsize
+        else:
+            if kind == "reducescatter":
+                self.reducescatter_bytes += sum(entry.request.numel for entry in job.entries
+                                                if entry is not None) * job.dtype.itemsize
+            if tensors > 1:             # sharded buckets' halves in one ring pass
+                self.fused_batches += 1
+                self.fused_tensors += tensors
 
     def record_speculated(self, nbytes: int) -> None:
         """Count one all-reduce finished beside the negotiation (no batch of its own)."""

@@ -45,7 +45,13 @@ from ..sharding.sync import ShardedSync
 __all__ = ["DistributedOptimizer"]
 
 BUCKET_CAP_MB = 4.0        # bucket_cap_mb's default
-ZERO_BUCKET_CAP_MB = 25.0  # ... with zero_stage 1 or 2
+# ... with zero_stage 1 or 2: small buckets start the reduce-scatters early in backward, and
+# the engine fuses those ready together into one ring pass (docs/benchmarks.md, "Sharded
+# optimizers": 1 MB measured best at 2 and 8 nodes, both link rates)
+ZERO_BUCKET_CAP_MB = 1.0
+# ... with zero_stage 3: each bucket is also gathered at its use, alone (25 MB measured
+# best: docs/dev/zero3.md)
+ZERO3_BUCKET_CAP_MB = 25.0
 _optimizer_index = itertools.count()   # names gradients opt<i>.grad.*: one per process
 
 
@@ -151,9 +157,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         bucket_cap_mb: gradients that become ready are submitted together once they add up
             to this many MiB (and at the last gradient of a step). Fewer, larger submissions
             cost fewer engine cycles; smaller ones start reducing earlier. 0 submits every
-            gradient on its own. Default None: 4 MiB; with ``zero_stage`` 1 or 2, 25 MiB
-            (the sharded buckets of that size, each one reduce-scatter and one all-gather).
-            See docs/dev/training-internals.md for measurements.
+            gradient on its own. Default None: 4 MiB; with ``zero_stage`` 1 or 2, 1 MiB
+            (the sharded buckets, whose reduce-scatters and all-gathers the engine fuses);
+            with ``zero_stage=3``, 25 MiB (also the unit gathered at each use). See
+            docs/dev/training-internals.md and docs/benchmarks.md for measurements.
         process_set: average the gradients among this ``ProcessSet``'s ranks only (each set
             trains its own replica); default None: every rank. Only its ranks may build it.
         overlap_forward: True: ``step()`` returns before the gradients are averaged and
@@ -279,10 +286,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                             + (list(model.parameters()) if model is not None else []))
     model_state.check_not_released(named)
     if bucket_cap_mb is None:
-        # Sharded, every bucket is a reduce-scatter and an all-gather of its own (the
-        # engine cannot fuse them): fewer, larger ones (docs/benchmarks.md, "Sharded
-        # optimizers").
-        bucket_cap_mb = ZERO_BUCKET_CAP_MB if zero_stage else BUCKET_CAP_MB
+        bucket_cap_mb = ZERO3_BUCKET_CAP_MB if zero_stage == 3 else \
+            ZERO_BUCKET_CAP_MB if zero_stage else BUCKET_CAP_MB
     if not bucket_cap_mb >= 0:
         raise ValueError(f"bucket_cap_mb must be >= 0, not {bucket_cap_mb!r}")
     sharded = zero_stage and (process_set is None or process_set.included())

@@ -15,6 +15,18 @@ from ...collectives.ring import chunk_bounds, owned_chunk
 # without forward overlap): the "two fusion buffers" of transient memory.
 MAX_IN_FLIGHT = 2
 
+# ... and the reduce-scatters' full-size buffers on the wire at once, in bytes, when that is
+# more than MAX_IN_FLIGHT buckets: two of the former default buckets (25 MiB). Small buckets
+# then travel together (the engine fuses those ready in one cycle into one ring pass) instead
+# of each waiting for the one before.
+IN_FLIGHT_BYTES = 2 * 25 * 2 ** 20
+
+
+def in_flight_limit(cap_bytes: int) -> int:
+    """The bytes of reduce-scatters a sharded optimizer with buckets of ``cap_bytes`` keeps
+    on the wire at once (one bucket at least, whatever its size)."""
+    return max(MAX_IN_FLIGHT * cap_bytes, IN_FLIGHT_BYTES)
+
 # The first layers' bucket, as a fraction of bucket_cap_mb (ShardLayout.add).
 FIRST_BUCKET_FRACTION = 1 / 8
 

@@ -47,8 +47,12 @@ from ..core.streams import ready_event
 from ..core.subset_step import hyperparameters, same_hyperparameters
 from .gathers import Gathers
 from .param_gathers import ParamGathers
-from .layout import MAX_IN_FLIGHT, SHARD_ATTR, Bucket, ShardLayout
+from .layout import SHARD_ATTR, Bucket, ShardLayout, in_flight_limit
 from ..core.sharded_registry import register
+
+
+def _wire_bytes(bucket: Bucket) -> int:
+    return bucket.numel * bucket.wire_dtype.itemsize
 
 
 class Reduction:
@@ -243,13 +247,17 @@ class ShardedSync(GradientSync):
             self.next_bucket += 1
 
     def _submit(self, bucket: Bucket) -> None:
-        # At most MAX_IN_FLIGHT buckets on the wire: each holds a full-size gradient buffer
-        # until it is reduced, and a backward faster than the network would otherwise hold
-        # them all (the whole gradient again).
-        while sum(1 for r in self.in_flight if r.parts is None) >= MAX_IN_FLIGHT:
-            oldest = next(r for r in self.in_flight if r.parts is None)
+        # At most in_flight_limit bytes on the wire: each bucket holds a full-size gradient
+        # buffer until it is reduced, and a backward faster than the network would otherwise
+        # hold them all (the whole gradient again).
+        limit = in_flight_limit(self.bucket_cap)
+        while True:
+            waiting = [r for r in self.in_flight if r.parts is None]
+            if not waiting or sum(_wire_bytes(r.bucket) for r in waiting) + \
+                    _wire_bytes(bucket) <= limit:
+                break
             try:
-                oldest.settle(self.zero_stage, not self.timing.early)
+                waiting[0].settle(self.zero_stage, not self.timing.early)
             except BaseException:            # raised again where the round finishes
                 break
         flat, queued, events = self.filling.pop(bucket.index)
@@ -263,7 +271,11 @@ class ShardedSync(GradientSync):
                 stream.wait_event(event)
         entry, output = reducescatter_entry(flat, f"{self.prefix}.zero{bucket.index}",
                                             self.op, self.prescale, self.postscale)
-        priority = self.gathers.priority(bucket)
+        # In submission order (no priority): the buckets are stepped in that order as their
+        # reductions land, and their gathers (prioritized for the next forward) start then;
+        # ranked by urgency, the last layers' reduce-scatters and usage vectors were put off
+        # behind every newer bucket, and with them every gather, until the end of backward.
+        priority = 0
         entry.request = entry.request._replace(ring_order=True, shape=(bucket.numel,),
                                                priority=priority)
         entries, usage = [entry], None
