@@ -29,3 +29,11 @@ def test_a_stage_3_model_owns_its_shards(ranks):
     normally (no rank crashes)."""
     result = run_mpi("zero3_ownership_worker.py", ranks, timeout=180, env=RING)
     assert_ok(result, expect_lines=4 + ranks)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_stage_3_builds_a_model_from_the_meta_device(ranks):
+    """Issue 66: a model built on the meta device is given memory a bucket at a time; every
+    rank ends with the first rank's initialisation and trains as zero_stage=0."""
+    result = run_mpi("zero3_meta_worker.py", ranks, timeout=150, env=RING)
+    assert_ok(result, expect_lines=2)

@@ -75,7 +75,11 @@ CONFIGS = {
     "fsdp2": ("FSDP2 no reshard", 2),
     "fsdp2-reshard": ("FSDP2 reshard", 3),
     "mpiddp-zero3": ("mpiddp zero_stage=3", 3),
+    # the model built on the meta device: no rank holds it whole (its values differ from the
+    # reference's: each module initialised in bucket order)
+    "mpiddp-zero3-meta": ("mpiddp stage 3, meta", 3),
 }
+META = "-meta"
 # the modules each configuration's wrapping loads (imported before the baseline)
 WRAPPER_MODULES = {**{c: ("mpiddp.torch.sharding.optimizer",) for c in CONFIGS if "mpiddp" in c},
                    "torch-zero-ddp": ("torch.distributed.optim", "torch.nn.parallel"),
@@ -143,12 +147,18 @@ def formula_bytes(stage: int, params: int, ranks: int, trainable: int | None = N
 
 
 # ---- model and data -------------------------------------------------------------------------
-def build_model(layers: int, width: int, frozen: int = 0):
+def build_model(layers: int, width: int, frozen: int = 0, device: str = "cpu"):
     """``layers`` x (``nn.Linear(width, width)``, tanh), the same on every rank (seed 0);
-    the first ``frozen`` layers frozen (``requires_grad=False``)."""
+    the first ``frozen`` layers frozen (``requires_grad=False``); on ``device`` ("meta": no
+    memory)."""
     import torch
-    from torch import nn
     torch.manual_seed(0)
+    with torch.device(device):
+        return _layers(layers, width, frozen)
+
+
+def _layers(layers: int, width: int, frozen: int):
+    from torch import nn
     modules = []
     for index in range(layers):
         layer = nn.Linear(width, width)
@@ -179,12 +189,16 @@ class Setup:
 def prepare(config: str, comm, args):
     """Start the communication library and build the model: ``(model, wrap)``; ``wrap()``
     builds what is measured (optimizer, DDP, ``fully_shard``) and returns a ``Setup``."""
-    model = build_model(args.layers, args.width, args.frozen_layers)
+    meta = config.endswith(META)
+    model = build_model(args.layers, args.width, args.frozen_layers,
+                        device="meta" if meta else "cpu")
     if config.startswith("mpiddp"):
         import mpiddp
         mpiddp.init()
-        mpiddp.broadcast_parameters(model.state_dict(), root_rank=0)
-        return model, lambda: wrap_mpiddp(model, int(config[-1]), args.bucket_cap_mb)
+        if not meta:
+            mpiddp.broadcast_parameters(model.state_dict(), root_rank=0)
+        stage = CONFIGS[config][1]
+        return model, lambda: wrap_mpiddp(model, stage, args.bucket_cap_mb)
     from synthetic_benchmark import init_torch_distributed
     init_torch_distributed(single_node=True)
     if config == "torch-zero-ddp":
@@ -293,6 +307,7 @@ def measure(config: str, comm, outdir: Path, args) -> dict:
     start = time.perf_counter()
     setup = wrap()
     peak_wrap = peak_rss_bytes()
+    construction = peak_wrap - rss_before_model     # building the model and wrapping it
     steps_reset = hwm_reset and reset_peak_rss()
     held = train(setup, model, comm.rank, args)
     seconds = time.perf_counter() - start
@@ -301,6 +316,7 @@ def measure(config: str, comm, outdir: Path, args) -> dict:
     result = {"config": config, "rank": comm.rank, "ranks": comm.size, "params": params,
               "rss_before_model": rss_before_model, "baseline_rss": baseline, "peak_rss": peak,
               "peak_rss_steps": peak_steps if steps_reset else None,
+              "construction_bytes": construction if hwm_reset else None,
               "rss_after": proc_status_bytes("VmRSS"), "hwm_reset": hwm_reset,
               "optimizer_state_bytes": state_bytes(setup.state),
               "full_grad_bytes_after_backward": held, "seconds": seconds}
@@ -418,13 +434,17 @@ def summarize(config: str, run: dict, args) -> dict:
     formula = formula_bytes(stage, params, args.ranks,
                             params * (args.layers - args.frozen_layers) // args.layers)
     above = max(r["peak_rss"] - r["baseline_rss"] for r in ranks)
+    # (A meta model's parameters are not in the baseline: they are the wrapping's.)
+    resident = 0 if config.endswith(META) else 4 * params
     row.update(
         params=params,
         optimizer_state_bytes=max(r["optimizer_state_bytes"] for r in ranks),
         baseline_rss=max(r["baseline_rss"] for r in ranks),
         peak_rss=max(r["peak_rss"] for r in ranks),
         above_baseline_bytes=above,
-        model_state_bytes=above + 4 * params,
+        model_state_bytes=above + resident,
+        construction_bytes=None if any(r.get("construction_bytes") is None for r in ranks)
+        else max(r["construction_bytes"] for r in ranks),
         full_grad_bytes_after_backward=max(r["full_grad_bytes_after_backward"] for r in ranks),
         formula=formula,
         ranks_agree=len({r["params_sha256"] for r in ranks}) == 1,
@@ -436,7 +456,7 @@ def summarize(config: str, run: dict, args) -> dict:
     # The same over the training steps alone: at stage 3 the model built whole before the
     # wrapping (in the baseline) can be the run's peak, which hides the training's.
     row["model_state_steps_bytes"] = None if row["peak_rss_steps"] is None else \
-        row["peak_rss_steps"] - row["baseline_rss"] + 4 * params
+        row["peak_rss_steps"] - row["baseline_rss"] + resident
     row["optimizer_ratio"] = row["optimizer_state_bytes"] / formula["optimizer"]
     return row
 
@@ -465,7 +485,7 @@ def print_table(rows: list, args) -> None:
           "formula: 4 B params + 4 B grads + 8 B Adam state per parameter, sharded per stage")
     head = (f"{'configuration':<22}{'formula':>8}{'opt state':>10}{'(formula)':>10}"
             f"{'baseline':>9}{'peak':>8}{'peak-base':>10}{'model st.':>10}{'formula':>9}"
-            f"{'ratio':>7}{'in steps':>9}{'grads held':>11}  final params vs zero0")
+            f"{'ratio':>7}{'in steps':>9}{'built':>7}{'grads held':>11}  final params vs zero0")
     print(head)
     print("-" * len(head))
     for row in rows:
@@ -484,14 +504,17 @@ def print_table(rows: list, args) -> None:
             vs += "; RANKS DIFFER"
         steps = "-" if row["model_state_steps_bytes"] is None else \
             f"{row['model_state_steps_bytes'] / MiB:.1f}"
+        built = "-" if row["construction_bytes"] is None else \
+            f"{row['construction_bytes'] / MiB:.0f}"
         print(f"{row['label']:<22}{'ZeRO-' + str(row['formula_stage']):>8}"
               f"{row['optimizer_state_bytes'] / MiB:>10.1f}{f['optimizer'] / MiB:>10.1f}"
               f"{row['baseline_rss'] / MiB:>9.0f}{row['peak_rss'] / MiB:>8.0f}"
               f"{row['above_baseline_bytes'] / MiB:>10.1f}{row['model_state_bytes'] / MiB:>10.1f}"
-              f"{f['total'] / MiB:>9.1f}{row['ratio']:>7.2f}{steps:>9}"
+              f"{f['total'] / MiB:>9.1f}{row['ratio']:>7.2f}{steps:>9}{built:>7}"
               f"{row['full_grad_bytes_after_backward'] / MiB:>11.1f}  {vs}")
     print("'in steps': the model state over the training steps alone (the peak reset after "
-          "the wrapping)")
+          "the wrapping); 'built': the peak while building the model and wrapping it, above "
+          "the RSS before the model")
     print("'grads held': param.grad bytes after the last backward, before its step (FSDP2: "
           "its local gradient shards; mpiddp stage 2 none: its averaged shards live on the "
           "optimizer's shard tensors)")
@@ -542,7 +565,7 @@ def main(argv=None) -> int:
         for config in configs:
             print(f"running {config} on {args.ranks} ranks ...", flush=True)
             row = summarize(config, launch(config, outdir, args), args)
-            if row["error"] is None and config != REFERENCE:
+            if row["error"] is None and config != REFERENCE and not config.endswith(META):
                 row["vs_reference"] = compare_params(config, outdir)
                 (outdir / f"{config}.params.pt").unlink(missing_ok=True)
             rows.append(row)

@@ -15,14 +15,14 @@ and LR schedulers keep working) with four methods changed:
 
 The gradients themselves (hooks, buckets, reductions, writing averages back, and when that
 happens) are ``GradientSync``'s job (``gradients/sync.py``); with ``overlap_forward`` the
-update itself is deferred into the next forward (``gradients/forward_overlap.py``); this module wraps
-and sets up.
+update itself is deferred into the next forward (``gradients/forward_overlap.py``); this
+module wraps and sets up.
 """
 from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
@@ -39,6 +39,7 @@ from ..gradients.optimizer import (_DistributedOptimizer, _check_passes, _check_
                       _complete_overlap)
 from ..sharding import model_state
 from ..sharding.clip_guard import install_clip_guard
+from ..sharding.meta_init import MetaInit, check_meta_model, check_not_meta
 from ..sharding.optimizer import ShardedOptimizer, check_shardable, shard_param_groups
 from ..sharding.sync import ShardedSync
 
@@ -130,7 +131,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          process_set: ProcessSet | None = None,
                          overlap_forward: bool | str | None = None,
                          zero_stage: int = 0,
-                         model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+                         model: torch.nn.Module | None = None,
+                         param_init_fn: Callable[[torch.nn.Module], None] | None = None
+                         ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged across all ranks.
 
     Args:
@@ -184,7 +187,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             optimizer holds. Construction broadcasts the parameters it shards from
             the first rank of ``process_set``; ``model.state_dict()`` then gives the full
             parameters and ``model.load_state_dict`` takes them. ``named_parameters``
-            defaults to ``model.named_parameters()``.
+            defaults to ``model.named_parameters()``. A model built on the meta device
+            (``with torch.device("meta")``) is given memory a bucket at a time, on the
+            current CUDA device (else the CPU), and initialised on the first rank: no rank
+            holds the whole model (docs/sharding.md).
+        param_init_fn: with a model on the meta device, called on each module with
+            tensors there, after they have memory, to initialise its own parameters and
+            buffers (default: the module's ``reset_parameters()``).
 
     Construction is collective: every rank must build its DistributedOptimizers in the same
     order, for the same parameters. Different models on different ranks raise
@@ -242,6 +251,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage!r}")
     model_state.check_model(zero_stage, model, optimizer)
+    check_meta_model(model, zero_stage, param_init_fn)
     if model is not None and named_parameters is None:
         named_parameters = list(model.named_parameters())
     if zero_stage and op == ReduceOp.ADASUM:
@@ -293,6 +303,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     sharded = zero_stage and (process_set is None or process_set.included())
     if sharded:
         check_shardable(optimizer, named, compression, zero_stage)
+    if not (sharded and zero_stage == 3):
+        check_not_meta(named)
     make_sync, extra = (ShardedSync, {"zero_stage": zero_stage}) if sharded \
         else (PowerSGDSync if powersgd else GradientSync, {})
     sync = make_sync(next(_optimizer_index), compression, backward_passes_per_step, op, factor,
@@ -300,6 +312,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     sync.extra_names = name_map
     if process_set is None or process_set.included():
         _check_same_everywhere(sync, named, "construction")     # collective
+        if sharded and zero_stage == 3 and any(p.is_meta for p in model.parameters()):
+            sync.gathers.meta_init = MetaInit(model, param_init_fn,
+                                              initialises=runtime.set_rank(process_set) == 0)
         sync.add(named)
     # else: this rank is outside the optimizer's process set: it trains on its own, a plain
     # local optimizer (Horovod's behaviour), so every rank can run the same script.

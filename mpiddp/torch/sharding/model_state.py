@@ -74,6 +74,7 @@ def attach_model(optimizer, model: torch.nn.Module) -> None:
     ref = _GathersRef(gathers)
     gathers.model = weakref.ref(model)
     gathers.shard_frozen(model)
+    gathers.finish_meta(model)
     handles = [
         model.register_forward_pre_hook(_guard_thread),
         model.register_forward_hook(functools.partial(_after_forward, ref)),

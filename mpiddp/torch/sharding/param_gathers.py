@@ -50,6 +50,7 @@ class ParamGathers:
         self.process_set, self.prefix = sync.process_set, sync.prefix
         self.bucket_cap = sync.bucket_cap
         self.detached = False                 # unshard() gave the parameters back
+        self.meta_init = None                 # a model on the meta device (meta_init.py)
         self.model_hooks: list = []
         self.deferred = False                 # (forward overlap is implied: see below)
         self.busy = False
@@ -102,6 +103,9 @@ class ParamGathers:
                     param.data = param.detach().clone()
         kind = "frozen" if layout is self.frozen_layout else "start"
         for bucket in buckets:
+            if self.meta_init is not None and bucket.device.type == "meta":
+                self.meta_init.materialise(bucket.params, self.holds, self.internal)
+                bucket.device = self.meta_init.device
             # Every rank starts from the first rank's values (each keeps a chunk of them: a
             # broadcast_parameters(model.state_dict()) after construction reaches copies
             # only). A bucket at a time: the whole model at once would take the engine's
@@ -143,6 +147,22 @@ class ParamGathers:
         for bucket in self.frozen_layout.buckets:
             bucket.frozen = True
         self.adopt(self.frozen_layout.buckets, self.frozen_layout)
+
+    def holds(self, param) -> bool:
+        """Whether a bucket holds ``param``'s values."""
+        return id(param) in self.params
+
+    def finish_meta(self, model: torch.nn.Module) -> None:
+        """Collective, after every bucket is laid out: a meta model's tensors no bucket took
+        (buffers, parameters kept whole) get memory and the first rank's values."""
+        if self.meta_init is None:
+            return
+        from ..ops.functions import broadcast_parameters
+        whole = self.meta_init.finish(model, self.holds, self.internal)
+        self.meta_init = None
+        first = (self.process_set or runtime.global_process_set).ranks[0]
+        broadcast_parameters(whole, root_rank=first, prefix=f"{self.prefix}.stage3_meta",
+                             process_set=self.process_set)
 
     def all_buckets(self) -> list:
         """The optimizer's buckets, then the frozen ones."""

@@ -146,11 +146,18 @@ class ShardedSync(GradientSync):
         register(self)      # join() refuses while it lives
 
     def add(self, named) -> None:
-        super().add(named)
         # Frozen parameters get shards when they are unfrozen (_adopt_unfrozen): laid out
         # now, their elements would take a share of every rank's chunk and leave the
         # trainable ones unevenly spread.
-        self._lay_out([param for _, param in named if param.requires_grad])
+        trainable = [param for _, param in named if param.requires_grad]
+        if getattr(self.gathers, "meta_init", None) is not None:
+            # A model on the meta device gets its memory as it is laid out (meta_init.py),
+            # which swaps the tensors behind the parameters: the hooks come after.
+            self._lay_out(trainable)
+            super().add(named)
+            return
+        super().add(named)
+        self._lay_out(trainable)
 
     def _lay_out(self, params: list) -> None:
         before = len(self.layout.buckets)
