@@ -1,6 +1,7 @@
-"""scripts/bench/benchmark_zero_memory.py at 2 ranks on a small model: it runs every configuration
-(FSDP2 with and without resharding after forward among them), prints its table, writes its
-JSON, and ZeRO stage 1 holds half of stage 0's optimizer state per rank."""
+"""scripts/bench/benchmark_zero_memory.py at 2 ranks on a small model: it runs every
+configuration (FSDP2 with and without resharding after forward among them, and stage 3 from a
+model on the meta device), prints its table, writes its JSON, and ZeRO stage 1 holds half of
+stage 0's optimizer state per rank."""
 import json
 import os
 import signal
@@ -50,8 +51,9 @@ def test_zero_memory_benchmark_two_ranks(tmp_path):
     results = json.loads(out.read_text())
     rows = {row["config"]: row for row in results["results"]}
     assert set(rows) == {"mpiddp-zero0", "mpiddp-zero1", "mpiddp-zero2", "torch-zero-ddp",
-                         "fsdp2", "fsdp2-reshard", "mpiddp-zero3"}, output
-    for config in ("mpiddp-zero0", "mpiddp-zero1", "mpiddp-zero2", "mpiddp-zero3"):
+                         "fsdp2", "fsdp2-reshard", "mpiddp-zero3", "mpiddp-zero3-meta"}, output
+    for config in ("mpiddp-zero0", "mpiddp-zero1", "mpiddp-zero2", "mpiddp-zero3",
+                   "mpiddp-zero3-meta"):
         row = rows[config]
         assert row["error"] is None, output
         assert len(row["per_rank"]) == 2 and row["ranks_agree"], output
@@ -69,6 +71,10 @@ def test_zero_memory_benchmark_two_ranks(tmp_path):
     for config in ("mpiddp-zero1", "mpiddp-zero2", "mpiddp-zero3"):
         assert rows[config]["vs_reference"]["equal"], output
     assert rows["mpiddp-zero3"]["formula"]["total"] == 16 * params / 2, output
+    # Built on the meta device: its own values (no comparison), the construction peak read.
+    assert "vs_reference" not in rows["mpiddp-zero3-meta"], output
+    assert all(row["construction_bytes"] is None or row["construction_bytes"] > 0
+               for row in rows.values() if row["error"] is None), output
     # FSDP2 resharding after forward is set against ZeRO-3's formula: everything sharded.
     assert rows["fsdp2-reshard"]["formula_stage"] == 3
     if rows["fsdp2-reshard"]["error"] is None:
