@@ -195,7 +195,9 @@ class Checkpoint:
                 ends as for any exception on one rank.
             ValueError: with a sharded optimizer, the file's optimizer state belongs to
                 another model (raised on every rank).
+            EngineShutdownError: some ranks did not call it (on every rank, naming them).
         """
+        every_rank_calls("mpiddp.Checkpoint.restore")   # on some ranks only: an error
         state = None
         sharded = zero_stage_of(self.optimizer)
         if rank() == 0 and os.path.exists(self.path):

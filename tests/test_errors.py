@@ -67,6 +67,10 @@ def test_checkpoint_save_on_rank_0_alone_ends_every_rank_naming_it():
                 assert skipped in report["error"], report
                 assert "it is a collective call: every rank must make it" in report["error"]
             assert report["seconds"] < 30, report
+    consolidating = "consolidate_state_dict' was called on rank 0 but not on rank 1"
+    for rank in (0, 1):
+        [report] = reported(result, f"{rank} stage 2, rank 1 goes on (consolidation)")
+        assert consolidating in report["error"] and report["seconds"] < 30, report
     assert "Exception ignored" not in result.output, result.output
 
 

@@ -4,12 +4,14 @@ ends with one error naming the call and the rank that skipped it, within seconds
 
 Cases, one after another in this launch: at stages 0, 2 and 3 rank 1 trains on (its next
 step's collectives) while rank 0 saves; at stage 2 rank 1 shuts down instead (the end of its
-script). Each rank catches the error and prints ``OK <rank> <case> | {"seconds", "error"}``
+script). Last, at stage 2, rank 0 alone calls ``optimizer.consolidate_state_dict(to=0)`` (as under
+``if rank == 0:`` before saving by hand). Each rank catches the error and prints ``OK <rank> <case> | {"seconds", "error"}``
 (seconds since rank 0 called save, or rank 1 went past it); the engine has stopped on every
 rank, so ``shutdown()`` and ``init()`` begin the next case. Default settings but for the
 stage-3 case, which runs with ``MPIDDP_STALL_CHECK_TIME=2`` (the call's deadline then 2 s).
 """
 import os
+import shutil
 import tempfile
 import time
 
@@ -24,7 +26,8 @@ from mpiddp.checkpoint import ResumableSampler
 from mpiddp.errors import EngineShutdownError
 
 torch.set_num_threads(1)
-CASES = [(0, "trains"), (2, "trains"), (2, "shuts down"), (3, "trains")]
+CASES = [(0, "trains"), (2, "trains"), (2, "shuts down"), (3, "trains"),
+         (2, "goes on (consolidation)")]
 DIRECTORY = tempfile.mkdtemp(prefix="mpiddp-misuse-")
 
 
@@ -50,7 +53,9 @@ def run_case(stage: int, rank1: str) -> None:
                 F.cross_entropy(model(xb), yb).backward()
                 optimizer.step()
             start = start or time.monotonic()
-            if rank == 0:
+            if rank == 0 and rank1.endswith("(consolidation)"):
+                optimizer.consolidate_state_dict(to=0)      # the same mistake
+            elif rank == 0:
                 ckpt.save(epoch + 1)        # the mistake: on rank 0 alone
             elif rank1 == "shuts down":
                 mpiddp.shutdown()
@@ -71,3 +76,4 @@ for stage, rank1 in CASES:
     mpiddp.init()
     run_case(stage, rank1)
     mpiddp.shutdown()
+shutil.rmtree(DIRECTORY, ignore_errors=True)

@@ -30,13 +30,14 @@ __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_objec
 CALL_DEADLINE = 10.0
 
 
-def every_rank_calls(call: str) -> None:
+def every_rank_calls(call: str, process_set: ProcessSet | None = None) -> None:
     """Begin the library call ``call`` (e.g. ``"mpiddp.Checkpoint.save"``) with a barrier of
-    that name, so that the call made on some ranks only fails fast and alike: once it has
-    waited ``CALL_DEADLINE`` s for ranks that wait in other collectives instead, every rank
-    stops with ``EngineShutdownError`` saying which ranks made it and which did not. (A rank
-    that shuts down instead ends the wait at once, with that said.)"""
-    engine, _ = runtime.engine_for(None, call)
+    that name (among ``process_set``'s ranks), so that the call made on some ranks only fails
+    fast and alike: once it has waited ``CALL_DEADLINE`` s for ranks that wait in other
+    collectives instead, every rank stops with ``EngineShutdownError`` saying which ranks
+    made it and which did not. (A rank that shuts down instead ends the wait at once, with
+    that said.)"""
+    engine, _ = runtime.engine_for(process_set, call)
     engine.barrier(call, deadline=CALL_DEADLINE).wait()
 
 

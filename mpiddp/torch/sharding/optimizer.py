@@ -19,7 +19,7 @@ from ... import runtime
 from ...errors import TensorMismatchError
 from ...reduce_ops import ReduceOp
 from ..ops.collectives import allreduce
-from ..ops.functions import allgather_object
+from ..ops.functions import allgather_object, every_rank_calls
 from ..gradients.optimizer import (STEP_WHILE_IN_FLIGHT, _check_consolidate_to,
                                  _check_same_everywhere, _clear_grads, _DistributedOptimizer)
 from ..core.subset_step import step_subset
@@ -339,6 +339,8 @@ class ShardedOptimizer(_DistributedOptimizer):
         sync = self._mpiddp
         size, rank = runtime.set_size(sync.process_set), runtime.set_rank(sync.process_set)
         _check_consolidate_to(to, size)
+        # (Called on some ranks only, e.g. under `if rank == 0`: an error on every rank.)
+        every_rank_calls(f"{sync.prefix}.consolidate_state_dict", sync.process_set)
         sync.gathers.complete()
         if sync.zero_stage == 3:        # the full parameters too, for model.state_dict()
             sync.gathers.consolidate(to)
