@@ -10,6 +10,9 @@ rank and in total. In the same run, on the same model, batch and data, it also t
 * ``fsdp2`` (with ``--variants``): FSDP2, ``torch.distributed.fsdp.fully_shard`` over the same
   gloo group with ``reshard_after_forward=True`` (parameters sharded too, ZeRO-3 style),
   applied per block of the model (``fsdp_units``), then on the root, and
+* ``horovod`` (with ``--variants``): Horovod's ``horovod.torch.DistributedOptimizer`` with its
+  defaults, over the same MPI (run from a venv that has Horovod built against the same torch
+  and MPI: ``scripts/horovod/build_horovod.sh``, docs/benchmarks.md), and
 * ``single``: one process alone (rank 0 trains while the other ranks wait without using CPU),
   the baseline for scaling efficiency = total / (ranks x single).
 
@@ -17,8 +20,9 @@ Measurements are interleaved (mpiddp, ddp, single, then ddp, single, mpiddp, ...
 change in the machine's background load hits every variant alike; each number is the median
 over ``--iters`` timed rounds of ``--steps`` steps (after ``--warmup`` steps per variant and
 one untimed step per round). mpiddp runs only during its own rounds (``init()`` before,
-``shutdown()`` after), so its idle engine costs the other variants nothing. "CPU ms/step" is
-the CPU time of a rank's whole process (every thread) per step.
+``shutdown()`` after), so its idle engine costs the other variants nothing; Horovod likewise
+(``hvd.init()`` / ``hvd.shutdown()``: its background thread negotiates every cycle).
+"CPU ms/step" is the CPU time of a rank's whole process (every thread) per step.
 
     mpiexec -n 2 python scripts/bench/synthetic_benchmark.py --model cnn --batch-size 32
     mpiexec -n 2 python scripts/bench/synthetic_benchmark.py --model mlp --batch-size 16
@@ -48,6 +52,7 @@ wire time of the gradients (``--regime``, with ``--link-gbit``), or what a GPU m
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import json
 import os
@@ -269,6 +274,42 @@ def make_ddp_zero(args, bucket_cap_mb: float, name: str) -> Variant:
                                             optimizer_class=torch.optim.SGD, lr=0.01,
                                             momentum=0.9)
     return Variant(name, ddp_model, optimizer, data, target)
+
+
+def make_horovod(args, name: str) -> Variant:
+    """Horovod's DistributedOptimizer (``horovod.torch``) on the same model and optimizer, with
+    Horovod's own defaults (fusion buffer, cycle time): what a Horovod user runs. Horovod
+    builds its optimizer again from the wrapped one's class and ``param_groups`` alone, so the
+    simulated optimizer gets its device and rate as defaults."""
+    import horovod.torch as hvd
+
+    hvd.init()
+    model, data, target = build(args)
+    if args.model in sim.MODELS:
+        device, rate = model.device, args.sim_seconds_per_param
+
+        class HorovodSimulatedOptimizer(sim.SimulatedOptimizer):
+            def __init__(self, params, device=device, seconds_per_param=rate):
+                super().__init__(params, device, seconds_per_param)
+
+        optimizer = HorovodSimulatedOptimizer(model.parameters())
+    else:
+        optimizer = make_optimizer(args, model, model.parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    compression = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}[args.compression]
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=compression)
+    return Variant(name, model, optimizer, data, target)
+
+
+def horovod_running(on: bool) -> None:
+    """Start or stop Horovod (its background thread) around its own rounds."""
+    import horovod.torch as hvd
+
+    if on:
+        hvd.init()
+    else:
+        hvd.shutdown()
 
 
 def fsdp_block(name: str) -> str:
@@ -567,6 +608,11 @@ def torch_peer(name: str) -> bool:
     return kind.startswith("ddp") or kind == "fsdp2"
 
 
+def peer(name: str) -> bool:
+    """A denominator of the ratios: a torch variant over gloo, or Horovod."""
+    return torch_peer(name) or name == "horovod"
+
+
 def uses_mpiddp(name: str) -> bool:
     kind = name.split(":")[0]
     return kind in MPIDDP_KINDS or kind == "fp16" or (powersgd_rank(kind) > 0
@@ -594,14 +640,18 @@ def main(argv=None) -> int:
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [n for n in names
                if n.split(":")[0] not in (*MPIDDP_KINDS, "fp16", "ddp", "ddp-zero", "fsdp2",
-                                          "single")
-               and not powersgd_rank(n.split(":")[0]) or n.startswith("fsdp2:")]
+                                          "horovod", "single")
+               and not powersgd_rank(n.split(":")[0]) or n.startswith(("fsdp2:", "horovod:"))]
     if unknown or len(set(names)) != len(names):
         raise SystemExit(f"bad --variants {args.variants!r}: use mpiddp[:MB], overlap[:MB], "
                          "auto[:MB], native[:MB], zero1[:MB], zero2[:MB], overlap-zero1[:MB], "
                          "overlap-zero2[:MB] (each zero one also with -atstep), fp16[:MB], "
                          "psgd<r>[:MB], overlap-psgd<r>[:MB], ddp[:MB], ddp-zero[:MB], "
-                         "ddp-psgd<r>[:MB], fsdp2, single")
+                         "ddp-psgd<r>[:MB], fsdp2, horovod, single")
+    if "horovod" in names and importlib.util.find_spec("horovod") is None:
+        raise SystemExit("the horovod variant: this Python has no Horovod; run from a venv "
+                         "that has it built against the same torch and MPI "
+                         "(scripts/horovod/build_horovod.sh)")
     if (args.overlap_forward or any(n.startswith(("overlap", "auto")) for n in names)) \
             and not supports_overlap_forward():
         raise SystemExit(f"--overlap-forward / the overlap variant: the installed mpiddp "
@@ -636,6 +686,10 @@ def main(argv=None) -> int:
             print("fsdp2 left out: not set up for --compression or --device cuda",
                   flush=True)
         names.remove("fsdp2")
+    if "horovod" in names and (args.compression == "bf16" or args.device == "cuda"):
+        if rank == 0:   # Horovod has no bf16 compressor; its CUDA build is not the one here
+            print("horovod left out: not set up for bf16 or --device cuda", flush=True)
+        names.remove("horovod")
     if not names:
         raise SystemExit("no variant left to run")
 
@@ -657,6 +711,9 @@ def main(argv=None) -> int:
                                           powersgd_rank=powersgd_rank(kind))
         elif kind == "single":
             variants[name] = make_single(args)
+        elif kind == "horovod":
+            variants[name] = make_horovod(args, name)
+            horovod_running(False)      # its background thread only in its own steps
         else:
             mpiddp.init()
             compression = mpiddp.Compression.fp16 if kind == "fp16" else \
@@ -694,13 +751,21 @@ def main(argv=None) -> int:
               + ("; forward overlap on every mpiddp variant (--overlap-forward)"
                  if args.overlap_forward else ""), flush=True)
 
-    for name, variant in variants.items():
+    # Horovod warms up last, alone: its busy MPI waits beside an idle mpiddp engine (8 ranks
+    # on 2 cores) kept the engine's peer checks from answering in time. As mpiddp, it runs
+    # only in its own steps.
+    for name, variant in sorted(variants.items(), key=lambda item: item[0] == "horovod"):
+        if name == "horovod":
+            mpiddp.shutdown()
+            horovod_running(True)
         if name != "single" or rank == 0:
             select_algorithm(name)
             for _ in range(args.warmup):
                 variant.step()
             variant.finish()
     mpiddp.shutdown()
+    if "horovod" in names:
+        horovod_running(False)
     stats = {}
     rates = {name: [] for name in names}
     cpu = {name: [] for name in names}
@@ -711,7 +776,11 @@ def main(argv=None) -> int:
                 mpiddp.init()
                 select_algorithm(name)
                 mpiddp.reset_engine_stats()
+            if name == "horovod":
+                horovod_running(True)
             rate, cpu_ms = time_round(variants[name], args.steps, rank)
+            if name == "horovod":
+                horovod_running(False)
             rates[name].append(rate)
             cpu[name].append(cpu_ms)
             if uses_mpiddp(name):
@@ -764,12 +833,13 @@ def main(argv=None) -> int:
     print()
     result["ratios"] = {}
     for a in (n for n in names if uses_mpiddp(n)):
-        for b in (n for n in names if torch_peer(n)):
+        for b in (n for n in names if peer(n)):
             va, vb = result["variants"][a], result["variants"][b]
             ratio = va["total"] / vb["total"]
             per_round = [x / y for x, y in zip(va["rounds"], vb["rounds"])]
             result["ratios"][f"{a} / {b}"] = ratio
-            print(f"{a} / {b} (gloo) throughput: {ratio:.2f}x (ratio of medians; per round "
+            how = "" if b == "horovod" else " (gloo)"
+            print(f"{a} / {b}{how} throughput: {ratio:.2f}x (ratio of medians; per round "
                   f"{', '.join(f'{x:.2f}' for x in per_round)})")
     if args.link_gbit and single:
         report_bound(args, result, names, nodes, params)
