@@ -22,17 +22,11 @@ import torch.nn.functional as F
 import checks
 import mpiddp
 from mpiddp.torch.sharding import param_gathers
-from zero_model import batch, pair, step_once
+from zero_model import batch, pair, same, step_once
 
 torch.set_num_threads(1)
 mpiddp.init()
 RANK, SIZE = mpiddp.rank(), mpiddp.size()
-if SIZE == 2:
-    def same(a, b):
-        return torch.equal(a, b)
-else:
-    def same(a, b):
-        return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def all_same(a: dict, b: dict) -> bool:

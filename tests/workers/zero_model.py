@@ -63,6 +63,14 @@ def pair(stage, kind="adam", seed=5, cap=0.0005):
     return model, opt
 
 
+def same(a, b) -> bool:
+    """Stage 3 against stage 0: bitwise at 2 ranks; from 3 the sums' order differs where the
+    layouts do (docs/dev/sharding.md), so within rounding."""
+    if mpiddp.size() == 2:
+        return torch.equal(a, b)
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def step_once(model, opt, step):
     """One training step on this rank's batch of ``step``."""
     opt.zero_grad()

@@ -41,9 +41,9 @@ class Gathers:
         _live_gathers.add(self)
 
     def priority(self, bucket: Bucket) -> int:
-        """With forward overlap, the engine runs a bucket's reduce-scatter and gather by
-        urgency: the first layers' (the last bucket) first, which the next forward needs
-        first (0: in submission order)."""
+        """With forward overlap, the engine runs the buckets' gathers by urgency: the first
+        layers' (the last bucket) first, which the next forward needs first (0: in
+        submission order). The reduce-scatters go in submission order (``ShardedSync``)."""
         if not self.deferred:
             return 0
         return len(self._sync().layout.buckets) - bucket.index

@@ -89,7 +89,8 @@ class MetaInit:
         self.device = init_device()
         self.init_fn = param_init_fn or (lambda module: getattr(module, META_INIT_METHOD)())
         self.initialises = initialises
-        self.modules = [module for module in model.modules()]
+        self.modules = list(model.modules())
+        self.order = {id(module): index for index, module in enumerate(self.modules)}
         self.owners: dict = {}            # id(parameter) -> the modules holding it, in order
         for module in self.modules:
             for param in module._parameters.values():
@@ -103,11 +104,11 @@ class MetaInit:
         owning any of them on the meta device are initialised whole, in registration order.
         ``sharded(param)``: whether a bucket already holds the parameter's values (a tied
         weight: the initialisation writes elsewhere); ``internal``: the guard's pass."""
-        needed = {id(module) for param in params if param.is_meta
+        needed = {id(module): module for param in params if param.is_meta
                   for module in self.owners.get(id(param), [])}
-        for module in self.modules:
-            if id(module) in needed and id(module) not in self.done:
-                self._initialise(module, sharded, internal)
+        for key in sorted(needed, key=self.order.__getitem__):
+            if key not in self.done:
+                self._initialise(needed[key], sharded, internal)
 
     def finish(self, model: torch.nn.Module, sharded: Callable, internal) -> list:
         """Initialise what is still on the meta device (modules whose tensors no bucket

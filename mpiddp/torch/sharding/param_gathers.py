@@ -190,7 +190,7 @@ class ParamGathers:
             return found[1]
         try:
             return self.storages.get(tensor.untyped_storage()._cdata)
-        except (RuntimeError, NotImplementedError, AttributeError):   # (sparse, not a tensor)
+        except (RuntimeError, NotImplementedError):     # no storage: sparse, nested layouts
             return None
 
     def use(self, buckets: list, keep: int = GATHERED_IN_FORWARD) -> None:
@@ -404,9 +404,6 @@ class ParamGathers:
         self.consolidated, self.consolidated_to = None, -1
 
     # ---- the Gathers protocol of ShardedSync / ShardedOptimizer ---------------------------
-    def priority(self, bucket: Bucket) -> int:
-        return 0
-
     def add(self, bucket: Bucket) -> None:
         """Early schedule: ``bucket`` was just stepped (its gradients were all final, so
         backward needs it no more): its full parameters are stale."""

@@ -90,9 +90,10 @@ class ParamGuard(TorchFunctionMode):
                 if kwargs:
                     buckets += _buckets_in(gathers, kwargs.values())
                 if buckets:
-                    if func == _SET_DATA and \
+                    if func == _SET_DATA and isinstance(args[1], torch.Tensor) and \
                             gathers.bucket_of(args[1]) is not gathers.bucket_of(args[0]):
-                        # (model.to() to where the parameter is sets it to itself)
+                        # (model.to() to where the parameter is sets it to itself; a value
+                        # that is no tensor torch refuses itself)
                         gathers.refuse_new_memory([args[0]])
                     # Inside backward (a custom Function's backward, an activation
                     # checkpoint's recomputation) nothing is released: tensors autograd

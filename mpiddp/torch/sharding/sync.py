@@ -282,9 +282,7 @@ class ShardedSync(GradientSync):
         # reductions land, and their gathers (prioritized for the next forward) start then;
         # ranked by urgency, the last layers' reduce-scatters and usage vectors were put off
         # behind every newer bucket, and with them every gather, until the end of backward.
-        priority = 0
-        entry.request = entry.request._replace(ring_order=True, shape=(bucket.numel,),
-                                               priority=priority)
+        entry.request = entry.request._replace(ring_order=True, shape=(bucket.numel,))
         entries, usage = [entry], None
         if self.timing.early:
             # Which members had a gradient on some rank, known with the bucket itself: its
@@ -292,7 +290,7 @@ class ShardedSync(GradientSync):
             usage = torch.tensor([self.used.get(p, False) for p in bucket.params],
                                  dtype=torch.uint8)
             entries.append(allreduce_request_(usage, f"{self.prefix}.zero{bucket.index}.used",
-                                              ReduceOp.MAX, priority=priority))
+                                              ReduceOp.MAX))
         handles = submit_together(entries, self.process_set)
         self.in_flight.append(Reduction(bucket, handles[0], output, flat, usage,
                                         handles[1] if usage is not None else None))
