@@ -7,6 +7,9 @@ those values (bitwise at 2 ranks); ``param_init_fn`` initialises modules without
 ``reset_parameters()``, whose absence is refused by name; stages 0-2 refuse a meta model.
 """
 import math
+import os
+import shutil
+import tempfile
 
 import torch
 import torch.nn as nn
@@ -46,8 +49,30 @@ def check_a_meta_model_trains_as_stage_0():
         step_once(plain, plain_opt, step)
     now, want = model.state_dict(), plain.state_dict()
     assert all(same(now[k], want[k]) for k in want), "training"
+    # The calls a converted script makes: Checkpoint save; another meta-built model with
+    # broadcast_parameters and broadcast_optimizer_state after construction, then restore.
+    directory = mpiddp.broadcast_object(tempfile.mkdtemp(prefix="zero3-meta-")
+                                        if RANK == 0 else None)
+    path = os.path.join(directory, "ckpt.pt")
+    mpiddp.Checkpoint(path, model=model, optimizer=opt).save(epoch=1)
+    with torch.device("meta"):
+        fresh = Net()
+    fresh_opt = mpiddp.DistributedOptimizer(OPTIMIZERS["adam"](fresh.parameters()),
+                                            model=fresh, zero_stage=3, bucket_cap_mb=0.0005)
+    mpiddp.broadcast_parameters(fresh.state_dict(), root_rank=0)
+    mpiddp.broadcast_optimizer_state(fresh_opt, root_rank=0)
+    assert mpiddp.Checkpoint(path, model=fresh, optimizer=fresh_opt).restore()
+    for net, optimizer in ((fresh, fresh_opt), (model, opt)):
+        step_once(net, optimizer, 3)
+    now, want = fresh.state_dict(), model.state_dict()
+    assert all(torch.equal(now[k], want[k]) for k in want), "restored"
+    mpiddp.barrier()
+    if RANK == 0:
+        shutil.rmtree(directory)
     checks.ok("a model built on the meta device: every rank the same values, each module's "
-              "own initialisation, then training as zero_stage=0", RANK, bitwise=SIZE == 2)
+              "own initialisation, then training as zero_stage=0; broadcast_optimizer_state "
+              "and a Checkpoint restored into another meta-built model", RANK,
+              bitwise=SIZE == 2)
 
 
 class Scaled(nn.Module):
