@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mpi_launch import (ROOT, WORKERS, Job, MPIResult, assert_ok, process_gone, reported,
-                        wait_for_files)
+                        run_mpi, wait_for_files)
 from test_zero import CHECKS as ZERO_WORKER_CHECKS
 from slurm_jobs import job as slurm_job, slurm_on_cluster_nodes, srun, wait_for_job
 
@@ -143,6 +143,37 @@ def test_sharded_optimizer_across_nodes(cluster):
                             env={"MPIDDP_ALLREDUCE_ALGORITHM": "ring",
                                  "MPIDDP_SPECULATION_BYTES": "0"})
     assert_ok(result, expect_lines=ZERO_WORKER_CHECKS + 1)      # one more from 3 ranks
+
+
+# The hierarchical all-reduce with the cross-node ring: the order a bucket cut by node sums in.
+HIERARCHICAL_ORDER = {"MPIDDP_ALLREDUCE_ALGORITHM": "hierarchical", "MPIDDP_RING_THRESHOLD": "0",
+                      "MPIDDP_SPECULATION_BYTES": "0"}
+
+
+def test_sharded_optimizer_cut_by_node(cluster):
+    """Issue 65 item 2: on 2 nodes of 2 ranks a sharded bucket is cut by node (reduced within
+    the node, then across nodes on the node's chunk). The engine's halves, fused and alone,
+    against float64; then zero_stage=1|2 bitwise equal to zero_stage=0 on the hierarchical
+    all-reduce with the cross-node ring (the same order), equal to one process on the
+    concatenated batch, and the sharded state continuing on 3 ranks (a flat cut)."""
+    result = run_on_cluster("2x2", "ring_halves_worker.py", timeout=200)
+    assert_ok(result, expect_lines=2)
+    assert '"cut": "by node"' in result.output, result.output
+    result = run_on_cluster("2x2", "zero_worker.py", timeout=500, env=HIERARCHICAL_ORDER)
+    assert_ok(result, expect_lines=ZERO_WORKER_CHECKS + 1)
+
+
+def test_stage_3_cut_by_node_resumes_on_one_node(cluster, tmp_path):
+    """Stage 3 cut by node on 2 x 2 trains as zero_stage=0 (tests/workers/zero3_worker.py),
+    and its saved state forms restore at 3 ranks on one node (a flat cut)."""
+    assert_ok(run_on_cluster("2x2", "zero3_worker.py", timeout=400, env=HIERARCHICAL_ORDER),
+              expect_lines=7)
+    saved = run_on_cluster("2x2", "zero3_worker.py", "save", tmp_path, timeout=200,
+                           env=HIERARCHICAL_ORDER)
+    assert_ok(saved, expect_lines=1)
+    restored = run_mpi("zero3_worker.py", 3, "restore", tmp_path, timeout=120,
+                       env={"MPIDDP_ALLREDUCE_ALGORITHM": "ring"})
+    assert_ok(restored, expect_lines=1)
 
 
 # ---- faults: a node's ranks killed, a node's link cut -------------------------------------

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mpiddp.collectives.ring import chunk_bounds
+from mpiddp.collectives.ring import chunk_bounds, owned_chunk
+from mpiddp.collectives.shard_grid import RING_BY_NODE, RING_FLAT, ShardGrid
 from mpiddp.config import Settings, read_settings, setting_fields, unknown_settings
 from mpiddp.errors import LaunchError
 from mpiddp.horovod_env import HONOURED, horovod_messages
@@ -281,9 +282,41 @@ def test_fusion_plan_fuses_the_sharded_halves_of_one_kind():
     responses = [half("rs0", REDUCESCATTER, 10), half("ag0", ALLGATHER, 10),
                  half("rs1", REDUCESCATTER, 10), half("plain", REDUCESCATTER, 10, False),
                  half("rs2", REDUCESCATTER, 10, dtype="float64"), half("ag1", ALLGATHER, 10),
-                 half("rs3", REDUCESCATTER, 90), _ar("a", 10)]
+                 half("rs3", REDUCESCATTER, 90), _ar("a", 10),
+                 half("node0", REDUCESCATTER, 10, RING_BY_NODE),
+                 half("node1", REDUCESCATTER, 10, RING_BY_NODE)]
     names = [[r.name for r in batch] for batch in plan_batches(responses, threshold_bytes=100)]
-    assert names == [["rs0", "rs1"], ["ag0", "ag1"], ["plain"], ["rs2"], ["rs3"], ["a"]]
+    assert names == [["rs0", "rs1"], ["ag0", "ag1"], ["plain"], ["rs2"], ["rs3"], ["a"],
+                     ["node0", "node1"]]
+
+
+@pytest.mark.parametrize("local_size,cross_size", [(1, 1), (1, 5), (2, 2), (3, 2), (4, 3)])
+def test_a_shard_grid_tiles_the_bucket_one_piece_per_rank(local_size, cross_size):
+    """collectives/shard_grid.py: flat (one rank per node) is the ring's chunks and owners;
+    by node, each node-local chunk is cut across the nodes, and every rank owns a piece of
+    its own local rank's chunk, no two ranks the same."""
+    size = local_size * cross_size
+    for count in (0, 1, size - 1, 97, 1000):
+        grids = [ShardGrid(l, local_size, c, cross_size)
+                 for c in range(cross_size) for l in range(local_size)]
+        bounds = grids[0].bounds(count)
+        assert all(g.bounds(count) == bounds for g in grids)
+        assert len(bounds) == size + 1 and bounds[0] == 0 and bounds[-1] == count
+        assert all(a <= b for a, b in zip(bounds, bounds[1:]))
+        assert sorted(g.owned for g in grids) == list(range(size))
+        local = grids[0].local_bounds(bounds)
+        assert local == chunk_bounds(count, local_size)
+        for g in grids:
+            assert local[g.local_rank] <= bounds[g.owned] <= bounds[g.owned + 1] \
+                <= local[g.local_rank + 1]
+            assert g.scratch_elements(bounds) >= max(
+                bounds[p + 1] - bounds[p] for p in range(size))
+        if local_size == 1:
+            assert bounds == chunk_bounds(count, size)
+            assert [g.owned for g in grids] == [owned_chunk(r, size, True) for r in range(size)]
+            assert grids[0].ring_order == RING_FLAT
+        else:
+            assert grids[0].ring_order == RING_BY_NODE
 
 
 def test_agree_reports_every_kind_of_mismatch():

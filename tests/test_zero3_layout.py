@@ -8,11 +8,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from mpiddp.collectives.shard_grid import ShardGrid
 from mpiddp.torch.sharding.layout import ShardLayout
 
 
 def laid_out(model, rank=0, size=2, cap_bytes=1 << 30):
-    layout = ShardLayout(rank, size, cap_bytes, lambda p: p.dtype)
+    layout = ShardLayout(ShardGrid.flat(rank, size), cap_bytes, lambda p: p.dtype)
     layout.add(list(model.parameters()))
     return layout
 

@@ -22,14 +22,13 @@ from typing import Callable, Optional
 from mpi4py import MPI
 
 from ..buffers import backend_for
-from ..buffers.dtypes import DType, dtype_named, identity_value
+from ..buffers.dtypes import dtype_named, identity_value
 from ..collectives.algorithms import AUTO, AlgorithmChoice, Links
 from ..collectives.cost_model import (LinkCosts, describe_threshold, gradient_cycle_bytes,
                                       measure_link_costs, priority_cycle_bytes,
                                       speculation_bytes)
 from ..collectives.native import allgatherv, alltoallv, broadcast
-from ..collectives.ring import (allgather_steps, chunk_bounds, complete, owned_chunk,
-                                ring_reduce_scatter)
+from ..collectives.ring import chunk_bounds, ring_reduce_scatter
 from ..collectives.topology import node_layout
 from ..config import Settings
 from ..errors import MpiddpError
@@ -38,6 +37,8 @@ from ..transport import pacing_for, transport_for
 from ..transport.counting import CountedPeers, counted
 from .autotune import Knobs
 from .fusion import BufferPool, plan_batches
+from .operation import Job, Operation, allocate, result_scaling
+from .ring_halves import AllgatherHalf, ReducescatterHalf
 from .request import (ALLGATHER, ALLREDUCE, ALLTOALL, BARRIER, BROADCAST, REDUCESCATTER,
                       Response, error_for)
 from .stats import EngineStats
@@ -48,55 +49,6 @@ log = logging.getLogger("mpiddp")
 
 # complete(entry, info=None, error=None): releases the name and completes the handle.
 Complete = Callable[..., None]
-
-
-def result_scaling(backend, request, size: int, dtype):
-    """The scaling after a reduction, as a function of one chunk (None: nothing to do): the
-    user's postscale factor, then Average's division by ``size`` (rounded once)."""
-    post, average = request.postscale, request.op == ReduceOp.AVERAGE
-    if post == 1.0 and not average:
-        return None
-
-    def scale(part):
-        backend.scale_(part, post, dtype)
-        if average:
-            backend.scale_(part, 1.0 / size, dtype, exact=True)
-    return scale
-
-
-def allocate(backend, entry, shape):
-    """The entry's output, allocated by the torch layer on the stream that writes it."""
-    with backend.allocating():
-        return entry.allocate(shape)
-
-
-class Job:
-    """What one operation carries from ``prepare`` to ``unpack`` (fields as each kind needs)."""
-
-    __slots__ = ("request", "dtype", "entries", "counts", "buf", "scratch", "output", "bounds",
-                 "row_bounds", "algorithm", "segments", "infos")
-
-    def __init__(self, request, dtype: Optional[DType], entries: list):
-        self.request = request
-        self.dtype = dtype
-        self.entries = entries       # this rank's entries in batch order (None: joined)
-        self.infos = None            # per-entry extra results for the handles
-        self.algorithm = None        # allreduce: the strategy (collectives/algorithms.py)
-        self.segments = 1            # allreduce: the pieces the algorithm cut the buffer in
-
-
-class Operation:
-    """One kind of collective (see the module docstring). ``ex`` is the executor: its rank,
-    size, settings and buffer pool."""
-
-    def prepare(self, ex: "Executor", backend, batch: list, entries: list) -> Job:
-        return Job(batch[0].request, dtype_named(batch[0].request.dtype), entries)
-
-    def communicate(self, ex: "Executor", job: Job, comm, backend) -> None:
-        """Move the data (every rank makes the same calls)."""
-
-    def unpack(self, ex: "Executor", job: Job, backend) -> None:
-        """Results into the entries' outputs."""
 
 
 class Allreduce(Operation):
@@ -168,24 +120,10 @@ class Allgather(Operation):
         request, sizes = job.request, batch[0].sizes
         row = math.prod(request.shape[1:])
         job.counts = [n * row for n in sizes]
-        # In ring order every rank names the whole output (its input is its chunk of it).
-        rows = request.shape[0] if request.ring_order else sum(sizes)
-        job.output = allocate(backend, entries[0], (rows,) + tuple(request.shape[1:]))
+        job.output = allocate(backend, entries[0], (sum(sizes),) + tuple(request.shape[1:]))
         return job
 
     def communicate(self, ex, job, comm, backend):
-        if job.request.ring_order:
-            # The ring all-reduce's second half: rank r's input is chunk (r + 1) % size of
-            # the output, which ends in chunk order (a sharded optimizer's gathered bucket).
-            bounds = chunk_bounds(len(job.output), ex.size)
-            own = owned_chunk(ex.rank, ex.size, ring_order=True)
-            if len(job.entries[0].input) != bounds[own + 1] - bounds[own]:
-                raise MpiddpError(f"allgather '{job.request.name}' in ring order: rank "
-                                  f"{ex.rank}'s input is not its chunk of the ring")
-            backend.copy(job.output[bounds[own]:bounds[own + 1]], job.entries[0].input)
-            if ex.size > 1:
-                complete(allgather_steps(comm, job.output, bounds, owner_shift=0))
-            return
         allgatherv(comm, job.entries[0].input, job.output, job.counts, job.dtype.itemsize)
 
 
@@ -213,12 +151,8 @@ class Reducescatter(Operation):
         row = math.prod(request.shape[1:])
         job.row_bounds = chunk_bounds(request.shape[0], ex.size)   # rows of rank r's share
         job.bounds = [b * row for b in job.row_bounds]
-        if request.ring_order:
-            # A sharded optimizer's bucket, handed over: reduced in place, no copy.
-            job.buf = entries[0].input
-        else:
-            job.buf = ex.pool.get(backend, request.device, dtype, "fusion", request.numel)
-            backend.copy(job.buf, entries[0].input)
+        job.buf = ex.pool.get(backend, request.device, dtype, "fusion", request.numel)
+        backend.copy(job.buf, entries[0].input)
         backend.scale_(job.buf, request.prescale, dtype)
         largest = max(job.bounds[i + 1] - job.bounds[i] for i in range(ex.size))
         job.scratch = ex.pool.get(backend, request.device, dtype, "scratch", largest)
@@ -227,12 +161,10 @@ class Reducescatter(Operation):
     def communicate(self, ex, job, comm, backend):
         op, dtype = job.request.op, job.dtype
         ring_reduce_scatter(comm, job.buf, job.scratch, job.bounds,
-                            lambda dst, src: backend.reduce_into(dst, src, op, dtype),
-                            ring_order=job.request.ring_order)
+                            lambda dst, src: backend.reduce_into(dst, src, op, dtype))
 
     def unpack(self, ex, job, backend):
-        request = job.request
-        rank = owned_chunk(ex.rank, ex.size, request.ring_order)
+        request, rank = job.request, ex.rank
         mine = job.buf[job.bounds[rank]:job.bounds[rank + 1]]
         rows = job.row_bounds[rank + 1] - job.row_bounds[rank]
         output = allocate(backend, job.entries[0], (rows,) + tuple(request.shape[1:]))
@@ -240,81 +172,6 @@ class Reducescatter(Operation):
         scale = result_scaling(backend, request, ex.size, job.dtype)
         if scale is not None:
             scale(output)
-
-
-class FusedRingHalf(Operation):
-    """Several sharded buckets' reduce-scatters (or all-gathers) in one ring pass
-    (``plan_batches`` groups those ready together, as it fuses all-reduces): the fusion
-    buffer's chunk c holds every member's chunk c in batch order, so each member's elements
-    meet the same ranks in the same order as in a pass of its own (the same bits at any rank
-    count), at the cost of one ring pass instead of one each."""
-
-    def prepare(self, ex, backend, batch, entries):
-        """Each member's chunk bounds (``job.counts``), the fused chunks' (``job.bounds``)
-        and the fusion buffer."""
-        job = super().prepare(ex, backend, batch, entries)
-        job.counts = [chunk_bounds(r.request.numel, ex.size) for r in batch]
-        job.bounds = [sum(bounds[c] for bounds in job.counts) for c in range(ex.size + 1)]
-        job.buf = ex.pool.get(backend, job.request.device, job.dtype, "fusion", job.bounds[-1])
-        return job
-
-    def pieces(self, job, chunk: int):
-        """(member, its slice, the fused buffer's slice) for every member's ``chunk``."""
-        at = job.bounds[chunk]
-        for member, bounds in enumerate(job.counts):
-            length = bounds[chunk + 1] - bounds[chunk]
-            yield member, slice(bounds[chunk], bounds[chunk + 1]), slice(at, at + length)
-            at += length
-
-
-class FusedReducescatter(FusedRingHalf):
-    def prepare(self, ex, backend, batch, entries):
-        job = super().prepare(ex, backend, batch, entries)
-        for chunk in range(ex.size):
-            for member, own, fused in self.pieces(job, chunk):
-                backend.copy(job.buf[fused], entries[member].input[own])
-        backend.scale_(job.buf, job.request.prescale, job.dtype)
-        largest = max(job.bounds[c + 1] - job.bounds[c] for c in range(ex.size))
-        job.scratch = ex.pool.get(backend, job.request.device, job.dtype, "scratch", largest)
-        return job
-
-    def communicate(self, ex, job, comm, backend):
-        op, dtype = job.request.op, job.dtype
-        ring_reduce_scatter(comm, job.buf, job.scratch, job.bounds,
-                            lambda dst, src: backend.reduce_into(dst, src, op, dtype),
-                            ring_order=True)
-
-    def unpack(self, ex, job, backend):
-        own = owned_chunk(ex.rank, ex.size, ring_order=True)
-        scale = result_scaling(backend, job.request, ex.size, job.dtype)
-        for member, mine, fused in self.pieces(job, own):
-            output = allocate(backend, job.entries[member], (mine.stop - mine.start,))
-            backend.copy(output, job.buf[fused])
-            if scale is not None:
-                scale(output)
-
-
-class FusedAllgather(FusedRingHalf):
-    def prepare(self, ex, backend, batch, entries):
-        job = super().prepare(ex, backend, batch, entries)
-        own = owned_chunk(ex.rank, ex.size, ring_order=True)
-        job.output = [allocate(backend, entry, (r.request.numel,))
-                      for entry, r in zip(entries, batch)]
-        for member, mine, fused in self.pieces(job, own):
-            if len(entries[member].input) != mine.stop - mine.start:
-                raise MpiddpError(f"allgather '{batch[member].name}' in ring order: rank "
-                                  f"{ex.rank}'s input is not its chunk of the ring")
-            backend.copy(job.buf[fused], entries[member].input)
-        return job
-
-    def communicate(self, ex, job, comm, backend):
-        if ex.size > 1:
-            complete(allgather_steps(comm, job.buf, job.bounds, owner_shift=0))
-
-    def unpack(self, ex, job, backend):
-        for chunk in range(ex.size):
-            for member, theirs, fused in self.pieces(job, chunk):
-                backend.copy(job.output[member][theirs], job.buf[fused])
 
 
 class Barrier(Operation):
@@ -330,8 +187,8 @@ class Barrier(Operation):
 
 OPERATIONS = {ALLREDUCE: Allreduce(), BROADCAST: Broadcast(), ALLGATHER: Allgather(),
               ALLTOALL: Alltoall(), REDUCESCATTER: Reducescatter(), BARRIER: Barrier()}
-# Batches of several ring-order halves (sharded buckets fused by plan_batches).
-FUSED = {REDUCESCATTER: FusedReducescatter(), ALLGATHER: FusedAllgather()}
+# A sharded optimizer's halves (Request.ring_order), one bucket or several fused.
+RING_HALVES = {REDUCESCATTER: ReducescatterHalf(), ALLGATHER: AllgatherHalf()}
 
 
 class Executor:
@@ -496,8 +353,7 @@ class Executor:
                 missing = batch[members.index(None)].name
                 raise MpiddpError(f"rank {self.rank} has no local request for agreed "
                                   f"{kind} '{missing}'")
-            operation = OPERATIONS[kind] if len(batch) == 1 or kind == ALLREDUCE \
-                else FUSED[kind]
+            operation = RING_HALVES[kind] if first.request.ring_order else OPERATIONS[kind]
             job = self._execute(operation, batch, members)
             self.stats.record(kind, len(batch), job)
 

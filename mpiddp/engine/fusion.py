@@ -9,19 +9,19 @@ from .request import ALLGATHER, ALLREDUCE, REDUCESCATTER, Response
 
 def fusion_key(response: Response):
     r = response.request
-    return (r.kind, r.dtype, r.device, r.op, r.prescale, r.postscale)
+    return (r.kind, r.dtype, r.device, r.op, r.prescale, r.postscale, r.ring_order)
 
 
 def fusable(request) -> bool:
     """All-reduces, and the ring-order halves of sharded optimizers (their reduce-scatters,
-    and their all-gathers: one ring pass for several buckets, ``executor.FusedRingHalf``)."""
+    and their all-gathers: one pass for several buckets cut alike, ``ring_halves.py``)."""
     return request.kind == ALLREDUCE or (
         request.ring_order and request.kind in (REDUCESCATTER, ALLGATHER))
 
 
 def plan_batches(responses: list[Response], threshold_bytes: int) -> list[list[Response]]:
     """Group agreed responses that may share one buffer (``fusable``: the same kind, dtype,
-    device, op and scale factors) into batches of at most ``threshold_bytes``; every other
+    device, op, scale factors and cut) into batches of at most ``threshold_bytes``; every other
     response (and every error) forms a batch of its own. Batches keep the order of their
     first member, so every rank computes the same plan from the same response list."""
     if len(responses) == 1:    # the common case of small steps: nothing to group

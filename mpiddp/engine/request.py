@@ -54,15 +54,15 @@ class Request(NamedTuple):
     # engine's Settings.priority_cycle_bytes. The agreed request's value counts, so every
     # rank cuts a cycle at the same place.
     cycle_bytes: int = 0
-    # The ring all-reduce's halves for a sharded optimizer (torch/sharding/). Reduce-scatter:
-    # True leaves rank r the chunk ``(r + 1) % size`` of a flat buffer, summed in the ring
-    # all-reduce's order (its first half, ``ring.reduce_scatter_steps`` with
-    # ``owner_shift=0``), reduced in the caller's buffer, which it hands over (False: rank r
-    # keeps chunk r, the input untouched). All-gather: True takes rank r's input as that
-    # chunk and circulates the chunks around the ring (its second half); its shape is the
-    # whole output's, the same on every rank (so the agreement can be cached), which ends in
-    # chunk order (False: MPI_Allgatherv, in rank order).
-    ring_order: bool = False
+    # The all-reduce's halves for a sharded optimizer (torch/sharding/), its buffer cut as
+    # collectives/shard_grid.py says: 1 (RING_FLAT) the ring's chunks over all the ranks, rank
+    # r keeping chunk ``(r + 1) % size``; 2 (RING_BY_NODE) a chunk of its node's chunk, reduced
+    # within the node first. Reduce-scatter: summed in the all-reduce's order, in the caller's
+    # buffer, which it hands over (0: rank r keeps chunk r, the input untouched). All-gather:
+    # rank r's input is its piece, circulated back; its shape is the whole output's, the same
+    # on every rank (so the agreement can be cached), which ends in bucket order (0:
+    # MPI_Allgatherv, in rank order). engine/ring_halves.py runs them.
+    ring_order: int = 0
     # > 0: a library call every rank must make (``Checkpoint.save``: a barrier named after
     # it). Once it has waited this long (at most ``MPIDDP_STALL_CHECK_TIME``) for ranks that
     # wait in other collectives instead, the ranks stop with an error naming the call and

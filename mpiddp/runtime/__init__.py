@@ -64,3 +64,16 @@ def set_size(process_set) -> int:
 def set_rank(process_set) -> int:
     """This rank's rank in ``process_set`` (None: the global set)."""
     return (process_set or global_process_set).rank()
+
+
+def shard_grid(process_set):
+    """How a sharded optimizer on ``process_set`` cuts its buckets
+    (``collectives/shard_grid.py``): by node where its ranks are the same number, more than
+    one, on each of several nodes and the hierarchical all-reduce is not turned off
+    (``MPIDDP_HIERARCHICAL_ALLREDUCE=0``); else flat. The same choice on every rank."""
+    from ..collectives.shard_grid import ShardGrid
+    engine, _ = engine_for(process_set, "DistributedOptimizer")
+    executor = engine.executor
+    if executor.topology.hierarchical_usable and executor.settings.hierarchical_allreduce != "0":
+        return ShardGrid.by_node(executor.topology)
+    return ShardGrid.flat(executor.rank, executor.size)

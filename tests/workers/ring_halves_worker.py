@@ -1,8 +1,10 @@
-"""Sharded optimizers' ring-order halves fused (issue 65; engine/fusion.py ``fusable``,
-engine/executor.py ``FusedRingHalf``): reduce-scatters (and all-gathers) of several buckets
-submitted together run as one ring pass and give each bucket the bits a pass of its own
-gives, at any rank count; sums against a float64 NumPy reference. Sizes 0, 1, primes, not
-divisible by the rank count; float32 and float64; with prescale and Average.
+"""Sharded optimizers' halves fused (issue 65; engine/fusion.py ``fusable``,
+engine/ring_halves.py): reduce-scatters (and all-gathers) of several buckets submitted
+together run as one pass and give each bucket the bits a pass of its own gives, at any rank
+count; sums against a float64 NumPy reference. Sizes 0, 1, primes, not divisible by the rank
+count; float32 and float64; with prescale and Average. The buckets are cut as a sharded
+optimizer cuts them here (``runtime.shard_grid``): flat on one node, by node on nodes of
+several ranks (the emulated cluster, tests/test_multinode.py).
 """
 import numpy as np
 import torch
@@ -11,10 +13,12 @@ import checks
 import mpiddp
 from mpiddp.engine.request import ALLGATHER
 from mpiddp.torch.ops.requests import reducescatter_entry, ring_allgather_entry, submit_together
-from mpiddp.collectives.ring import chunk_bounds, owned_chunk
+from mpiddp import runtime
 
 mpiddp.init()
 RANK, SIZE = mpiddp.rank(), mpiddp.size()
+GRID = runtime.shard_grid(None)
+assert GRID.pieces == SIZE
 SIZES = [0, 1, 7, 97, 1000, 13]
 
 
@@ -29,7 +33,7 @@ def reduce_scatters(tag, buckets, op=mpiddp.Sum, prescale=1.0):
     entries, outputs = [], []
     for index, flat in enumerate(buckets):
         entry, output = reducescatter_entry(flat.clone(), f"{tag}.rs{index}", op, prescale, 1.0)
-        entry.request = entry.request._replace(ring_order=True, shape=(flat.numel(),))
+        entry.request = entry.request._replace(ring_order=GRID.ring_order, shape=(flat.numel(),))
         entries.append(entry)
         outputs.append(output)
     for handle in submit_together(entries):
@@ -38,7 +42,7 @@ def reduce_scatters(tag, buckets, op=mpiddp.Sum, prescale=1.0):
 
 
 def check_reduce_scatters():
-    own = owned_chunk(RANK, SIZE, ring_order=True)
+    own = GRID.owned
     for dtype in (torch.float32, torch.float64):
         mpiddp.reset_engine_stats()
         buckets = [bucket(i, n, dtype, RANK) for i, n in enumerate(SIZES)]
@@ -50,27 +54,27 @@ def check_reduce_scatters():
         for i, n in enumerate(SIZES):
             assert torch.equal(together[i], apart[i]), (dtype, n)
             everyone = sum(bucket(i, n, dtype, r).double().numpy() for r in range(SIZE)) * 0.5
-            bounds = chunk_bounds(n, SIZE)
+            bounds = GRID.bounds(n)
             want = everyone[bounds[own]:bounds[own + 1]]
             assert np.allclose(together[i].double().numpy(), want, rtol=1e-6, atol=1e-6)
         average = reduce_scatters(f"average.{dtype}", buckets, op=mpiddp.Average)
         summed = reduce_scatters(f"summed.{dtype}", buckets)
         for a, s in zip(average, summed):
             assert torch.allclose(a, s / SIZE)
-    checks.ok("fused ring-order reduce-scatters: each bucket's bits as a pass of its own, "
-              "sums as float64's", RANK)
+    checks.ok("fused sharded reduce-scatters: each bucket's bits as a pass of its own, "
+              "sums as float64's", RANK, cut="by node" if GRID.local_size > 1 else "flat")
 
 
 def check_allgathers():
-    own = owned_chunk(RANK, SIZE, ring_order=True)
+    own = GRID.owned
     for dtype in (torch.float32, torch.float64):
         wholes = [bucket(50 + i, n, dtype, 0) for i, n in enumerate(SIZES)]   # every rank
         outputs = [torch.full((n,), float("nan"), dtype=dtype) for n in SIZES]
         entries = []
         for i, (whole, output) in enumerate(zip(wholes, outputs)):
-            bounds = chunk_bounds(whole.numel(), SIZE)
+            bounds = GRID.bounds(whole.numel())
             chunk = whole[bounds[own]:bounds[own + 1]].clone()
-            entry = ring_allgather_entry(chunk, output, f"gather.{dtype}.{i}")
+            entry = ring_allgather_entry(chunk, output, f"gather.{dtype}.{i}", GRID.ring_order)
             assert entry.request.kind == ALLGATHER
             entries.append(entry)
         mpiddp.reset_engine_stats()
@@ -80,7 +84,7 @@ def check_allgathers():
         assert stats["fused_batches"] >= 1, stats
         for whole, output in zip(wholes, outputs):
             assert torch.equal(whole, output)
-    checks.ok("fused ring-order all-gathers: every bucket whole on every rank", RANK)
+    checks.ok("fused sharded all-gathers: every bucket whole on every rank", RANK)
 
 
 check_reduce_scatters()

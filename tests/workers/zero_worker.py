@@ -334,7 +334,11 @@ def check_other_rank_count(opt, model):
                 tokens, labels = batch(step, RANK)
                 F.cross_entropy(m(tokens, step), labels).backward()
                 o.step()
-        assert same(snapshot(copies[0][0]), snapshot(copies[1][0]))
+        # Bitwise where the smaller set's stage 0 sums in the ring's order as the sharded
+        # reduce-scatter does (one node, or one rank per node); on nodes of several ranks the
+        # uneven set (2 + 1 ranks) differed by reassociation (1.5e-8 on 2 x 2).
+        compare = same if mpiddp.local_size() in (1, SIZE) else close
+        assert compare(snapshot(copies[0][0]), snapshot(copies[1][0]))
     mpiddp.barrier()
     mpiddp.remove_process_set(fewer)
     checks.ok(f"sharded state of {SIZE} ranks continues on {SIZE - 1}", RANK,

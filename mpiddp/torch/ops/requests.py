@@ -153,14 +153,14 @@ def allgather_entry(tensor, name: str) -> tuple[Entry, Callable[[], torch.Tensor
 
 
 def ring_allgather_entry(chunk: torch.Tensor, output: torch.Tensor, name: str,
-                         resizable: bool = False) -> Entry:
-    """A sharded optimizer's gather (``Request.ring_order``): ``chunk`` is this rank's chunk
-    of the flat ``output``, which receives every rank's (in chunk order). ``output`` may be
+                         ring_order: int, resizable: bool = False) -> Entry:
+    """A sharded optimizer's gather (``Request.ring_order``: how the bucket is cut): ``chunk``
+    is this rank's piece of the flat ``output``, which receives every rank's. ``output`` may be
     the parameter itself, with ``chunk`` a view of its own elements. ``resizable``: leave
     ``output``'s storage resizable (stage 3 frees it between uses)."""
     dtype = check_tensor(chunk, name)
     request = Request(name, ALLGATHER, dtype, (output.numel(),), device_name(chunk),
-                      ring_order=True)
+                      ring_order=ring_order)
     view = resizable_array(output) if resizable else flat_array(output)
     return Entry(request, flat_array(chunk), view, Handle(name), allocate=lambda shape: view,
                  ready_event=stream_ready_event(chunk))

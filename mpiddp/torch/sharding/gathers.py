@@ -115,7 +115,8 @@ class Gathers:
                     torch.empty(0, dtype=bucket.dtype, device=bucket.device)
                 output = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
                 buffered += 1
-            entry = ring_allgather_entry(chunk, output, f"{sync.prefix}.gather{bucket.index}")
+            entry = ring_allgather_entry(chunk, output, f"{sync.prefix}.gather{bucket.index}",
+                                         bucket.ring_order)
             entry.request = entry.request._replace(priority=self.priority(bucket))
             entries.append(entry)
             started.append((bucket, None if single else output))

@@ -1,7 +1,8 @@
 """How a sharded optimizer's parameters are cut: fixed buckets in the order backward finishes
-them, each bucket's flat buffer cut into the ring's chunks, and this rank's *pieces* (a
-parameter's part in this rank's chunk) with their *shards* (1-D views of the parameter's
-memory that the wrapped optimizer steps in place). See docs/dev/sharding.md."""
+them, each bucket's flat buffer cut into one chunk per rank (flat, or by node:
+``collectives/shard_grid.py``), and this rank's *pieces* (a parameter's part in this rank's
+chunk) with their *shards* (1-D views of the parameter's memory that the wrapped optimizer
+steps in place). See docs/dev/sharding.md."""
 from __future__ import annotations
 
 import collections
@@ -9,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ...collectives.ring import chunk_bounds, owned_chunk
+from ...collectives.shard_grid import ShardGrid
 
 # Buckets on the wire at once (reduce-scatters during backward; all-gathers after the step
 # without forward overlap): the "two fusion buffers" of transient memory.
@@ -37,10 +38,10 @@ Piece = collections.namedtuple("Piece", "param start stop chunk_offset shard")
 
 
 class Bucket:
-    """Parameters reduced together: their offsets in the flat buffer, the ring's chunks of it
-    and this rank's pieces of each parameter."""
+    """Parameters reduced together: their offsets in the flat buffer, its chunks (one per
+    rank, as ``grid`` cuts it) and this rank's pieces of each parameter."""
 
-    def __init__(self, index: int, params: list, rank: int, size: int, wire_dtype):
+    def __init__(self, index: int, params: list, grid: ShardGrid, wire_dtype):
         self.index = index
         self.params = params
         self.offsets = {}
@@ -52,10 +53,9 @@ class Bucket:
         self.dtype = params[0].dtype
         self.wire_dtype = wire_dtype
         self.device = params[0].device
-        self.bounds = chunk_bounds(total, size)
-        self.size = size
-        own = owned_chunk(rank, size, ring_order=True)
-        self.lo, self.hi = self.bounds[own], self.bounds[own + 1]
+        bounds = grid.bounds(total)
+        self.ring_order = grid.ring_order      # how the engine cuts it (Request.ring_order)
+        self.lo, self.hi = bounds[grid.owned], bounds[grid.owned + 1]
         # Stage 3 (own_storage): the full parameters' memory and this rank's chunk.
         self.flat: Optional[torch.Tensor] = None
         self.chunk: Optional[torch.Tensor] = None
@@ -124,8 +124,8 @@ class Bucket:
 class ShardLayout:
     """The buckets of a sharded optimizer's parameters (see the module docstring)."""
 
-    def __init__(self, rank: int, size: int, cap_bytes: int, wire_dtype_of):
-        self.rank, self.size, self.cap_bytes = rank, size, cap_bytes
+    def __init__(self, grid: ShardGrid, cap_bytes: int, wire_dtype_of):
+        self.grid, self.cap_bytes = grid, cap_bytes
         self.wire_dtype_of = wire_dtype_of
         self.buckets: list[Bucket] = []
         self.bucket_of: dict = {}
@@ -174,7 +174,7 @@ class ShardLayout:
         return param.dtype == bucket[0].dtype and param.device == bucket[0].device
 
     def _close(self, params: list) -> None:
-        bucket = Bucket(len(self.buckets), list(params), self.rank, self.size,
+        bucket = Bucket(len(self.buckets), list(params), self.grid,
                         self.wire_dtype_of(params[0]))
         self.buckets.append(bucket)
         for param in params:

@@ -140,8 +140,7 @@ class ParamGathers:
             frozen.append(param)
         if not frozen:
             return
-        self.frozen_layout = ShardLayout(runtime.set_rank(self.process_set),
-                                         runtime.set_size(self.process_set),
+        self.frozen_layout = ShardLayout(runtime.shard_grid(self.process_set),
                                          self.bucket_cap, lambda param: param.dtype)
         self.frozen_layout.add(frozen)
         for bucket in self.frozen_layout.buckets:
@@ -283,7 +282,8 @@ class ParamGathers:
         kind = "frozen" if bucket.frozen else "gather"
         try:
             entry = ring_allgather_entry(bucket.chunk, output,
-                                         f"{self.prefix}.{kind}{bucket.index}", resizable=True)
+                                         f"{self.prefix}.{kind}{bucket.index}",
+                                         bucket.ring_order, resizable=True)
             (handle,) = submit_together([entry], self.process_set)
         except BaseException:
             bucket.release()        # (not left "gathered" with undefined values)

@@ -113,11 +113,9 @@ class ShardedSync(GradientSync):
     def __init__(self, *args, zero_stage: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.zero_stage = zero_stage
-        size = runtime.set_size(self.process_set)
-        rank = runtime.set_rank(self.process_set)
         casts = self.wire_casts
         self.layout = ShardLayout(
-            rank, size, self.bucket_cap,
+            runtime.shard_grid(self.process_set), self.bucket_cap,
             lambda p: casts.wire_dtype if casts.casts(p.dtype) else p.dtype)
         self.filling: dict[int, tuple] = {}      # bucket index -> (flat, queued set, events)
         self.missing: dict[int, int] = {}        # ... -> members requiring a gradient not queued
@@ -282,7 +280,8 @@ class ShardedSync(GradientSync):
         # reductions land, and their gathers (prioritized for the next forward) start then;
         # ranked by urgency, the last layers' reduce-scatters and usage vectors were put off
         # behind every newer bucket, and with them every gather, until the end of backward.
-        entry.request = entry.request._replace(ring_order=True, shape=(bucket.numel,))
+        entry.request = entry.request._replace(ring_order=self.layout.grid.ring_order,
+                                               shape=(bucket.numel,))
         entries, usage = [entry], None
         if self.timing.early:
             # Which members had a gradient on some rank, known with the bucket itself: its
