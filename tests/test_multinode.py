@@ -163,6 +163,21 @@ def test_sharded_optimizer_cut_by_node(cluster):
     assert_ok(result, expect_lines=ZERO_WORKER_CHECKS + 1)
 
 
+def test_hybrid_shard_across_nodes(cluster):
+    """Issue 65 item 3: hybrid_shard=True on 2 x 2 (sharded within each node, replicated
+    across): the engine's halves, fused and alone, against float64; stages 1-3 bitwise equal
+    to zero_stage=0 on the hierarchical all-reduce's order, the state and its forms
+    (tests/workers/zero_hybrid_worker.py)."""
+    result = run_on_cluster("2x2", "ring_halves_worker.py", "hybrid", timeout=200)
+    assert_ok(result, expect_lines=2)
+    assert '"cut": "hybrid"' in result.output, result.output
+    result = run_on_cluster("2x2", "zero_hybrid_worker.py", "exact", timeout=400,
+                            env=HIERARCHICAL_ORDER)
+    assert_ok(result, expect_lines=5)
+    assert '"ranks_per_node": 2' in result.output and '"uneven_checked": true' in result.output, \
+        result.output
+
+
 def test_stage_3_cut_by_node_resumes_on_one_node(cluster, tmp_path):
     """Stage 3 cut by node on 2 x 2 trains as zero_stage=0 (tests/workers/zero3_worker.py),
     and its saved state forms restore at 3 ranks on one node (a flat cut)."""

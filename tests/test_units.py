@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mpiddp.collectives.ring import chunk_bounds, owned_chunk
-from mpiddp.collectives.shard_grid import RING_BY_NODE, RING_FLAT, ShardGrid
+from mpiddp.collectives.shard_grid import RING_BY_NODE, RING_FLAT, RING_HYBRID, ShardGrid
 from mpiddp.config import Settings, read_settings, setting_fields, unknown_settings
 from mpiddp.errors import LaunchError
 from mpiddp.horovod_env import HONOURED, horovod_messages
@@ -311,6 +311,13 @@ def test_a_shard_grid_tiles_the_bucket_one_piece_per_rank(local_size, cross_size
                 <= local[g.local_rank + 1]
             assert g.scratch_elements(bounds) >= max(
                 bounds[p + 1] - bounds[p] for p in range(size))
+        hybrid = [ShardGrid(g.local_rank, local_size, g.cross_rank, cross_size, True)
+                  for g in grids]
+        assert hybrid[0].bounds(count) == local and hybrid[0].ring_order == RING_HYBRID
+        for node in range(cross_size):     # every node holds every piece once
+            assert sorted(g.owned for g in hybrid if g.cross_rank == node) == \
+                list(range(local_size))
+        assert [g.replica for g in hybrid] == [g.cross_rank for g in grids]
         if local_size == 1:
             assert bounds == chunk_bounds(count, size)
             assert [g.owned for g in grids] == [owned_chunk(r, size, True) for r in range(size)]

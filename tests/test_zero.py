@@ -27,3 +27,10 @@ def test_sharded_halves_fuse_with_the_bits_of_their_own_passes(ranks):
     """Issue 65: reduce-scatters and all-gathers of sharded buckets ready together run as one
     ring pass, each bucket's result bitwise that of a pass of its own."""
     assert_ok(run_mpi("ring_halves_worker.py", ranks, timeout=120), expect_lines=2)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_hybrid_shard_on_one_node(ranks):
+    """Issue 65 item 3: hybrid_shard=True on one node shards over the node's ranks (bitwise
+    to zero_stage=0 at 2 ranks); across nodes tests/test_multinode.py runs it on 2 x 2."""
+    assert_ok(run_mpi("zero_hybrid_worker.py", ranks, timeout=240), expect_lines=5)

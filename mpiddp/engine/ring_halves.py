@@ -10,14 +10,19 @@ each.
 """
 from __future__ import annotations
 
-from ..collectives.shard_grid import (RING_BY_NODE, ShardGrid, sharded_allgather,
-                                      sharded_reduce_scatter)
+from ..collectives.shard_grid import (RING_BY_NODE, RING_HYBRID, ShardGrid,
+                                      sharded_allgather, sharded_reduce_scatter)
 from ..errors import MpiddpError
 from .operation import Job, Operation, allocate, result_scaling
 
 
 def grid_for(ex, request) -> ShardGrid:
     """How ``request``'s buffer is cut on this engine's ranks."""
+    if request.ring_order == RING_HYBRID:
+        if not ex.topology.uniform:
+            raise MpiddpError(f"'{request.name}' is sharded within nodes (hybrid), but the "
+                              f"nodes of this communicator hold different numbers of ranks")
+        return ShardGrid.hybrid(ex.topology)
     if request.ring_order != RING_BY_NODE:
         return ShardGrid.flat(ex.rank, ex.size)
     if not ex.topology.hierarchical_usable:
@@ -30,7 +35,7 @@ def grid_for(ex, request) -> ShardGrid:
 def communicators(ex, grid: ShardGrid, comm, backend) -> tuple:
     """(node-local, cross-node) transports for ``grid``: for a flat one the whole
     communicator's ``comm`` is the ring."""
-    if grid.local_size == 1:
+    if grid.local_size == 1 and not grid.replicated:
         return None, comm
     links = ex.links(backend)
     return links.local, links.cross

@@ -66,14 +66,27 @@ def set_rank(process_set) -> int:
     return (process_set or global_process_set).rank()
 
 
-def shard_grid(process_set):
+def shard_grid(process_set, hybrid: bool = False):
     """How a sharded optimizer on ``process_set`` cuts its buckets
-    (``collectives/shard_grid.py``): by node where its ranks are the same number, more than
-    one, on each of several nodes and the hierarchical all-reduce is not turned off
-    (``MPIDDP_HIERARCHICAL_ALLREDUCE=0``); else flat. The same choice on every rank."""
+    (``collectives/shard_grid.py``): ``hybrid``, sharded within each node and replicated
+    across nodes; else by node where its ranks are the same number, more than one, on each of
+    several nodes and the hierarchical all-reduce is not turned off
+    (``MPIDDP_HIERARCHICAL_ALLREDUCE=0``); else flat. The same choice on every rank.
+
+    Raises:
+        ValueError: ``hybrid`` where the nodes hold different numbers of the set's ranks.
+    """
     from ..collectives.shard_grid import ShardGrid
     engine, _ = engine_for(process_set, "DistributedOptimizer")
     executor = engine.executor
+    if hybrid:
+        if not executor.topology.uniform:
+            raise ValueError(
+                f"DistributedOptimizer(hybrid_shard=True) shards within each node, so every "
+                f"node must run the same number of the optimizer's ranks; this rank's node "
+                f"runs {executor.topology.local_size} of {executor.size}, others differ. "
+                f"Launch the same number of ranks per node, or drop hybrid_shard")
+        return ShardGrid.hybrid(executor.topology)
     if executor.topology.hierarchical_usable and executor.settings.hierarchical_allreduce != "0":
         return ShardGrid.by_node(executor.topology)
     return ShardGrid.flat(executor.rank, executor.size)

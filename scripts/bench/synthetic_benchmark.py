@@ -186,7 +186,8 @@ def supports_overlap_forward() -> bool:
 
 
 def make_mpiddp(args, bucket_cap_mb: float, name: str, overlap: bool | str = False,
-                zero_stage: int = 0, at_step: bool = False, compression=None) -> Variant:
+                zero_stage: int = 0, at_step: bool = False, compression=None,
+                hybrid: bool = False) -> Variant:
     model, data, target = build(args)
     optimizer = make_optimizer(args, model, model.parameters())
     if compression is None:
@@ -199,6 +200,8 @@ def make_mpiddp(args, bucket_cap_mb: float, name: str, overlap: bool | str = Fal
         if isinstance(optimizer, sim.SimulatedOptimizer):
             mpiddp.elementwise_optimizer(sim.SimulatedOptimizer)   # a shard takes its share
         extra["zero_stage"] = zero_stage
+        if hybrid:
+            extra["hybrid_shard"] = True
         if zero_stage == 3:
             extra["model"] = model
     optimizer = mpiddp.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
@@ -463,7 +466,8 @@ def parse_args(argv=None):
                         "MPI_Allreduce), ddp (torch DDP over gloo), single (one process, the "
                         "scaling baseline), zero1 / zero2 (DistributedOptimizer(zero_stage=1|2)"
                         "; zero3: the stage-3 preview"
-                        "; overlap-zero1 / overlap-zero2 with overlap_forward=True; each with "
+                        "; overlap-zero1 / overlap-zero2 with overlap_forward=True; "
+                        "-hybrid: hybrid_shard=True; each with "
                         "-atstep: optimizer.synchronize() after backward, which keeps every "
                         "shard's step at step()); ddp-zero (DDP with torch's "
                         "ZeroRedundancyOptimizer); fsdp2 (FSDP2 fully_shard over gloo with "
@@ -613,8 +617,13 @@ def peer(name: str) -> bool:
     return torch_peer(name) or name == "horovod"
 
 
+def base_kind(kind: str) -> str:
+    """A variant's kind without ``-hybrid`` (a sharded one with hybrid_shard=True)."""
+    return kind.removesuffix("-hybrid") if "zero" in kind else kind
+
+
 def uses_mpiddp(name: str) -> bool:
-    kind = name.split(":")[0]
+    kind = base_kind(name.split(":")[0])
     return kind in MPIDDP_KINDS or kind == "fp16" or (powersgd_rank(kind) > 0
                                                       and not kind.startswith("ddp"))
 
@@ -639,13 +648,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [n for n in names
-               if n.split(":")[0] not in (*MPIDDP_KINDS, "fp16", "ddp", "ddp-zero", "fsdp2",
+               if base_kind(n.split(":")[0]) not in (*MPIDDP_KINDS, "fp16", "ddp", "ddp-zero", "fsdp2",
                                           "horovod", "single")
                and not powersgd_rank(n.split(":")[0]) or n.startswith(("fsdp2:", "horovod:"))]
     if unknown or len(set(names)) != len(names):
         raise SystemExit(f"bad --variants {args.variants!r}: use mpiddp[:MB], overlap[:MB], "
                          "auto[:MB], native[:MB], zero1[:MB], zero2[:MB], overlap-zero1[:MB], "
-                         "overlap-zero2[:MB] (each zero one also with -atstep), fp16[:MB], "
+                         "overlap-zero2[:MB] (each zero one also with -atstep, or -hybrid), fp16[:MB], "
                          "psgd<r>[:MB], overlap-psgd<r>[:MB], ddp[:MB], ddp-zero[:MB], "
                          "ddp-psgd<r>[:MB], fsdp2, horovod, single")
     if "horovod" in names and importlib.util.find_spec("horovod") is None:
@@ -726,7 +735,8 @@ def main(argv=None) -> int:
                                          kind.startswith("overlap") or args.overlap_forward,
                                          zero_stage=int(kind.split("zero")[1][0])
                                          if "zero" in kind else 0,
-                                         at_step=kind.endswith("-atstep"))
+                                         at_step=base_kind(kind).endswith("-atstep"),
+                                         hybrid=kind != base_kind(kind))
     params = sum(p.numel() for p in next(iter(variants.values())).model.parameters())
     if rank == 0:
         if simulation:

@@ -4,8 +4,11 @@ together run as one pass and give each bucket the bits a pass of its own gives, 
 count; sums against a float64 NumPy reference. Sizes 0, 1, primes, not divisible by the rank
 count; float32 and float64; with prescale and Average. The buckets are cut as a sharded
 optimizer cuts them here (``runtime.shard_grid``): flat on one node, by node on nodes of
-several ranks (the emulated cluster, tests/test_multinode.py).
+several ranks (the emulated cluster, tests/test_multinode.py); with the argument ``hybrid``,
+sharded within each node and replicated across nodes.
 """
+import sys
+
 import numpy as np
 import torch
 
@@ -17,8 +20,10 @@ from mpiddp import runtime
 
 mpiddp.init()
 RANK, SIZE = mpiddp.rank(), mpiddp.size()
-GRID = runtime.shard_grid(None)
-assert GRID.pieces == SIZE
+HYBRID = "hybrid" in sys.argv[1:]
+GRID = runtime.shard_grid(None, hybrid=HYBRID)
+assert GRID.pieces == (mpiddp.local_size() if HYBRID else SIZE)
+CUT = "hybrid" if HYBRID else "by node" if GRID.local_size > 1 else "flat"
 SIZES = [0, 1, 7, 97, 1000, 13]
 
 
@@ -62,7 +67,7 @@ def check_reduce_scatters():
         for a, s in zip(average, summed):
             assert torch.allclose(a, s / SIZE)
     checks.ok("fused sharded reduce-scatters: each bucket's bits as a pass of its own, "
-              "sums as float64's", RANK, cut="by node" if GRID.local_size > 1 else "flat")
+              "sums as float64's", RANK, cut=CUT)
 
 
 def check_allgathers():

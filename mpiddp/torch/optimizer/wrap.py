@@ -132,7 +132,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          overlap_forward: bool | str | None = None,
                          zero_stage: int = 0,
                          model: torch.nn.Module | None = None,
-                         param_init_fn: Callable[[torch.nn.Module], None] | None = None
+                         param_init_fn: Callable[[torch.nn.Module], None] | None = None,
+                         hybrid_shard: bool = False
                          ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged across all ranks.
 
@@ -183,6 +184,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             its chunk of every parameter (frozen ones too), and the full parameters are
             gathered just before their use (forward, backward) and released after it;
             needs ``model``. See docs/sharding.md.
+        hybrid_shard: with ``zero_stage`` 1-3, shard within each node and keep a copy per
+            node (FSDP's ``HYBRID_SHARD``): each rank holds 1/ranks-per-node of the state,
+            and only the gradients' reduction crosses the network, at the unsharded
+            path's bytes. Needs the same number of ranks on every node. Default False.
         model: with ``zero_stage=3`` (and only then), the model whose parameters the
             optimizer holds. Construction broadcasts the parameters it shards from
             the first rank of ``process_set``; ``model.state_dict()`` then gives the full
@@ -250,6 +255,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
     if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {zero_stage!r}")
+    if hybrid_shard not in (True, False):
+        raise ValueError(f"hybrid_shard must be True or False, not {hybrid_shard!r}")
+    if hybrid_shard and not zero_stage:
+        raise ValueError("DistributedOptimizer(hybrid_shard=True) shards within each node: "
+                         "it needs zero_stage=1, 2 or 3")
     model_state.check_model(zero_stage, model, optimizer)
     check_meta_model(model, zero_stage, param_init_fn)
     if model is not None and named_parameters is None:
@@ -305,8 +315,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         check_shardable(optimizer, named, compression, zero_stage)
     if not (sharded and zero_stage == 3):
         check_not_meta(named)
-    make_sync, extra = (ShardedSync, {"zero_stage": zero_stage}) if sharded \
-        else (PowerSGDSync if powersgd else GradientSync, {})
+    make_sync, extra = (ShardedSync, {"zero_stage": zero_stage, "hybrid": hybrid_shard}) \
+        if sharded else (PowerSGDSync if powersgd else GradientSync, {})
     sync = make_sync(next(_optimizer_index), compression, backward_passes_per_step, op, factor,
                      sparse_as_dense, float(bucket_cap_mb), process_set, **extra)
     sync.extra_names = name_map

@@ -309,6 +309,8 @@ class ShardedOptimizer(_DistributedOptimizer):
             local, op = norms.max().reshape(1), ReduceOp.MAX
         else:
             local, op = (norms ** norm_type).sum().reshape(1), ReduceOp.SUM
+            if sync.layout.grid.replica:     # hybrid: one node's copy of each shard counts
+                local.zero_()
         total = allreduce(local.cpu(), op=op, name=f"{sync.prefix}.grad_norm",
                           process_set=sync.process_set)[0]
         if not math.isinf(norm_type):
@@ -430,7 +432,7 @@ class ShardedOptimizer(_DistributedOptimizer):
         files of every rank are then the whole training state.
 
         Returns:
-            ``{"zero_sharded": {world_size, rank, pieces}, "state": ..., "param_groups":
+            ``{"zero_sharded": {world_size, rank, pieces, replica}, "state": ..., "param_groups":
             ...}``: this rank's state by parameter index, with the element ranges it covers
             (stage 3: also ``"parameters"``, this rank's elements of each, ``"frozen"``,
             this rank's elements of the frozen parameters by name, and ``"whole"``, the
@@ -448,7 +450,9 @@ class ShardedOptimizer(_DistributedOptimizer):
             values[index] = piece.shard.detach().clone()
         sharded = {"zero_sharded": {"world_size": runtime.set_size(sync.process_set),
                                     "rank": runtime.set_rank(sync.process_set),
-                                    "pieces": pieces},
+                                    "pieces": pieces,
+                                    # hybrid: which node's copy (the others skip it on load)
+                                    "replica": sync.layout.grid.replica},
                    "state": state, "param_groups": _groups(self, sync)}
         model = model_of(self)
         if model is not None:
@@ -476,6 +480,8 @@ class ShardedOptimizer(_DistributedOptimizer):
         if len(worlds) != 1 or ranks != list(range(next(iter(worlds)))):
             raise ValueError(f"load_sharded_state_dict needs every rank's part of one save: got "
                              f"ranks {ranks} of world sizes {sorted(worlds)}")
+        # A hybrid save holds each piece once per node: one copy is the whole state.
+        sharded = [s for s in sharded if not s["zero_sharded"].get("replica", 0)]
         index_of, _ = _indices(sync)
         model = model_of(self)
         with_parameters = model is not None and all("parameters" in s for s in sharded)

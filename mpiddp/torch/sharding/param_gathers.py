@@ -140,8 +140,8 @@ class ParamGathers:
             frozen.append(param)
         if not frozen:
             return
-        self.frozen_layout = ShardLayout(runtime.shard_grid(self.process_set),
-                                         self.bucket_cap, lambda param: param.dtype)
+        self.frozen_layout = ShardLayout(self.layout.grid, self.bucket_cap,
+                                         lambda param: param.dtype)
         self.frozen_layout.add(frozen)
         for bucket in self.frozen_layout.buckets:
             bucket.frozen = True

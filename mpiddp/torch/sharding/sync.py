@@ -110,12 +110,12 @@ class ShardedSync(GradientSync):
     but each bucket of gradients is reduce-scattered once complete, and a round writes the
     averaged shards into the shards' ``.grad`` (see the module docstring)."""
 
-    def __init__(self, *args, zero_stage: int, **kwargs):
+    def __init__(self, *args, zero_stage: int, hybrid: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.zero_stage = zero_stage
         casts = self.wire_casts
         self.layout = ShardLayout(
-            runtime.shard_grid(self.process_set), self.bucket_cap,
+            runtime.shard_grid(self.process_set, hybrid), self.bucket_cap,
             lambda p: casts.wire_dtype if casts.casts(p.dtype) else p.dtype)
         self.filling: dict[int, tuple] = {}      # bucket index -> (flat, queued set, events)
         self.missing: dict[int, int] = {}        # ... -> members requiring a gradient not queued
