@@ -11,13 +11,18 @@ import sys as _sys
 __version__ = "0.1.0"
 
 
+# Modules run with ``python -m`` that need neither MPI nor the package's collectives.
+_STANDALONE = ("mpiddp.run", "mpiddp.checkpoint_convert")
+
+
 def _running_the_launcher(orig_argv=None, argv=None) -> bool:
     """True in ``python -m mpiddp.run``, the elastic launcher (docs/elastic.md): it needs
     nothing of the package, and importing it would load torch and initialise MPI in a process
     that only starts and watches ``mpiexec`` or ``srun`` (in a batch script, outside any job
-    step). Read from the interpreter's own options (``-Im``, ``-X opt -m``), only while
-    ``-m`` locates its module (``sys.argv[0]`` is then "-m"); Python 3.9 has no
-    ``sys.orig_argv``: there the package loads as before."""
+    step); and in ``python -m mpiddp.checkpoint_convert``, an offline tool (no MPI there).
+    Read from the interpreter's own options (``-Im``, ``-X opt -m``), only while ``-m``
+    locates its module (``sys.argv[0]`` is then "-m"); Python 3.9 has no ``sys.orig_argv``:
+    there the package loads as before."""
     orig_argv = getattr(_sys, "orig_argv", None) if orig_argv is None else orig_argv
     argv = _sys.argv if argv is None else argv
     if not orig_argv or argv[:1] != ["-m"]:
@@ -29,7 +34,7 @@ def _running_the_launcher(orig_argv=None, argv=None) -> bool:
         for position, flag in enumerate(arg[1:], 2):
             value = arg[position:]
             if flag == "m":
-                return (value or next(args, "")) == "mpiddp.run"
+                return (value or next(args, "")) in _STANDALONE
             if flag == "c":
                 return False
             if flag in "XW":                # an option's value: attached, or the next one

@@ -29,9 +29,10 @@ from torch.utils.data import DistributedSampler
 
 from .errors import EngineShutdownError
 from .reduce_ops import Max
-from .runtime import rank, size
+from .runtime import rank, set_size, size
 from .torch.ops.async_ops import allreduce_async
-from .torch.features.elastic import write_durably
+from .durable import write_durably
+from . import checkpoint_files, checkpoint_sharded
 from .torch.ops.functions import _broadcast_hyperparameters, allgather_object, broadcast_object, \
     broadcast_optimizer_state, broadcast_parameters, every_rank_calls
 from .torch.ops.handles import synchronize
@@ -152,6 +153,11 @@ class Checkpoint:
     and values of your own (``extra``). Rank 0 reads and writes the file; what it holds reaches
     the other ranks by broadcast, so the file need not be on a shared file system.
 
+    ``sharded=True`` with a sharded optimizer (``zero_stage`` 1 to 3): every rank writes its
+    own part at once, and ``path`` becomes a small manifest written last (docs/checkpointing.md,
+    "Sharded checkpoints"); the parts must be on a file system every rank reads. ``restore``
+    reads either form, whatever ``sharded`` says.
+
     Every method but ``epochs`` is collective: call it on every rank, at the same point.
     After ``restore()``: ``epoch`` and ``step`` say where training goes on (``step`` counts
     this run's steps already done in that epoch), ``ranks`` how many ranks wrote the file
@@ -159,7 +165,7 @@ class Checkpoint:
 
     def __init__(self, path: str, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  sampler: ResumableSampler | None = None,
-                 signals: Iterable[int] = PREEMPTION_SIGNALS):
+                 signals: Iterable[int] = PREEMPTION_SIGNALS, sharded: bool = False):
         if sampler is not None and not isinstance(sampler, ResumableSampler):
             raise TypeError(f"Checkpoint(sampler=...) takes an mpiddp.checkpoint."
                             f"ResumableSampler (it skips the samples a resumed epoch has "
@@ -168,7 +174,14 @@ class Checkpoint:
             raise ValueError("mpiddp.Checkpoint(model=..., optimizer=...) with "
                              "DistributedOptimizer(zero_stage=3): pass the model the optimizer "
                              "was built with (DistributedOptimizer(..., model=model))")
+        stage = zero_stage_of(optimizer)
+        if sharded and stage and set_size(optimizer._mpiddp.process_set) != size():
+            raise ValueError("mpiddp.Checkpoint(sharded=True) takes an optimizer sharded over "
+                             "every rank, not over a process set; use sharded=False (the whole "
+                             "file)")
         self.path, self.model, self.optimizer, self.sampler = path, model, optimizer, sampler
+        # (At stage 0 every rank holds everything: there is nothing to shard, the file is whole.)
+        self.sharded = bool(sharded) and bool(stage)
         self.epoch, self.step, self.ranks = 0, 0, size()
         self.extra: dict[str, Any] = {}
         self.preemption = PreemptionWatch(signals)
@@ -186,6 +199,10 @@ class Checkpoint:
         whole, and each keeps its chunks of the parameters. Without a file it takes rank
         0's hyperparameters only (its shards' state is each rank's own).
 
+        A sharded checkpoint (its manifest at ``path``) is read by every rank, memory-mapped:
+        each takes what its shards need (at stages 0 to 2, the whole model), from the newest
+        save whose parts are all there, written at any rank count and stage.
+
         Returns:
             Whether a checkpoint was loaded (then ``epoch``, ``step``, ``ranks`` and
             ``extra`` say what it held).
@@ -193,14 +210,23 @@ class Checkpoint:
         Raises:
             OSError, RuntimeError: rank 0 cannot read the file (``torch.load``); the job
                 ends as for any exception on one rank.
-            ValueError: with a sharded optimizer, the file's optimizer state belongs to
-                another model (raised on every rank).
+            ValueError: with a sharded optimizer or a sharded checkpoint, the saved state
+                belongs to another model; the manifest names no complete save (raised on
+                every rank).
             EngineShutdownError: some ranks did not call it (on every rank, naming them).
         """
         every_rank_calls("mpiddp.Checkpoint.restore")   # on some ranks only: an error
+        found = checkpoint_sharded.find(self.path) \
+            if rank() == 0 and os.path.exists(self.path) else None
+        found = broadcast_object(found, root_rank=0, name="mpiddp.checkpoint.found")
+        if found is not None and "error" in found:
+            raise ValueError(f"mpiddp.Checkpoint.restore: {found['error']}")
+        if found is not None and "directory" in found:
+            return self._resume(checkpoint_sharded.restore(self, found["directory"],
+                                                           found["world_size"]))
         state = None
         sharded = zero_stage_of(self.optimizer)
-        if rank() == 0 and os.path.exists(self.path):
+        if rank() == 0 and found is not None:
             state = torch.load(self.path, map_location="cpu", weights_only=False)
             if sharded != 3:
                 self.model.load_state_dict(state["model"])
@@ -228,11 +254,17 @@ class Checkpoint:
                                        name="mpiddp.checkpoint.hyperparameters")
         if position is None:
             return False
+        if position["ranks"] != size():
+            position["rng"] = None
+        return self._resume(position)
+
+    def _resume(self, position: dict) -> bool:
+        """Take the restored position: ``rng`` indexed by rank, None at another rank count."""
         self.epoch, self.ranks, self.extra = position["epoch"], position["ranks"], \
             position["extra"]
         # The same samples are done in this run's steps (exactly when the counts divide).
         self.step = position["step"] * self.ranks // size()
-        self._rng_states = position["rng"] if self.ranks == size() else None
+        self._rng_states = position["rng"]
         return True
 
     def epochs(self, num_epochs: int) -> range:
@@ -303,6 +335,8 @@ class Checkpoint:
         """Write the checkpoint (rank 0, durably: temporary file, fsync, rename). A sharded
         optimizer's state (``zero_stage`` 1 to 3) is first gathered into the whole state on
         rank 0 (``consolidate_state_dict(to=0)``), so the file is the same at every stage.
+        With ``sharded=True`` every rank writes its own part instead, and rank 0 the manifest
+        once every part is on disk; the save before it stays as a fallback.
 
         Args:
             epoch: the epoch the position is in, counted from 0; after an epoch, call
@@ -313,11 +347,16 @@ class Checkpoint:
                 saved with it.
 
         Raises:
-            OSError: rank 0 cannot write the file.
+            OSError: rank 0 cannot write the file; sharded, a rank cannot write its part
+                (on every rank; the previous checkpoint stays).
             EngineShutdownError: some ranks did not call it (on every rank, naming them).
         """
         every_rank_calls("mpiddp.Checkpoint.save")      # called on some ranks only: an error
         self.extra.update(extra)
+        if self.sharded:                # each rank writes its own random state in its part
+            checkpoint_sharded.save(self, epoch, step, _rng_state() if step else None)
+            self.epoch, self.step, self.ranks = epoch, 0, size()
+            return
         rng = allgather_object(_rng_state(), name="mpiddp.checkpoint.rng") if step else None
         # Sharded: every rank's shards are gathered (bucket by bucket) into the whole state on
         # rank 0, so the file is the same at every stage and rank count; afterwards the
@@ -329,6 +368,7 @@ class Checkpoint:
                     "epoch": epoch, "step": step, "ranks": size(), "extra": self.extra,
                     "rng": rng, "model": self.model.state_dict(),
                     "optimizer": self.optimizer.state_dict()})
+                checkpoint_files.remove_parts(self.path)   # (a sharded save's, now no one's)
         self.epoch, self.step, self.ranks = epoch, 0, size()
 
 

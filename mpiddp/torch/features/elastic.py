@@ -26,11 +26,12 @@ import queue
 import re
 import socket
 import threading
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
 from ... import runtime
+from ...durable import write_durably
 from ..ops.functions import allgather_object, broadcast_object, broadcast_optimizer_state, \
     broadcast_parameters
 from ..sharding.optimizer import consolidated
@@ -38,32 +39,6 @@ from ..sharding.model_state import kept_whole, model_of
 from ..core.sharded_registry import zero_stage_of
 
 SNAPSHOT_PATTERN = re.compile(r"^snapshot-(\d+)-(.+)\.pt$")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durably(path: str, payload: bytes | Callable[[BinaryIO], Any]) -> None:
-    """Write ``payload`` (bytes, or a function that writes to the open file, such as
-    ``lambda f: torch.save(state, f)``) so that ``path`` either does not exist or holds all
-    of it, whatever happens meanwhile: data to a temporary name, fsync, rename, fsync of the
-    directory (a rename whose data is not on disk yet can survive a crash as an empty file)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        if callable(payload):
-            payload(f)
-        else:
-            f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(directory)
 
 
 def _to_host(value):
