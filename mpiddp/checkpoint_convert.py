@@ -54,7 +54,11 @@ def source(checkpoint: str) -> tuple[str, int]:
     if not checkpoint_files.is_manifest(checkpoint):
         raise ValueError(f"{checkpoint} is a whole checkpoint already (not a sharded "
                          "checkpoint's manifest)")
-    return checkpoint_files.complete_save(checkpoint)
+    directory, world_size, skipped = checkpoint_files.complete_save(checkpoint)
+    for problem in skipped:
+        print(f"mpiddp.checkpoint_convert: skipped an incomplete save: {problem}",
+              file=sys.stderr)
+    return directory, world_size
 
 
 def convert(checkpoint: str, out: str, model_only: bool = False) -> dict:

@@ -130,9 +130,9 @@ def open_part(directory: str, rank: int) -> dict:
     return part
 
 
-def complete_save(path: str) -> tuple[str, int]:
+def complete_save(path: str) -> tuple[str, int, list]:
     """The newest save the manifest at ``path`` names whose every part opens:
-    (directory, world size).
+    (directory, world size, what was wrong with the newer ones).
 
     Raises:
         ValueError: none does (each save's problem named).
@@ -143,7 +143,7 @@ def complete_save(path: str) -> tuple[str, int]:
             for rank in range(world_size):
                 if open_part(directory, rank)["mpiddp_part"]["world_size"] != world_size:
                     raise ValueError(f"rank {rank}'s part is of another save")
-            return directory, world_size
+            return directory, world_size, problems
         except Exception as exc:        # (any unreadable part: try the save before)
             problems.append(f"{directory}: {exc}")
     raise ValueError(f"the sharded checkpoint {path} names no complete save: "

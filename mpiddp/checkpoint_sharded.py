@@ -3,6 +3,7 @@ at once, rank 0 the manifest last (the format: ``checkpoint_files.py``); every r
 what its shards need, from a save of any rank count and stage."""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from . import checkpoint_files
@@ -66,7 +67,11 @@ def find(path: str) -> dict:
     try:
         if not checkpoint_files.is_manifest(path):
             return {"whole": True}
-        directory, world_size = checkpoint_files.complete_save(path)
+        directory, world_size, skipped = checkpoint_files.complete_save(path)
+        if skipped:
+            logging.getLogger("mpiddp").warning(
+                "mpiddp.Checkpoint.restore: %s: the newest save is incomplete (%s); restoring "
+                "the one before, %s", path, "; ".join(skipped), directory)
         return {"directory": directory, "world_size": world_size}
     except (OSError, ValueError) as exc:
         return {"error": str(exc)}

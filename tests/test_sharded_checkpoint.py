@@ -88,7 +88,8 @@ def test_a_save_killed_before_its_manifest_leaves_the_previous_checkpoint(tmp_pa
     assert "rank 1: wrote its part of save-2, killing itself" in killed.output, killed.output
     resumed = run_mpi("sharded_checkpoint_worker.py", 2, "after-kill", directory, timeout=200,
                       env=RING)
-    assert_ok(resumed, expect_lines=2)
+    assert_ok(resumed, expect_lines=3)
+    assert "the newest save is incomplete" in resumed.output, resumed.output
 
 
 def test_the_converter_refuses_what_is_not_a_sharded_checkpoint(tmp_path: Path):

@@ -15,7 +15,7 @@ kill DIR (3 ranks): a complete sharded save at the end of epoch 1 (and its whole
   next save rank 1 kills itself (SIGKILL) once its part is on disk, before the manifest.
 after-kill DIR (2 ranks): the manifest still names the first save, which resumes exactly; the
   next save removes the crashed one; with a part of the newest save gone, restore falls back
-  to the one before.
+  to the one before; a rank that cannot write its part fails the save on every rank.
 """
 import json
 import os
@@ -280,6 +280,24 @@ def after_kill_mode():
         assert_same(expected, restored, "fell back to the save before")
     mpiddp.barrier()
     checks.ok("a part of the newest save missing: restore falls back to the save before", RANK)
+
+    # A rank that cannot write its part: OSError on every rank, the manifest as it was.
+    before = open(run).read() if RANK == 0 else None
+    write_part = checkpoint_files.write_part
+
+    def full_disk(directory, rank, part):
+        if rank == 1:
+            raise OSError(28, "No space left on device")
+        write_part(directory, rank, part)
+    checkpoint_files.write_part = full_disk
+    checks.expect(OSError, lambda: ckpt.save(2), "rank 1: [Errno 28] No space left",
+                  "still names the previous checkpoint")
+    checkpoint_files.write_part = write_part
+    if RANK == 0:
+        assert open(run).read() == before
+    mpiddp.barrier()
+    checks.ok("a rank that cannot write its part: OSError on every rank, the checkpoint as "
+              "it was", RANK)
 
 
 {"save": save_mode, "resume": resume_mode, "kill": kill_mode,
