@@ -146,8 +146,18 @@ def check_saves_leave_the_state_dicts_alone():
     assert opt.state_dict() is whole
     state = mpiddp.elastic.State(model, opt, directory=directory)
     step_once(model, opt, 1)
+    # The commit gathers the whole state onto the writers only (each node's first rank).
+    held, consolidate = [], opt._consolidate
+
+    def recorded(to, keep=None):
+        consolidate(to, keep=keep)
+        sync = opt._mpiddp
+        held.append((sync.consolidated[1] is not None, sync.gathers.consolidated is not None))
+    opt._consolidate = recorded
     state.commit()
     state.wait()
+    del opt._consolidate
+    assert held == [(state.writer, state.writer)] and state.writer == (RANK == 0), held
     want = model.state_dict()
     assert all_same(model.state_dict(), want)
     checks.expect(RuntimeError, opt.state_dict, "consolidate_state_dict")
@@ -172,8 +182,9 @@ def check_saves_leave_the_state_dicts_alone():
     if RANK == 0:
         shutil.rmtree(directory)
     checks.ok("Checkpoint.save and elastic.State.commit leave model.state_dict() and "
-              "optimizer.state_dict() as they found them, on every rank; torch.save(model) "
-              "works at stage 0 and is refused by name at stage 3", RANK)
+              "optimizer.state_dict() as they found them, on every rank (the commit's whole "
+              "state held by the writer alone); torch.save(model) works at stage 0 and is "
+              "refused by name at stage 3", RANK)
 
 
 def check_shutdown_with_the_model_alive():

@@ -191,14 +191,15 @@ class State:
         the same step on every rank (it is not collective, but restore needs every writer's
         copy to mean the same step). A write still pending is replaced by this newer one.
         With a ``DistributedOptimizer(zero_stage=1|2|3)`` it is a collective: the snapshot
-        holds the whole optimizer state (``consolidate_state_dict(to=None)``; at stage 3 the
-        full parameters too), so that a restore at any rank count re-shards it."""
+        holds the whole optimizer state (at stage 3 the full parameters too), gathered bucket
+        by bucket onto the writers only (the other ranks hold one bucket's at a time), so
+        that a restore at any rank count re-shards it."""
         self._raise_write_error()
         self.commits += 1
         # (Consolidated for the snapshot only: afterwards the optimizer and model are as they
         # were.)
-        with consolidated(self._optimizer, to=None) if zero_stage_of(self._optimizer) \
-                else contextlib.nullcontext():
+        with consolidated(self._optimizer, to=None, keep=self.writer) \
+                if zero_stage_of(self._optimizer) else contextlib.nullcontext():
             if not self.writer:
                 return
             snapshot = (self.commits, _to_host(self.state_dict()))

@@ -341,13 +341,22 @@ class ShardedOptimizer(_DistributedOptimizer):
         sync = self._mpiddp
         size, rank = runtime.set_size(sync.process_set), runtime.set_rank(sync.process_set)
         _check_consolidate_to(to, size)
+        self._consolidate(to)
+
+    def _consolidate(self, to: Optional[int], keep: Optional[bool] = None) -> None:
+        """``consolidate_state_dict(to)``; with ``keep`` (and ``to`` None), this rank keeps
+        the whole state where ``keep`` is True, which may differ between ranks."""
+        sync = self._mpiddp
+        rank = runtime.set_rank(sync.process_set)
+        gathering = (to is None or to == rank) if keep is None else keep
         # (Called on some ranks only, e.g. under `if rank == 0`: an error on every rank.)
         every_rank_calls(f"{sync.prefix}.consolidate_state_dict", sync.process_set)
         sync.gathers.complete()
         if sync.zero_stage == 3:        # the full parameters too, for model.state_dict()
-            sync.gathers.consolidate(to)
+            # (The gathers keep them where their `to` is None or this rank, a choice each
+            # rank makes alone: -1 keeps nothing.)
+            sync.gathers.consolidate(to if keep is None else None if keep else -1)
         index_of, params = _indices(sync)
-        gathering = to is None or to == rank
         state: dict = {}
         sharded: set = set()
         for position, bucket in enumerate(sync.layout.buckets or [None]):
@@ -548,15 +557,20 @@ def _unscale(optimizer, scale: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def consolidated(optimizer, to: Optional[int]):
+def consolidated(optimizer, to: Optional[int], keep: Optional[bool] = None):
     """Collective: ``optimizer.consolidate_state_dict(to)`` for the block (a save reading the
     whole state), then the optimizer, and a stage-3 model, as they were: a library save does
-    not change what ``state_dict()`` and ``model.state_dict()`` do afterwards."""
+    not change what ``state_dict()`` and ``model.state_dict()`` do afterwards. ``keep``
+    instead of ``to``: whether this rank keeps the whole state (True on some ranks only:
+    elastic snapshots' writers), so that the others never hold it."""
     sync = optimizer._mpiddp
     gathers = sync.gathers
     before = sync.consolidated, getattr(gathers, "consolidated", None), \
         getattr(gathers, "consolidated_to", None)
-    optimizer.consolidate_state_dict(to=to)
+    if keep is None:
+        optimizer.consolidate_state_dict(to=to)
+    else:
+        optimizer._consolidate(None, keep=keep)
     try:
         yield
     finally:
