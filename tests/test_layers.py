@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).parent.parent / "mpiddp"
 # are listed by name; a subpackage by its name.
 LAYERS = [
     {"reduce_ops", "errors", "config", "docstrings", "launcher_env", "horovod_env",
-     "intel_mpi"},
+     "intel_mpi", "durable", "checkpoint_files"},
     {"buffers"},
     {"transport"},
     {"collectives"},
@@ -22,7 +22,7 @@ LAYERS = [
     {"runtime"},
     {"process_sets"},
     {"torch"},
-    {"__init__", "elastic", "checkpoint"},
+    {"__init__", "elastic", "checkpoint", "checkpoint_sharded", "checkpoint_convert"},
 ]
 
 
