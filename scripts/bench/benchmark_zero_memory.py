@@ -208,7 +208,7 @@ def prepare(config: str, comm, args):
     raise ValueError(f"unknown configuration {config!r}")
 
 
-def wrap_mpiddp(model, stage: int, bucket_cap_mb: float) -> Setup:
+def wrap_mpiddp(model, stage: int, bucket_cap_mb: float | None) -> Setup:
     """``mpiddp.DistributedOptimizer(Adam, zero_stage=stage)``."""
     import torch
 
@@ -361,7 +361,8 @@ def mpiexec_command(config: str, outdir: Path, args) -> list:
             "--outdir", str(outdir), "--layers", str(args.layers), "--width", str(args.width),
             "--steps", str(args.steps), "--batch", str(args.batch),
             "--frozen-layers", str(args.frozen_layers),
-            "--bucket-cap-mb", str(args.bucket_cap_mb)]
+            *(["--bucket-cap-mb", str(args.bucket_cap_mb)]
+              if args.bucket_cap_mb is not None else [])]
 
 
 def worker_env(config: str, args) -> dict:
@@ -539,8 +540,8 @@ def parse_args(argv=None):
     p.add_argument("--algorithm", default="ring",
                    help="MPIDDP_ALLREDUCE_ALGORITHM of the mpiddp runs (default ring; '' "
                         "leaves the setting as it is)")
-    p.add_argument("--bucket-cap-mb", type=float, default=4.0,
-                   help="the mpiddp runs' bucket_cap_mb (default 4, mpiddp's default)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="the mpiddp runs' bucket_cap_mb (default: each stage's own default)")
     p.add_argument("--mmap-threshold", type=int, default=128 * 1024,
                    help="the workers' MALLOC_MMAP_THRESHOLD_ (default 131072; 0: glibc's "
                         "adaptive default)")
