@@ -74,6 +74,7 @@ if not _running_the_launcher():
     from .torch.optimizer import DistributedOptimizer  # noqa: F401,E402
     from .torch.sharding.optimizer import elementwise_optimizer  # noqa: F401,E402
     from .torch.features.sync_batch_norm import SyncBatchNorm  # noqa: F401,E402
+    from .torch.features.profiler import profile  # noqa: F401,E402
     from . import elastic  # noqa: F401,E402  (snapshots, ElasticSampler: docs/elastic.md)
     from . import checkpoint  # noqa: F401,E402  (docs/checkpointing.md)
     from .checkpoint import Checkpoint  # noqa: F401,E402
@@ -83,7 +84,7 @@ __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "mpi_threads_supported", "mpi_cuda_aware",
     "engine_stats", "reset_engine_stats", "set_allreduce_algorithm",
-    "start_timeline", "stop_timeline", "timeline_events",
+    "start_timeline", "stop_timeline", "timeline_events", "profile",
     # reduction operations
     "ReduceOp", "Average", "Sum", "Min", "Max", "Product", "Adasum",
     "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ccl_built",

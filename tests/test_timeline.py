@@ -127,3 +127,10 @@ print('OK rank', mpiddp.rank(), flush=True)
     for rank in (0, 1):
         trace = tmp_path / "new" / f"hvd.rank{rank}.json"
         assert trace.exists() and '"x"' in trace.read_text(), rank
+
+
+def test_mpiddp_profile_puts_the_collectives_in_torch_profilers_trace(tmp_path):
+    """Issue 67 item 2: ``mpiddp.profile`` is torch.profiler.profile whose Chrome trace (and
+    tensorboard_trace_handler's) also holds each engine's collectives and the optimizer's
+    steps, on the profiler's clock (tests/workers/profiler_worker.py)."""
+    assert_ok(run_mpi("profiler_worker.py", 2, tmp_path, timeout=120), expect_lines=2)

@@ -37,6 +37,11 @@ class Timeline:
         self.enabled = False
         return self.events()
 
+    def sizes(self) -> dict[str, int]:
+        """Tensor name -> the bytes this rank handed over (the last time it was seen)."""
+        with self._lock:
+            return dict(self._bytes)
+
     def events(self) -> list[tuple[str, str, float]]:
         """(name, phase, time). Tensors: submit, agreed, start, end. A DistributedOptimizer
         (named by its prefix, e.g. ``opt0``): backward_end and synchronized (the wait for the

@@ -1,7 +1,7 @@
 """Framework glue for PyTorch, in rooms by floor (docs/dev/architecture.md): ``core`` (what all
 share), ``compression``, ``ops`` (the tensor-collective API), ``gradients`` (how and when
 gradients are reduced), ``sharding`` (``zero_stage``), ``optimizer`` (``DistributedOptimizer``),
-``features`` (elastic snapshots, ``SyncBatchNorm``)."""
+``features`` (elastic snapshots, ``SyncBatchNorm``, ``profile``)."""
 import sys as _sys
 
 from .features import elastic, sync_batch_norm
