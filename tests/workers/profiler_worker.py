@@ -50,6 +50,13 @@ def check_trace(events, steps):
     assert collectives and len(stepped) == steps, (len(collectives), len(stepped))
     reduced = sum(e["args"]["bytes"] for e in collectives)
     assert reduced >= GRAD_BYTES * steps, (reduced, GRAD_BYTES)
+    # Each tensor's span, hand-over to completion (async begin/end pairs), around its pass.
+    begins = {e["id"]: e for e in events if e.get("ph") == "b" and e.get("cat") == "mpiddp"}
+    ends = {e["id"]: e for e in events if e.get("ph") == "e" and e.get("cat") == "mpiddp"}
+    assert begins and begins.keys() == ends.keys()
+    weights = [e for e in begins.values() if e["name"].endswith("0.weight")]
+    assert len(weights) == steps and all(e["args"]["bytes"] == 64 * 256 * 4 for e in weights)
+    assert all(ends[i]["ts"] >= b["ts"] for i, b in begins.items())
     # Aligned with torch's clock: each step's collectives fall between torch's first
     # backward event and the end of the optimizer's step of that step.
     backward = [e for e in events if e.get("ph") == "X" and "autograd" in e.get("name", "")

@@ -5,7 +5,8 @@ torch's profiler records only the threads it is started on, and the collectives 
 engine's coordinator thread. So the engines' timelines (``engine/timeline.py``) record while
 the profile runs, and ``export_chrome_trace`` adds them to the file torch writes: per engine,
 one row of the collectives as they ran (fused tensors in one span, with their names and
-bytes) and one row of each optimizer's waits and steps. Timeline times are
+bytes), each tensor's span from hand-over to completion (async slices: they overlap) and one
+row of each optimizer's waits and steps. Timeline times are
 ``time.perf_counter()``; torch's trace counts microseconds from ``baseTimeNanoseconds`` on
 the Unix clock, so the two are aligned through the Unix time now.
 """
@@ -25,6 +26,7 @@ __all__ = ["profile"]
 
 # A row per engine and kind, after the thread ids torch uses (the process's own).
 _ENGINE_ROW, _OPTIMIZER_ROW = 1_000_000, 1_000_001
+_TENSOR_SPAN = 2          # (_spans' rows: 0 collectives, 1 optimizers, 2 each tensor's span)
 # Timeline phases -> (the phase that opens the span, its name) for the optimizer row.
 _OPTIMIZER_SPANS = {"synchronized": ("backward_end", "mpiddp: wait for reductions"),
                     "step_end": ("step_begin", "mpiddp: optimizer step")}
@@ -35,7 +37,9 @@ class profile(torch.profiler.profile):
     ``torch.profiler.tensorboard_trace_handler``) also writes mpiddp's collectives and
     optimizer waits, each engine's on rows of their own: ``mpiddp engine (collectives)``,
     one span per collective pass (its tensors' names and bytes in ``args``), and ``mpiddp
-    optimizer``, the waits for the last reductions and the steps. Needs ``mpiddp.init()``
+    optimizer``, the waits for the last reductions and the steps; and each tensor's span
+    from its hand-over to the end of its collective (``mpiddp tensor: <name>``, async
+    slices, as they overlap), with its bytes. Needs ``mpiddp.init()``
     before it starts. A timeline the script started itself (``start_timeline``) keeps
     recording; otherwise the engines record only while the profile runs."""
 
@@ -123,8 +127,17 @@ def add_to_chrome_trace(path: str, engine_events: list) -> None:
                   _thread_name(pid, rows[1], f"mpiddp optimizer{where}")]
         for span in _spans(events, sizes):
             span["ts"] += offset_us
-            if span["ts"] + span["dur"] >= first and span["ts"] <= last:
-                span.update(pid=pid, tid=rows[span.pop("row")])
+            if span["ts"] + span["dur"] < first or span["ts"] > last:
+                continue
+            row = span.pop("row")
+            if row == _TENSOR_SPAN:    # they overlap: async slices (a track each in Perfetto)
+                begin = dict(span, ph="b", cat="mpiddp", id=len(added), pid=pid, tid=rows[0])
+                end = begin.pop("dur") + begin["ts"]
+                added += [begin, {"ph": "e", "cat": "mpiddp", "id": begin["id"],
+                                  "name": begin["name"], "pid": pid, "tid": rows[0],
+                                  "ts": end}]
+            else:
+                span.update(pid=pid, tid=rows[row])
                 added.append(span)
     trace["traceEvents"].extend(added)
     tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
@@ -139,8 +152,9 @@ def _thread_name(pid: int, tid: int, name: str) -> dict:
 
 def _spans(events: list, sizes: dict) -> list:
     """The timeline's collectives as one span per pass (the tensors of one pass end at one
-    time), and the optimizers' waits and steps; times in microseconds of ``perf_counter``,
-    ``row`` 0 (collectives) or 1 (optimizers)."""
+    time), each tensor's span from its hand-over to the end of its collective, and the
+    optimizers' waits and steps; times in microseconds of ``perf_counter``, ``row`` 0
+    (collectives), 1 (optimizers) or ``_TENSOR_SPAN``."""
     started: dict = {}
     passes: dict = {}                 # end -> [first start, tensor names]
     opened: dict = {}
@@ -149,6 +163,11 @@ def _spans(events: list, sizes: dict) -> list:
         if phase == "start":
             started[name] = when
         elif phase == "end" and name in started:
+            submitted = opened.pop((name, "submit"), None)
+            if submitted is not None:         # the tensor's span: hand-over to completion
+                spans.append({"name": f"mpiddp tensor: {name}", "ts": submitted * 1e6,
+                              "dur": (when - submitted) * 1e6, "row": _TENSOR_SPAN,
+                              "args": {"bytes": sizes.get(name, 0)}})
             begin = started.pop(name)
             found = passes.setdefault(when, [begin, []])
             found[0] = min(found[0], begin)
