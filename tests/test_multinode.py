@@ -163,6 +163,22 @@ def test_sharded_optimizer_cut_by_node(cluster):
     assert_ok(result, expect_lines=ZERO_WORKER_CHECKS + 1)
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["by-node", "hybrid"])
+def test_sharded_checkpoint_of_nodes_resumes_on_one_node(cluster, tmp_path, hybrid):
+    """Issue 65 item 5 with issue 66's sharded Checkpoint: stage 3 on 2 x 2, cut by node or
+    hybrid (each piece saved once per node), saved sharded under preemption and resumed there
+    bitwise; then resumed at 3 ranks on one node (a flat cut) from the sharded checkpoint and
+    from the whole file alike (tests/workers/sharded_checkpoint_worker.py)."""
+    directory = str(tmp_path / "run")
+    saved = run_on_cluster("2x2", "sharded_checkpoint_worker.py", "save", directory, "3",
+                           timeout=400, env=dict(HIERARCHICAL_ORDER,
+                                                 ZERO_TEST_HYBRID="1" if hybrid else "0"))
+    assert_ok(saved, expect_lines=2)
+    resumed = run_mpi("sharded_checkpoint_worker.py", 3, "resume", directory, "3",
+                      timeout=300, env={"MPIDDP_ALLREDUCE_ALGORITHM": "ring"})
+    assert_ok(resumed, expect_lines=2)
+
+
 def test_hybrid_shard_across_nodes(cluster):
     """Issue 65 item 3: hybrid_shard=True on 2 x 2 (sharded within each node, replicated
     across): the engine's halves, fused and alone, against float64; stages 1-3 bitwise equal

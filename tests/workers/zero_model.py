@@ -1,6 +1,8 @@
 """The model, data and optimizers the sharded-optimizer workers share (zero_worker.py,
 zero3_worker.py): odd and prime sizes; a frozen layer; one used on even steps only; the
 output layer's weight tied to the embedding; optionally an activation-checkpointed block."""
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -54,12 +56,16 @@ OPTIMIZERS = {
 
 
 def pair(stage, kind="adam", seed=5, cap=0.0005):
-    """A model and its DistributedOptimizer (several buckets at the default ``cap``)."""
+    """A model and its DistributedOptimizer (several buckets at the default ``cap``;
+    ``ZERO_TEST_HYBRID=1`` in the environment: sharded with ``hybrid_shard=True``)."""
     torch.manual_seed(seed)
     model = Net()
+    hybrid = {"hybrid_shard": True} if stage and os.environ.get("ZERO_TEST_HYBRID") == "1" \
+        else {}
     opt = mpiddp.DistributedOptimizer(
         OPTIMIZERS[kind](model.parameters()), named_parameters=model.named_parameters(),
-        zero_stage=stage, bucket_cap_mb=cap, model=model if stage == 3 else None)
+        zero_stage=stage, bucket_cap_mb=cap, model=model if stage == 3 else None, **hybrid)
+    assert not hybrid or opt._mpiddp.layout.grid.replicated
     return model, opt
 
 
