@@ -73,6 +73,7 @@ if not _running_the_launcher():
                                   broadcast_optimizer_state, broadcast_parameters)
     from .torch.optimizer import DistributedOptimizer  # noqa: F401,E402
     from .torch.sharding.optimizer import elementwise_optimizer  # noqa: F401,E402
+    from .torch.sharding.mixed_precision import MixedPrecisionPolicy  # noqa: F401,E402
     from .torch.features.sync_batch_norm import SyncBatchNorm  # noqa: F401,E402
     from .torch.features.profiler import profile  # noqa: F401,E402
     from . import elastic  # noqa: F401,E402  (snapshots, ElasticSampler: docs/elastic.md)
@@ -104,7 +105,7 @@ __all__ = [
     "reducescatter", "reducescatter_async", "alltoall", "alltoall_async",
     "barrier", "join", "synchronize", "poll",
     # framework glue
-    "DistributedOptimizer", "elementwise_optimizer", "SyncBatchNorm", "Compression", "broadcast_parameters",
+    "DistributedOptimizer", "elementwise_optimizer", "MixedPrecisionPolicy", "SyncBatchNorm", "Compression", "broadcast_parameters",
     "broadcast_optimizer_state", "broadcast_object", "allgather_object",
     # checkpoints that survive preemption
     "Checkpoint",

@@ -15,12 +15,13 @@ from mpiddp import build_info, checkpoint, process_sets, runtime
 from mpiddp.torch import compression, optimizer
 from mpiddp.torch.features import profiler, sync_batch_norm
 from mpiddp.torch.ops import async_ops, collectives, functions, handles, requests
+from mpiddp.torch.sharding import mixed_precision
 from mpiddp.torch.sharding import optimizer as zero_optimizer
 
 ROOT = Path(__file__).parent.parent
 PUBLIC_MODULES = [mpiddp, runtime, handles, async_ops, collectives, requests, functions,
                   optimizer, compression, build_info, process_sets, sync_batch_norm,
-                  checkpoint, zero_optimizer, profiler]
+                  checkpoint, zero_optimizer, profiler, mixed_precision]
 
 # Functions that raise nothing of their own (no "Raises:" section needed).
 RAISES_NOTHING = {"is_initialized", "mpi_threads_supported", "shutdown",

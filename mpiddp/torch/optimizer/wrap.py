@@ -39,6 +39,7 @@ from ..gradients.optimizer import (_DistributedOptimizer, _check_passes, _check_
                       _complete_overlap)
 from ..sharding import model_state
 from ..sharding.clip_guard import install_clip_guard
+from ..sharding.mixed_precision import MixedPrecisionPolicy, check_policy
 from ..sharding.meta_init import MetaInit, check_meta_model, check_not_meta
 from ..sharding.optimizer import ShardedOptimizer, check_shardable, shard_param_groups
 from ..sharding.sync import ShardedSync
@@ -133,7 +134,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          zero_stage: int = 0,
                          model: torch.nn.Module | None = None,
                          param_init_fn: Callable[[torch.nn.Module], None] | None = None,
-                         hybrid_shard: bool = False
+                         hybrid_shard: bool = False,
+                         mixed_precision: MixedPrecisionPolicy | None = None
                          ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged across all ranks.
 
@@ -196,6 +198,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             (``with torch.device("meta")``) is given memory a bucket at a time, on the
             current CUDA device (else the CPU), and initialised on the first rank: no rank
             holds the whole model (docs/sharding.md).
+        mixed_precision: with ``zero_stage=3`` (and only then), an
+            ``mpiddp.MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...)`` (FSDP2's):
+            the shards (the masters the optimizer steps, checkpoints and
+            ``model.state_dict()``) keep the parameters' dtype; the gathered parameters,
+            forward and backward are ``param_dtype`` (gathers move its bytes), gradients
+            are reduced in ``reduce_dtype``. Default None: no casts. See docs/sharding.md.
         param_init_fn: with a model on the meta device, called on each module with
             tensors there, after they have memory, to initialise its own parameters and
             buffers (default: the module's ``reset_parameters()``).
@@ -224,7 +232,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
             parameters or misses parameters of ``optimizer``; ``overlap_forward`` with
             ``torch.optim.LBFGS`` (it steps with a closure); ``zero_stage=3`` without
             ``model`` (or ``model`` without it), or with parameters that are not the
-            model's.
+            model's; ``mixed_precision`` at stages 0-2 or with ``compression``.
         TensorMismatchError: the ranks' trainable parameters (names, shapes, dtypes) or
             settings (``backward_passes_per_step``, ``op``, ``compression`` and
             ``Compression.powersgd``'s settings, ``gradient_predivide_factor``) differ;
@@ -261,6 +269,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise ValueError("DistributedOptimizer(hybrid_shard=True) shards within each node: "
                          "it needs zero_stage=1, 2 or 3")
     model_state.check_model(zero_stage, model, optimizer)
+    check_policy(mixed_precision, zero_stage, compression)
     check_meta_model(model, zero_stage, param_init_fn)
     if model is not None and named_parameters is None:
         named_parameters = list(model.named_parameters())
@@ -315,7 +324,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         check_shardable(optimizer, named, compression, zero_stage)
     if not (sharded and zero_stage == 3):
         check_not_meta(named)
-    make_sync, extra = (ShardedSync, {"zero_stage": zero_stage, "hybrid": hybrid_shard}) \
+    make_sync, extra = (ShardedSync, {"zero_stage": zero_stage, "hybrid": hybrid_shard,
+                                      "mixed_precision": mixed_precision}) \
         if sharded else (PowerSGDSync if powersgd else GradientSync, {})
     sync = make_sync(next(_optimizer_index), compression, backward_passes_per_step, op, factor,
                      sparse_as_dense, float(bucket_cap_mb), process_set, **extra)

@@ -61,6 +61,9 @@ class Bucket:
         self.chunk: Optional[torch.Tensor] = None
         self.gathered = True          # the full parameters hold their values
         self.frozen = False           # stage 3: frozen parameters, never reduced
+        # Stage 3 with mixed precision: the full parameters' dtype (``flat``), set before
+        # own_storage; the chunk (the masters) keeps ``dtype``.
+        self.param_dtype = self.dtype
         self.pieces: list[Piece] = []
         for param in params:
             start = max(self.lo, self.offsets[param]) - self.offsets[param]
@@ -75,22 +78,34 @@ class Bucket:
         """Move the parameters into one flat buffer of the bucket (``flat``; each parameter's
         ``.data`` a view of it: the same ``Parameter`` objects, shapes and values) and this
         rank's chunk into memory of its own (``chunk``, which the shards now view), so that
-        ``release`` can free the full parameters and the shards survive it."""
-        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        ``release`` can free the full parameters and the shards survive it. With mixed
+        precision (``param_dtype`` other than ``dtype``) ``flat`` is ``param_dtype`` (the
+        parameters become tensors of that dtype) and ``chunk`` keeps ``dtype`` (the
+        masters)."""
+        masters = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for param in self.params:
                 offset = self.offsets[param]
-                view = flat[offset:offset + param.numel()]
-                view.copy_(param.detach().reshape(-1))
+                masters[offset:offset + param.numel()].copy_(param.detach().reshape(-1))
+            self.chunk = masters[self.lo:self.hi].clone()
+            flat = masters if not self.mixed else masters.to(self.param_dtype)
+            del masters
+            for param in self.params:
+                offset = self.offsets[param]
                 # ``.data =`` keeps the parameter's own version counter: writes into ``flat``
                 # (gathers) never look like in-place changes to autograd.
-                param.data = view.view_as(param)
+                param.data = flat[offset:offset + param.numel()].view_as(param)
         self.flat = flat
-        self.chunk = flat[self.lo:self.hi].clone()
         self.pieces = [piece._replace(shard=self.chunk[piece.chunk_offset:piece.chunk_offset
                                                        + piece.stop - piece.start])
                        for piece in self.pieces]
         self.gathered = True
+
+    @property
+    def mixed(self) -> bool:
+        """Stage 3 with mixed precision: the full parameters are ``param_dtype`` copies of
+        the masters (the chunks)."""
+        return self.param_dtype != self.dtype
 
     @property
     def owns_storage(self) -> bool:

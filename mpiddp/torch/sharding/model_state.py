@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from ... import runtime
+from .mixed_precision import cast_inputs_hook
 from .param_gathers import GATHERS_ATTR, NOT_PICKLED, ParamGathers, _remove_hooks
 from .param_guard import _THREAD, guard_thread
 from .state import _copy_piece
@@ -82,6 +83,10 @@ def attach_model(optimizer, model: torch.nn.Module) -> None:
         model.register_state_dict_post_hook(functools.partial(_full_state, ref)),
         model.register_load_state_dict_pre_hook(functools.partial(_before_load, ref)),
         model.register_load_state_dict_post_hook(functools.partial(_after_load, ref))]
+    policy = optimizer._mpiddp.mixed_precision
+    if policy is not None and policy.param_dtype is not None and policy.cast_forward_inputs:
+        handles.append(model.register_forward_pre_hook(cast_inputs_hook(policy.param_dtype),
+                                                       with_kwargs=True))
     # (The model's parameters keep ``gathers`` alive: it serves the model after the
     # optimizer is gone, until a new DistributedOptimizer takes the model: unshard.)
     gathers.model_hooks = handles
@@ -165,6 +170,11 @@ def _before_load(ref, module, state_dict, prefix, local_metadata, strict, missin
     if absent:
         raise ValueError(f"zero_stage=3 loads every sharded parameter: {absent[:3]} missing "
                          "from the state dict")
+    # Mixed precision: the masters take the given values at full precision (the parameters,
+    # param_dtype copies, would round them).
+    gathers.loading = {id(param): state_dict[key]
+                       for key, param in _sharded_keys(gathers, module, prefix)
+                       if gathers.params[id(param)][1].mixed}
     with gathers.lock, gathers.internal():
         for bucket in gathers.all_buckets():
             # (Gathered, not just given memory: an entry load_state_dict skips, or a load
@@ -179,9 +189,17 @@ def _after_load(ref, module, incompatible_keys) -> None:
     if gathers is None:
         return
     _quiet(ref, False)
+    loading, gathers.loading = gathers.loading, {}
     with torch.no_grad():
         for bucket in gathers.all_buckets():
-            bucket.chunk.copy_(bucket.flat[bucket.lo:bucket.hi])
+            if bucket.mixed:
+                for piece in bucket.pieces:
+                    value = loading.get(id(piece.param))
+                    if gathers.owns(piece.param, bucket) and value is not None and \
+                            value.numel() == piece.param.numel():
+                        piece.shard.copy_(value.detach().reshape(-1)[piece.start:piece.stop])
+            else:
+                bucket.chunk.copy_(bucket.flat[bucket.lo:bucket.hi])
             gathers.release(bucket)
     gathers.forget_consolidated()
 

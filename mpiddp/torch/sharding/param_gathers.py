@@ -60,6 +60,11 @@ class ParamGathers:
         self.lock = threading.RLock()
         self.gathers_done = 0                 # (tests and benchmarks: gathers so far)
         self.arriving: dict = {}              # id(bucket) -> handle of its gather in flight
+        # Mixed precision (mixed_precision.py): the full parameters' dtype (None: theirs), and
+        # the param_dtype copies of the chunks that gathers in flight send.
+        self.param_dtype = sync.param_dtype
+        self.sending: dict = {}               # id(bucket) -> the chunk's cast copy
+        self.loading: dict = {}               # id(parameter) -> a loading state dict's value
         self.sequence: list[Bucket] = []      # buckets in the first forward's order
         self.recording = True                 # ... until the first backward
         # Frozen parameters' buckets (shard_frozen), and those gathered by this backward with
@@ -69,7 +74,7 @@ class ParamGathers:
         self.end_queued = False
         # A prefetch nothing used (an evaluation's, a branch not taken) may still be on the
         # wire when the optimizer goes: its bucket's memory must outlive it.
-        weakref.finalize(self, _wait_for_gathers, self.arriving, self.params)
+        weakref.finalize(self, _wait_for_gathers, self.arriving, self.params, self.sending)
         # consolidate_state_dict's copies of the full parameters on its ``to`` rank, for
         # model.state_dict() there, until the next step; and that rank (None: every rank)
         self.consolidated: Optional[dict] = None
@@ -114,6 +119,8 @@ class ParamGathers:
                                   for i, param in enumerate(bucket.params)], root_rank=first,
                                  prefix=f"{self.prefix}.stage3_{kind}",
                                  process_set=self.process_set)
+            if self.param_dtype is not None and bucket.dtype.is_floating_point:
+                bucket.param_dtype = self.param_dtype
             with self.internal():       # (a moving parameter's ``.data =`` is ours)
                 layout.own_storage([bucket])
             self.storages[bucket.flat.untyped_storage()._cdata] = bucket
@@ -281,12 +288,16 @@ class ParamGathers:
         output = bucket.materialise()
         kind = "frozen" if bucket.frozen else "gather"
         try:
-            entry = ring_allgather_entry(bucket.chunk, output,
+            chunk = bucket.chunk
+            if bucket.mixed:        # (kept until the gather is done: the engine reads it)
+                chunk = self.sending[id(bucket)] = chunk.to(bucket.param_dtype)
+            entry = ring_allgather_entry(chunk, output,
                                          f"{self.prefix}.{kind}{bucket.index}",
                                          bucket.ring_order, resizable=True)
             (handle,) = submit_together([entry], self.process_set)
         except BaseException:
             bucket.release()        # (not left "gathered" with undefined values)
+            self.sending.pop(id(bucket), None)
             raise
         self.arriving[id(bucket)] = handle
         self.gathers_done += 1
@@ -298,6 +309,8 @@ class ParamGathers:
         except BaseException:
             self.release(bucket)
             raise
+        finally:
+            self.sending.pop(id(bucket), None)
 
     def _gather(self, bucket: Bucket) -> None:
         if id(bucket) not in self.arriving:
@@ -341,9 +354,11 @@ class ParamGathers:
             for bucket in self.all_buckets():
                 if id(bucket) in self.arriving or not bucket.gathered:
                     self._gather(bucket)
+                masters = self.masters(bucket) if bucket.mixed else None
                 for param in bucket.params:
                     if self.owns(param, bucket):
-                        param.data = param.detach().clone()
+                        param.data = param.detach().clone() if masters is None else \
+                            self._master_of(param, bucket, masters).clone()
                         if getattr(param, GATHERS_ATTR, None) is self:
                             delattr(param, GATHERS_ATTR)
                 self.release(bucket)
@@ -386,13 +401,32 @@ class ParamGathers:
                 was_gathered = bucket.gathered
                 if not was_gathered:
                     self._gather(bucket)
+                masters = self.masters(bucket) if bucket.mixed else None
                 if keep:
                     for param in bucket.params:
                         if self.owns(param, bucket):     # (on the host: see the docstring)
-                            values[id(param)] = param.detach().to("cpu", copy=True)
+                            value = param.detach() if masters is None else \
+                                self._master_of(param, bucket, masters)
+                            values[id(param)] = value.to("cpu", copy=True)
                 if not was_gathered:
                     bucket.release()
         return values if keep else None
+
+    def masters(self, bucket: Bucket) -> torch.Tensor:
+        """Collective, with mixed precision: every rank's chunk of ``bucket`` in the masters'
+        dtype (the full precision values; the gathered parameters are ``param_dtype``
+        copies), a flat buffer of the bucket's size."""
+        full = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+        entry = ring_allgather_entry(bucket.chunk, full, f"{self.prefix}.masters{bucket.index}"
+                                     + ("f" if bucket.frozen else ""), bucket.ring_order)
+        (handle,) = submit_together([entry], self.process_set)
+        handle.wait()
+        return full
+
+    @staticmethod
+    def _master_of(param, bucket: Bucket, masters: torch.Tensor) -> torch.Tensor:
+        offset = bucket.offsets[param]
+        return masters[offset:offset + param.numel()].view(param.shape)
 
     def consolidate(self, to: Optional[int]) -> None:
         """Collective (``consolidate_state_dict(to)``): keep copies of the full parameters
@@ -447,7 +481,7 @@ class ParamGathers:
         it does, nothing to enable."""
 
 
-def _wait_for_gathers(arriving: dict, params: dict) -> None:
+def _wait_for_gathers(arriving: dict, params: dict, sending: dict) -> None:
     """(A dead ``ParamGathers``' finalizer: ``params`` keeps the buckets alive until here.)"""
     for handle in list(arriving.values()):
         try:
@@ -455,6 +489,7 @@ def _wait_for_gathers(arriving: dict, params: dict) -> None:
         except Exception:        # (the engine stopped: it writes nothing more)
             pass
     arriving.clear()
+    sending.clear()
 
 
 def _remove_hooks(handles: list) -> None:

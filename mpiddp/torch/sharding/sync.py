@@ -110,13 +110,24 @@ class ShardedSync(GradientSync):
     but each bucket of gradients is reduce-scattered once complete, and a round writes the
     averaged shards into the shards' ``.grad`` (see the module docstring)."""
 
-    def __init__(self, *args, zero_stage: int, hybrid: bool = False, **kwargs):
+    def __init__(self, *args, zero_stage: int, hybrid: bool = False, mixed_precision=None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.zero_stage = zero_stage
         casts = self.wire_casts
+        # Stage 3's MixedPrecisionPolicy (mixed_precision.py): the gathered parameters'
+        # dtype, and the gradients' on the wire (floating-point parameters only).
+        self.mixed_precision = policy = mixed_precision
+        self.param_dtype = policy.param_dtype if policy is not None else None
+        reduce_dtype = policy.reduce_dtype or policy.param_dtype if policy is not None \
+            else None
+
+        def wire_dtype_of(p):
+            if reduce_dtype is not None and p.dtype.is_floating_point:
+                return reduce_dtype
+            return casts.wire_dtype if casts.casts(p.dtype) else p.dtype
         self.layout = ShardLayout(
-            runtime.shard_grid(self.process_set, hybrid), self.bucket_cap,
-            lambda p: casts.wire_dtype if casts.casts(p.dtype) else p.dtype)
+            runtime.shard_grid(self.process_set, hybrid), self.bucket_cap, wire_dtype_of)
         self.filling: dict[int, tuple] = {}      # bucket index -> (flat, queued set, events)
         self.missing: dict[int, int] = {}        # ... -> members requiring a gradient not queued
         self.in_flight: list[Reduction] = []
