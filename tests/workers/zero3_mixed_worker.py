@@ -4,7 +4,7 @@ bf16 parameters within 3% of float32's over Adam steps (also with GradScaler, cl
 accumulation); the shards float32 and the parameters and the forward's inputs bf16 in the
 forward; a gather moving half float32's bytes; ``model.state_dict()`` float32 and equal to the
 masters, ``load_state_dict`` taking them at full precision; an ``mpiddp.Checkpoint`` resuming
-bitwise; the refusals.
+bitwise; a meta-built model; a new optimizer taking the masters over; the refusals.
 """
 import os
 import shutil
@@ -205,6 +205,28 @@ def check_checkpoint():
     checks.ok("an mpiddp.Checkpoint of a bf16 stage-3 run resumes bitwise", RANK)
 
 
+def check_meta_and_takeover():
+    """A model built on the meta device with a policy; a new optimizer (no policy) taking the
+    model over gets the float32 masters back as its parameters."""
+    with torch.device("meta"):
+        model = Net()
+    opt = mpiddp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                      model=model, zero_stage=3, bucket_cap_mb=0.004,
+                                      mixed_precision=BF16)
+    train(model, opt, 2)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    state = model.state_dict()
+    del opt
+    opt = mpiddp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                      model=model, zero_stage=3, bucket_cap_mb=0.004)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    now = model.state_dict()
+    assert all(torch.equal(now[k], state[k]) for k in state)
+    train(model, opt, 1)
+    checks.ok("a meta-built model with a policy; a new optimizer takes the float32 masters "
+              "over", RANK)
+
+
 def check_refusals():
     model = Net()
     for stage in (0, 1, 2):
@@ -240,5 +262,6 @@ check_dtypes()
 check_bytes()
 check_state_dict()
 check_checkpoint()
+check_meta_and_takeover()
 check_refusals()
 mpiddp.shutdown()
