@@ -6,6 +6,8 @@ one float32 model trained with ``torch.optim.Adam``.
 
     python scripts/bench/benchmark_zero_memory.py --ranks 2 --json zero_memory.json
     python scripts/bench/benchmark_zero_memory.py --ranks 4 --layers 2 --width 256 --steps 2
+    python scripts/bench/benchmark_zero_memory.py --configs mpiddp-zero3 fsdp2-reshard \
+        --param-dtype bfloat16      # stage 3 and FSDP2 with the same mixed-precision policy
 
 The script is the driver (run it without ``mpiexec``): each configuration is its own
 ``timeout ... mpiexec -n RANKS python -m mpi4py`` launch of this file in worker mode, so its
@@ -198,27 +200,37 @@ def prepare(config: str, comm, args):
         if not meta:
             mpiddp.broadcast_parameters(model.state_dict(), root_rank=0)
         stage = CONFIGS[config][1]
-        return model, lambda: wrap_mpiddp(model, stage, args.bucket_cap_mb)
+        return model, lambda: wrap_mpiddp(model, stage, args.bucket_cap_mb, args.param_dtype)
     from synthetic_benchmark import init_torch_distributed
     init_torch_distributed(single_node=True)
     if config == "torch-zero-ddp":
         return model, lambda: wrap_torch_zero(model)
     if config in ("fsdp2", "fsdp2-reshard"):
-        return model, lambda: wrap_fsdp2(model, reshard=config == "fsdp2-reshard")
+        return model, lambda: wrap_fsdp2(model, reshard=config == "fsdp2-reshard",
+                                         param_dtype=args.param_dtype)
     raise ValueError(f"unknown configuration {config!r}")
 
 
-def wrap_mpiddp(model, stage: int, bucket_cap_mb: float | None) -> Setup:
-    """``mpiddp.DistributedOptimizer(Adam, zero_stage=stage)``."""
+def wrap_mpiddp(model, stage: int, bucket_cap_mb: float | None,
+                param_dtype: str = "float32") -> Setup:
+    """``mpiddp.DistributedOptimizer(Adam, zero_stage=stage)`` (at stage 3 with
+    ``--param-dtype bfloat16``: ``mixed_precision=MixedPrecisionPolicy(bfloat16, float32)``)."""
     import torch
 
     import mpiddp
+    policy = mpiddp.MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype),
+                                         reduce_dtype=torch.float32) \
+        if stage == 3 and param_dtype != "float32" else None
     optimizer = mpiddp.DistributedOptimizer(
         torch.optim.Adam(model.parameters(), lr=LEARNING_RATE),
         named_parameters=model.named_parameters(), zero_stage=stage,
-        bucket_cap_mb=bucket_cap_mb, model=model if stage == 3 else None)
+        bucket_cap_mb=bucket_cap_mb, model=model if stage == 3 else None,
+        mixed_precision=policy)
     # (At stage 3 reading a parameter gathers its bucket, and the copy is taken before
     # another read may release it.)
+    if policy is not None:      # (the parameters are bf16: the float32 masters instead)
+        return Setup(model, optimizer, optimizer.state,
+                     lambda: [model.state_dict()[name] for name, _ in model.named_parameters()])
     return Setup(model, optimizer, optimizer.state,
                  lambda: [p.detach().clone() for p in model.parameters()])
 
@@ -235,18 +247,21 @@ def wrap_torch_zero(model) -> Setup:
                  lambda: [p.detach() for p in model.parameters()])
 
 
-def wrap_fsdp2(model, reshard: bool = False) -> Setup:
+def wrap_fsdp2(model, reshard: bool = False, param_dtype: str = "float32") -> Setup:
     """FSDP2: ``fully_shard`` on each linear layer and the root, without resharding after
     forward (ZeRO-2 style) or, with ``reshard``, resharding after forward (ZeRO-3 style: the
     parameters freed after each layer's forward and all-gathered again for its backward),
     then Adam on the sharded parameters."""
     import torch
     from torch import nn
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, param_dtype),
+                                  reduce_dtype=torch.float32) \
+        if param_dtype != "float32" else MixedPrecisionPolicy()
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+            fully_shard(layer, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
     optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
     return Setup(model, optimizer, optimizer.state,
                  lambda: [p.full_tensor().detach() for p in model.parameters()])
@@ -260,7 +275,7 @@ def train(setup: Setup, model, rank: int, args) -> int:
     for step in range(args.steps):
         x, y = batch(rank, step, args.batch, args.width)
         setup.optimizer.zero_grad()
-        F.mse_loss(setup.module(x), y).backward()
+        F.mse_loss(setup.module(x).float(), y).backward()   # (bf16 logits: --param-dtype)
         held = grad_bytes(model.parameters())
         setup.optimizer.step()
     return held
@@ -360,7 +375,7 @@ def mpiexec_command(config: str, outdir: Path, args) -> list:
             sys.executable, "-m", "mpi4py", os.path.abspath(__file__), "--worker", config,
             "--outdir", str(outdir), "--layers", str(args.layers), "--width", str(args.width),
             "--steps", str(args.steps), "--batch", str(args.batch),
-            "--frozen-layers", str(args.frozen_layers),
+            "--frozen-layers", str(args.frozen_layers), "--param-dtype", args.param_dtype,
             *(["--bucket-cap-mb", str(args.bucket_cap_mb)]
               if args.bucket_cap_mb is not None else [])]
 
@@ -542,6 +557,10 @@ def parse_args(argv=None):
                         "leaves the setting as it is)")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
                    help="the mpiddp runs' bucket_cap_mb (default: each stage's own default)")
+    p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="stage 3 (mpiddp's MixedPrecisionPolicy) and FSDP2 (its mp_policy): "
+                        "the gathered parameters' dtype, gradients reduced in float32 "
+                        "(default float32: no policy)")
     p.add_argument("--mmap-threshold", type=int, default=128 * 1024,
                    help="the workers' MALLOC_MMAP_THRESHOLD_ (default 131072; 0: glibc's "
                         "adaptive default)")
