@@ -5,9 +5,11 @@ and starts a one-node Slurm, tests/test_multinode.py builds network namespaces, 
 a bridge. They run only with MPIDDP_SYSTEM_TESTS=1
 (as .ci/run sets it) and are skipped with the reason otherwise.
 """
+import functools
 import glob
 import json
 import os
+import re
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -61,19 +63,116 @@ try:
 except ImportError:                     # pytest-xdist is optional: the tests run serially
     LoadScopeScheduling = None
 
+# The order the workers take the tests in, so that neither is left with a long one at the
+# end while the other idles: the tests that take longest first (about 15-75 s each in the
+# shared part on a 2-core machine; scripts/test.sh prints the slowest), longest first, as
+# node id prefixes (a module, a test, or a test's parameters; each stands for all the tests it
+# names; a stale entry costs nothing); then the other tests of modules that launch processes,
+# in collection order; last the tests that run in pytest's own process (a module that neither
+# launches MPI jobs nor starts subprocesses), quick ones that fill the gaps at the end.
+LONGEST_FIRST = [
+    "tests/test_optimizer.py",
+    "tests/test_forward_overlap.py",
+    "tests/test_zero_checkpoint.py::test_getting_started_with_zero_stage_2",
+    "tests/test_elastic.py::test_a_sharded_optimizer_resizes_without_a_conversion",
+    "tests/test_training_example.py::test_resume_on_a_different_number_of_ranks",
+    "tests/test_training_example.py::test_preemption_signal_checkpoints_and_resume_is_exact",
+    "tests/test_collectives.py::test_every_collective_matches_reference[8ranks",
+    "tests/test_data_loader.py::test_data_loader_workers",
+    "tests/test_sharded_checkpoint.py::test_sharded_save_at_4_ranks_resumes_at_3",
+    "tests/test_powersgd.py::test_matches_the_reference_of_the_paper_at_every_step",
+    "tests/test_zero_memory_benchmark.py::test_zero_memory_benchmark_two_ranks",
+    "tests/test_elastic.py::test_a_node_listed_again_by_discovery_rejoins",
+    "tests/test_elastic.py::test_launcher_relaunches_when_the_watchdog_finds_a_rank_gone",
+    "tests/test_training_example.py::test_train_checkpoint_and_resume",
+    "tests/test_hierarchical.py::test_hierarchical_allreduce_matches_reference",
+    "tests/test_elastic.py::test_resize_from_three_ranks_to_two",
+    "tests/test_collectives.py::test_every_collective_matches_reference",
+    "tests/test_zero.py::test_one_parameter_buckets_match_unfused_all_reduces_bitwise",
+    "tests/test_powersgd.py::test_elastic_state_keeps_steps_and_q",
+    "tests/test_zero3.py::test_stage_3_trains_as_the_unsharded_optimizer",
+    "tests/test_zero3.py::test_stage_3_state_forms_restore_at_another_rank_count",
+    "tests/test_sockets.py::test_ring_and_halving_doubling_over_sockets_match_reference",
+    "tests/test_elastic.py::test_launcher_relaunches_without_the_lost_node",
+    "tests/test_zero.py::test_sharded_optimizer_trains_as_the_unsharded_one",
+    "tests/test_adasum.py::test_adasum_optimizer_matches_its_definition",
+    "tests/test_simulated_models.py::test_benchmark_fsdp2_variant_two_ranks",
+    "tests/test_examples.py::test_example_runs[sharding",
+    "tests/test_examples.py::test_example_runs[sharded_checkpoint",
+    "tests/test_protocol.py::test_soak_ten_thousand_cycles",
+    "tests/test_simulated_models.py::test_cache_benchmark_compares",
+    "tests/test_zero3.py::test_stage_3_builds_a_model_from_the_meta_device",
+    "tests/test_errors.py::test_a_coordinator_that_stops_cycling",
+    "tests/test_adasum.py::test_adasum_allreduce_matches_the_reference",
+    "tests/test_sharded_checkpoint.py::test_a_save_killed_before_its_manifest",
+    "tests/test_powersgd_convergence.py::test_convergence_study_two_ranks",
+    "tests/test_adasum.py::test_hierarchical_adasum_is_adasum_of_node_averages",
+    "tests/test_collectives.py::test_halving_doubling_matches_reference",
+    "tests/test_zero.py::test_hybrid_shard_on_one_node",
+    "tests/test_autotune.py::test_two_ranks_tune_together_with_exact_results",
+    "tests/test_zero3.py::test_a_stage_3_model_owns_its_shards",
+]
+
+# A module whose tests share a launch (a fixture of module, class or package scope) runs
+# whole in one worker, so that the launch is made once.
+SHARED_FIXTURE = re.compile(r"""scope\s*=\s*["'](?:module|class|package|session)["']""")
+LAUNCHES = re.compile(r"\b(?:mpi_launch|subprocess|Popen)\b")
+
+
+@functools.lru_cache(maxsize=None)
+def _source(module: str) -> str:
+    try:
+        return Path(module).read_text()
+    except OSError:                     # not a file of ours: whole, and early
+        return "scope='module' subprocess"
+
+
 if LoadScopeScheduling is not None:
     class OneWorkerChangesTheMachine(LoadScopeScheduling):
-        """Each module to one worker (its module-scoped launches made once), and every
-        system module to the same worker, one after another: they share the cluster's
-        namespaces and Slurm's ports and state. (pytest-xdist's own ``loadgroup`` does not
-        group under pytest 9: it renames ``item._nodeid``, which pytest 9 no longer reads.)"""
+        """Each test on its own, but the tests of a module that share a launch (a
+        module-scoped fixture) together, in one worker, the launch made once; every system
+        module in the same worker, one after another: they share the cluster's namespaces
+        and Slurm's ports and state. The system tests first, then in the order above.
+        (pytest-xdist's own ``loadgroup`` does not group under pytest 9: it renames
+        ``item._nodeid``, which pytest 9 no longer reads.)"""
+
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            self.rootpath = config.rootpath
+            self.priorities: dict[str, int] = {}
 
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "system" if Path(module).stem in CHANGES else module
+            if Path(module).stem in CHANGES:
+                return "system"
+            return module if SHARED_FIXTURE.search(self._source(module)) else nodeid
+
+        def _source(self, module: str) -> str:
+            return _source(str(self.rootpath / module))
+
+        def _priority(self, scope: str) -> int:
+            if scope not in self.priorities:
+                if scope == "system":
+                    priority = -1
+                else:
+                    nodeids = self.workqueue[scope]
+                    priority = next((i for i, prefix in enumerate(LONGEST_FIRST)
+                                     if any(nodeid.startswith(prefix) for nodeid in nodeids)),
+                                    None)
+                    if priority is None:
+                        in_process = not LAUNCHES.search(self._source(scope.split("::")[0]))
+                        priority = len(LONGEST_FIRST) + in_process
+                self.priorities[scope] = priority
+            return self.priorities[scope]
+
+        def _assign_work_unit(self, node) -> None:
+            # The first scope of the highest priority goes next (min keeps queue order).
+            scope = min(self.workqueue, key=self._priority)
+            self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
 
     def pytest_xdist_make_scheduler(config, log):
-        config.option.loadscopereorder = False      # collection order: system modules first
+        config.option.loadscopereorder = False      # collection order after the priorities
         return OneWorkerChangesTheMachine(config, log)
 
 
